@@ -1,0 +1,167 @@
+"""DiffusionGemma: the causal encoder pass (writes the KV cache) and the bidirectional decoder pass
+(reads cache + canvas, with self-conditioning), sharing one set of weights (spec §3).
+
+Public contract (DESIGN.md, Contracts):
+    model = DiffusionGemma.from_pretrained(path, device="cpu", dtype=torch.float32)
+    cache = model.prefill(input_ids[B, T], cache=None)        # appends to `cache` when given
+    logits[B, C, V] = model.denoise(cache, canvas_ids[B, C], self_cond_logits=None, self_cond_probs=None)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from dgserve import ops
+from dgserve.checkpoint import load_weights
+from dgserve.config import ModelConfig
+
+from .cache import KVCache, RowCache
+from .layers import (LayerWeights, attend, attention_output, feed_forward, project_kv, project_q,
+                     rope_cos_sin, rope_inv_freq)
+
+
+class DiffusionGemma:
+    """The model over explicit weight tensors (no nn.Module: inference only, weights never trained here)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = weights["embed_tokens.weight"]                        # [V, H]
+        self.lm_head = weights.get("lm_head.weight", self.embed)            # tied unless stored and different
+        self.final_norm = weights["norm.weight"]
+        self.sc_pre_norm = weights["self_conditioning.pre_norm.weight"]
+        self.sc_gate = weights["self_conditioning.gate_proj.weight"]
+        self.sc_up = weights["self_conditioning.up_proj.weight"]
+        self.sc_down = weights["self_conditioning.down_proj.weight"]
+        self.layers = [LayerWeights.from_state(weights, i) for i in range(config.num_hidden_layers)]
+        # rnd(√H): the scale is rounded to md BEFORE the multiply (spec §3.1)
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(dtype).to(self.device)
+        # inv_freq built in fp32 on the CPU, then uploaded (spec §5.14)
+        self.inv_freq = [rope_inv_freq(config, i).to(self.device) for i in range(config.num_hidden_layers)]
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "DiffusionGemma":
+        """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors)."""
+        config = ModelConfig.from_pretrained(path)
+        return cls(config, load_weights(path, config, dtype=dtype, device=device), dtype, device)
+
+    # ------------------------------------------------------------------ public passes
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> KVCache:
+        """Encode input_ids [B, T] after what `cache` holds (a new cache when None); returns the cache."""
+        input_ids = torch.as_tensor(input_ids).to(self.device)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if cache is None:
+            cache = KVCache([RowCache() for _ in range(input_ids.shape[0])])
+        if len(cache.rows) != input_ids.shape[0]:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache has {len(cache.rows)}")
+        for ids, row in zip(input_ids, cache.rows):
+            self.encode_row(ids, row)
+        return cache
+
+    @torch.inference_mode()
+    def denoise(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits: torch.Tensor | None = None,
+                self_cond_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
+
+        self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
+        feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute). Give at most one.
+        Either may also be a sequence of B per-row tensors [C, V] or None (rows at a block's first step).
+        """
+        if self_cond_logits is not None and self_cond_probs is not None:
+            raise ValueError("give at most one of self_cond_logits and self_cond_probs")
+        canvas_ids = torch.as_tensor(canvas_ids).to(self.device)
+        if len(cache.rows) != canvas_ids.shape[0]:
+            raise ValueError(f"canvas_ids has {canvas_ids.shape[0]} rows but the cache has {len(cache.rows)}")
+        out = []
+        for b, row in enumerate(cache.rows):
+            sc_l = None if self_cond_logits is None else self_cond_logits[b]
+            sc_p = None if self_cond_probs is None else self_cond_probs[b]
+            out.append(self.decode_row(row, canvas_ids[b], sc_l, sc_p))
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ one row
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] → rnd(Emb[ids] · rnd(√H)) [T, H]."""
+        return F.embedding(ids, self.embed) * self.embed_scale
+
+    def encode_row(self, ids: torch.Tensor, row: RowCache) -> None:
+        """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (sliding layers → W−1)."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        T, p0 = ids.shape[0], row.length
+        pos = torch.arange(p0, p0 + T, device=self.device)
+        x = self.embed_tokens(ids)
+        first = not row.keys
+        for i, lw in enumerate(self.layers):
+            hd = cfg.head_dim(i)
+            cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
+            h = ops.rms_norm(x, lw.input_layernorm, eps)
+            k, v = project_kv(h, lw, hd, eps, cos, sin)
+            n_old = 0 if first else row.keys[i].shape[1]
+            keys = k if first else torch.cat([row.keys[i], k], dim=1)
+            values = v if first else torch.cat([row.values[i], v], dim=1)
+            self._store(row, i, keys, values, first)
+            if i == len(self.layers) - 1:
+                break  # the last layer's output is never used: only its K/V matter
+            kpos = torch.arange(p0 - n_old, p0 + T, device=self.device)
+            visible = kpos[None, :] <= pos[:, None]
+            if cfg.is_sliding(i):
+                visible &= kpos[None, :] > pos[:, None] - cfg.sliding_window
+            attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, visible)
+            x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.encoder_layer_scalar)
+        row.length = p0 + T
+
+    def _store(self, row: RowCache, i: int, keys: torch.Tensor, values: torch.Tensor, first: bool) -> None:
+        if self.config.is_sliding(i):  # keep the last W−1 positions, after this chunk's own attention
+            keep = self.config.sliding_window - 1
+            keys, values = keys[:, -keep:] if keep > 0 else keys[:, :0], values[:, -keep:] if keep > 0 else values[:, :0]
+        if first:
+            row.keys.append(keys)
+            row.values.append(values)
+        else:
+            row.keys[i], row.values[i] = keys, values
+
+    def decode_row(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
+                   sc_probs: torch.Tensor | None) -> torch.Tensor:
+        """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        C, P = canvas.shape[0], row.length
+        pos = torch.arange(P, P + C, device=self.device)
+        x = self.embed_tokens(canvas)
+        if sc_logits is not None or sc_probs is not None:
+            x = x + self.self_conditioning(sc_logits, sc_probs)
+        x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
+        for i, lw in enumerate(self.layers):
+            hd = cfg.head_dim(i)
+            cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
+            h = ops.rms_norm(x, lw.input_layernorm, eps)
+            k, v = project_kv(h, lw, hd, eps, cos, sin)
+            if row.keys:  # everything the cache holds is visible to every canvas query
+                k, v = torch.cat([row.keys[i], k], dim=1), torch.cat([row.values[i], v], dim=1)
+            attn = attend(project_q(h, lw, hd, eps, cos, sin), k, v, None)
+            x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
+        return self.output_logits(x)
+
+    def self_conditioning(self, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None) -> torch.Tensor:
+        """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (spec §3.7)."""
+        if sc_probs is None:
+            sc_probs = torch.softmax(sc_logits.to(self.device), dim=-1, dtype=torch.float32)
+        soft = torch.matmul(sc_probs.to(self.dtype), self.embed) * self.embed_scale
+        n = ops.rms_norm(soft, self.sc_pre_norm, self.config.rms_norm_eps)
+        return ops.gated_mlp(n, self.sc_gate, self.sc_up, self.sc_down)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32."""
+        z = F.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            z = torch.tanh(z / cap) * cap
+        return z

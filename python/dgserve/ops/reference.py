@@ -1,0 +1,207 @@
+"""Readable PyTorch formulas for every dgserve op: the test oracle and the CPU fallback.
+
+Each function states its contract (shapes, dtypes, rounding points) in its docstring; the native
+ops in ``dgserve._C`` must reproduce these results (bit-exactly where the docstring says so).
+Rounding notation: ``rnd(x)`` rounds to the model dtype ``md`` (spec §0).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------------
+# Norms and activations
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``rnd((f32(x) * (mean(f32(x)^2) + eps)^-0.5) * f32(w))`` (spec §3.1).
+
+    ``weight=None`` is the scale-free variant (v_norm, router norm, self-conditioning post-norm).
+    The multiplier is ``w``, not ``1 + w``; ``pow(-0.5)``, not ``rsqrt``; one rounding at the end.
+    """
+    a = x.float()
+    y = a * torch.pow(a.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def gated_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """``(gelu_tanh(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ`` in the model dtype. x [T, H] → [T, H]."""
+    return F.linear(F.gelu(F.linear(x, gate_w), approximate="tanh") * F.linear(x, up_w), down_w)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------
+
+
+def moe_route(residual: torch.Tensor, router_scale: torch.Tensor, proj_w: torch.Tensor,
+              per_expert_scale: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: residual [T, H] (md) → (weights [T, K] fp32, expert ids [T, K] int64). Spec §3.4.
+
+    ``z = rnd(rnd(RMSNorm_noscale(r) ⊙ scale) · H^-0.5)``; ``π = softmax_fp32(rnd(z·Wrᵀ))``;
+    top-k (descending), renormalised in fp32, then × per_expert_scale[e] (after renormalisation).
+    """
+    h = rms_norm(residual, None, eps)
+    h = h * router_scale * (residual.shape[-1] ** -0.5)
+    probs = torch.softmax(F.linear(h, proj_w), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * per_expert_scale[ids]
+    return weights, ids
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Grouped expert MLP with an fp32 combine. x [T, H] md; gate_up [E, 2I, H]; down [E, H, I];
+    weights [T, K] fp32; ids [T, K] int64 → [T, H] md.
+
+    ``y_k = (gelu_tanh(gate_k) ⊙ up_k)·DN[e_k]ᵀ`` in md, ``out = rnd(Σ_k f32(y_k)·w_k)`` with the sum over k
+    in slot order 0..K-1 (spec §3.4: the grouped_mm combine, not eager's index_add in md).
+    """
+    T, K = ids.shape
+    inter = gate_up.shape[1] // 2
+    y = torch.zeros(T, K, x.shape[-1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        gu = F.linear(x[tok], gate_up[e])
+        h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+        y[tok, slot] = F.linear(h, down[e]).float() * weights[tok, slot, None]
+    out = y[:, 0]
+    for k in range(1, K):
+        out = out + y[:, k]
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Seeded noise (spec §7): Philox4x32-10 keyed by the request seed
+# --------------------------------------------------------------------------------------------
+
+_M0, _M1, _W0, _W1, _MASK = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a·m for int64 tensors holding uint32 values, without int64 overflow."""
+    al, ah, ml, mh = a & 0xFFFF, a >> 16, m & 0xFFFF, m >> 16
+    ll, lh, hl, hh = al * ml, al * mh, ah * ml, ah * mh
+    mid = lh + hl + (ll >> 16)
+    return hh + (mid >> 16), ((mid & 0xFFFF) << 16) | (ll & 0xFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on broadcastable int64 tensors holding uint32 counters and keys → 4 int64 words."""
+    c = [torch.as_tensor(v, dtype=torch.int64) for v in (c0, c1, c2, c3)]
+    k0 = torch.as_tensor(k0, dtype=torch.int64)
+    k1 = torch.as_tensor(k1, dtype=torch.int64)
+    c0, c1, c2, c3 = c
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def seed_key(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """64-bit seeds (int64 tensor; values may be negative two's-complement) → Philox key words (spec §7.3)."""
+    seeds = torch.as_tensor(seeds, dtype=torch.int64)
+    return seeds & _MASK, (seeds >> 32) & _MASK
+
+
+def canvas_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
+                 canvas_length: int, vocab_size: int) -> torch.Tensor:
+    """Uniform canvas tokens of spec §7.4: counter (p, 0, b, 2s), token = out[0] mod V.
+
+    seeds, blocks, steps: [B] int64 (per row) → tokens [B, C] int64. ``steps = 0`` is a block's initial
+    canvas; ``steps = k`` the renoise of the denoising step with remaining-steps counter k. Bit-exact everywhere.
+    """
+    k0, k1 = seed_key(seeds)
+    p = torch.arange(canvas_length, dtype=torch.int64, device=k0.device)[None, :]
+    out = philox4x32_10(p, 0, blocks[:, None], 2 * steps[:, None], k0[:, None], k1[:, None])[0]
+    return out % vocab_size
+
+
+def gumbel_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
+                 canvas_length: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise g [B, C, V] fp32 of spec §7.5: counter (v // 4, p, b, 2k+1), r = out[v % 4],
+    u = ((r >> 9) + 0.5)·2^-23, g = -log(-log(u)) with torch's fp32 log (≤ 2 ulp from the native op, §7.6)."""
+    B = seeds.shape[0]
+    k0, k1 = seed_key(seeds)
+    dev = k0.device
+    n4 = (vocab_size + 3) // 4
+    q = torch.arange(n4, dtype=torch.int64, device=dev)[None, None, :]
+    p = torch.arange(canvas_length, dtype=torch.int64, device=dev)[None, :, None]
+    b = blocks.view(B, 1, 1)
+    s = (2 * steps + 1).view(B, 1, 1)
+    words = philox4x32_10(q, p, b, s, k0.view(B, 1, 1), k1.view(B, 1, 1))
+    r = torch.stack(words, -1).reshape(B, canvas_length, 4 * n4)[..., :vocab_size]
+    u = ((r >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return -torch.log(-torch.log(u))
+
+
+# --------------------------------------------------------------------------------------------
+# The diffusion step (sampler core, spec §4.1-§4.4)
+# --------------------------------------------------------------------------------------------
+
+
+class DiffusionStepOut(NamedTuple):
+    """Outputs of one denoising step for B canvas rows of C positions over V."""
+    canvas: torch.Tensor        # [B, C] int64: sampled where accepted, contract noise elsewhere
+    argmax: torch.Tensor        # [B, C] int64: argmax of the processed logits (lowest index on ties)
+    entropy: torch.Tensor       # [B, C] fp32: entropy of softmax(processed)
+    accepted: torch.Tensor      # [B, C] bool
+    mean_entropy: torch.Tensor  # [B] fp32: mean over C positions (adaptive stopping)
+    processed: torch.Tensor     # [B, C, V] fp32: logits / temperature (the next step's self-conditioning)
+
+
+def step_temperature(t_min: torch.Tensor, t_max: torch.Tensor, k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """T = f32(t_min) + f32(t_max - t_min) · (f32(k) / f32(N)), all fp32 (spec §4.2).
+
+    t_min, t_max: [B] float64 (the request's Python floats); k, n: [B] int64 → [B] fp32.
+    ``t_max - t_min`` is formed in double and rounded to fp32, as torch does with Python scalars.
+    """
+    span = (t_max.double() - t_min.double()).float()
+    return t_min.float() + span * (k.float() / n.float())
+
+
+def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Entropy-bound acceptance (spec §4.4): entropy [B, C] fp32, bound [B] → accepted [B, C] bool.
+
+    Stable ascending sort; running sum in fp64, each prefix rounded to fp32; keep where
+    ``f32(cum - H) <= f32(bound)`` element by element (not necessarily a prefix).
+    """
+    s_ent, order = torch.sort(entropy, dim=-1, stable=True)
+    cum = torch.cumsum(s_ent.double(), dim=-1).float()
+    keep = (cum - s_ent) <= bound.float()[:, None]
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def entropy(processed: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(processed) over the last dim, fp32, as torch.distributions.Categorical computes it."""
+    lp = processed - processed.logsumexp(-1, keepdim=True)
+    p = torch.softmax(lp, dim=-1)  # Categorical: probs = softmax(normalised logits), not exp(...)
+    lp = lp.clamp(min=torch.finfo(lp.dtype).min)
+    return -(lp * p).sum(-1)
+
+
+def diffusion_step(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, blocks: torch.Tensor,
+                   steps: torch.Tensor, entropy_bound: torch.Tensor) -> DiffusionStepOut:
+    """One denoising step for B rows. logits [B, C, V] (fp32 or md, softcapped); temperature [B] fp32;
+    seeds, blocks, steps (remaining-steps counter k ≥ 1): [B] int64; entropy_bound [B].
+
+    processed = f32(logits) / T (true division); sample = argmax(processed + gumbel) (§7.5);
+    argmax of processed; entropy; acceptance (§4.4); canvas = where(accepted, sample, canvas_noise(k)).
+    """
+    B, C, V = logits.shape
+    processed = logits.float() / temperature.float().view(B, 1, 1)
+    sample = torch.argmax(processed + gumbel_noise(seeds, blocks, steps, C, V), dim=-1)
+    top = torch.argmax(processed, dim=-1)
+    ent = entropy(processed)
+    accepted = entropy_bound_accept(ent, entropy_bound)
+    canvas = torch.where(accepted, sample, canvas_noise(seeds, blocks, steps, C, V))
+    return DiffusionStepOut(canvas, top, ent, accepted, ent.mean(-1), processed)

@@ -1,0 +1,122 @@
+"""What generation returns: per-block outputs with stats, the final result, and the output rules
+(DESIGN Decision 4): cut at max_new_tokens, after the first EOS (kept) unless ignore_eos, and at stop
+strings (text cut before the match; token_ids end with the token that completed it). Text never
+includes EOS. Block token_ids partition the result's token_ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "eos", "length", "stop", "cancelled"
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """How one block was produced."""
+    denoising_steps: int          # decoder forwards run for this block (adaptive stopping may cut N short)
+    tokens_per_forward: float     # tokens this block returned / denoising_steps
+    mean_entropy: float           # mean per-position entropy at the last step run
+    encode_seconds: float         # encoder pass before the block (prompt prefill or previous block)
+    denoise_seconds: float        # wall time of this block's denoising steps (shared with the batch)
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    """One committed canvas as returned to the caller (possibly cut by EOS, stop or length)."""
+    index: int
+    token_ids: list[int]
+    text: str
+    stats: BlockStats
+    finish_reason: str | None = None   # set on the last block of a request
+
+
+@dataclass
+class GenerationResult:
+    """A finished request."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    seed: int
+    prompt_tokens: int
+    blocks: list[BlockOutput] = field(default_factory=list)
+
+    @property
+    def denoising_steps(self) -> int:
+        return sum(b.stats.denoising_steps for b in self.blocks)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.token_ids) / max(1, self.denoising_steps)
+
+
+class OutputTracker:
+    """Applies the output rules block by block for one request and produces each block's text delta."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: frozenset[int], ignore_eos: bool,
+                 stop: tuple[str, ...], tokenizer=None):
+        if stop and tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = frozenset() if ignore_eos else eos_ids
+        self.all_eos = eos_ids
+        self.stop = stop
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""            # text emitted so far
+        self.finish_reason: str | None = None
+
+    def add_block(self, block: list[int]) -> tuple[list[int], str]:
+        """Take a committed canvas → (the tokens it contributes, the text delta); sets finish_reason."""
+        toks = block[: self.max_new_tokens - len(self.token_ids)]
+        reason = None
+        for j, t in enumerate(toks):
+            if t in self.eos_ids:
+                toks, reason = toks[: j + 1], FINISH_EOS
+                break
+        full = self._decode(self.token_ids + toks)
+        hit = self._find_stop(full)
+        if hit is not None:
+            toks, full, reason = self._cut_at_stop(toks, full, hit)
+        if reason is None and len(self.token_ids) + len(toks) >= self.max_new_tokens:
+            reason = FINISH_LENGTH
+        self.token_ids += toks
+        self.finish_reason = reason
+        shown = full if reason is not None else full[: len(full) - self._holdback(full)]
+        delta, self.text = shown[len(self.text):], shown if len(shown) > len(self.text) else self.text
+        return toks, delta
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([t for t in ids if t not in self.all_eos], skip_special_tokens=True)
+
+    def _find_stop(self, full: str) -> tuple[int, int] | None:
+        """Earliest stop-string match (start, end) not already emitted; it may span blocks."""
+        if not self.stop:
+            return None
+        longest = max(len(s) for s in self.stop)
+        start = max(0, len(self.text) - longest + 1)
+        best = None
+        for s in self.stop:
+            i = full.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s))
+        return best
+
+    def _cut_at_stop(self, toks: list[int], full: str, hit: tuple[int, int]):
+        """Keep the block's tokens up to the one completing the match; text ends before the match."""
+        for n in range(1, len(toks) + 1):
+            if len(self._decode(self.token_ids + toks[:n])) >= hit[1]:
+                return toks[:n], full[: hit[0]], FINISH_STOP
+        return toks, full[: hit[0]], FINISH_STOP
+
+    def _holdback(self, full: str) -> int:
+        """Characters to hold back: an incomplete UTF-8 tail, or a suffix that may start a stop string."""
+        n = len(full) - len(full.rstrip("\ufffd"))
+        tail = full[: len(full) - n]
+        for s in self.stop:
+            for m in range(min(len(s) - 1, len(tail)), 0, -1):
+                if tail.endswith(s[:m]):
+                    n = max(n, len(full) - len(tail) + m)
+                    break
+        return n

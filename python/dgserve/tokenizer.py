@@ -1,0 +1,410 @@
+"""Tokenizer and chat template for DiffusionGemma checkpoints (DESIGN.md Decision 9, spec §9).
+
+`Tokenizer` wraps a Hugging Face `tokenizers` tokenizer read from a checkpoint's `tokenizer.json`, plus the special
+tokens and chat template of `tokenizer_config.json` / `chat_template.jinja`. A checkpoint's own chat template is
+authoritative and is rendered in a sandboxed jinja2 environment, as transformers does; checkpoints without one get
+the built-in Gemma 4 turn format. `IncrementalDecoder` turns committed blocks of token ids into text deltas for
+streaming and stop strings.
+
+v1 is text-only: a non-text content part (an image, audio, ...) raises NotImplementedError.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+from collections.abc import Iterable
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+import tokenizers
+
+ROLES = ("system", "user", "assistant", "model")
+DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class Tokenizer:
+    """Text <-> token ids, and chat rendering.
+
+    Parameters
+    ----------
+    tokenizer : tokenizers.Tokenizer
+        The underlying tokenizer (its post-processor is never applied: BOS is handled here).
+    bos_token, eos_token, pad_token : str or None
+        Special token texts; each one given must be in the vocabulary (ValueError naming it otherwise).
+    chat_template : str or None
+        A jinja2 chat template (None: the built-in Gemma 4 format). Compiled here: a syntax error is a ValueError
+        naming `template_source`.
+    add_bos_token : bool
+        Whether `encode(..., add_special_tokens=True)` prepends BOS.
+    template_source : str
+        Where the template came from, for error messages.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None, pad_token: str | None = None, chat_template: str | None = None,
+                 add_bos_token: bool = True, template_source: str = "chat_template"):
+        self._tok = tokenizer
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.bos_token_id = self._special_id("bos_token", bos_token)
+        self.eos_token_id = self._special_id("eos_token", eos_token)
+        self.pad_token_id = self._special_id("pad_token", pad_token)
+        self.add_bos_token = bool(add_bos_token)
+        self.chat_template = chat_template
+        self._template = None if chat_template is None else _compile_template(chat_template, template_source)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load a checkpoint directory's tokenizer.
+
+        Reads `tokenizer.json` (required), `tokenizer_config.json` (optional: `chat_template`, `bos_token`,
+        `eos_token`, `pad_token` as strings or `{"content": ...}` dicts, `add_bos_token`) and `chat_template.jinja`
+        (optional; takes precedence over the config's `chat_template`). A special token the config does not name
+        defaults to the Gemma name (`<bos>`, `<eos>`, `<pad>`) when the vocabulary has it, else None.
+
+        Raises FileNotFoundError naming the missing directory or `tokenizer.json`, and ValueError naming the file
+        (and field) when a file is unreadable or a field has a bad value.
+        """
+        root = pathlib.Path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {root}")
+        tok_file = root / TOKENIZER_FILE
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{TOKENIZER_FILE} not found in {root}")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise ValueError(f"{tok_file}: not a valid tokenizer file ({e})") from e
+        config = _read_config(root / CONFIG_FILE)
+        specials = {name: _special_from_config(config, name, root / CONFIG_FILE, tok)
+                    for name in DEFAULT_SPECIAL_TOKENS}
+        add_bos = config.get("add_bos_token", True)
+        if not isinstance(add_bos, bool):
+            raise ValueError(f"{root / CONFIG_FILE}: add_bos_token must be a boolean, got {add_bos!r}")
+        template, source = _template_from_files(root, config)
+        return cls(tok, **specials, chat_template=template, add_bos_token=add_bos, template_source=source)
+
+    def _special_id(self, name: str, text: str | None) -> int | None:
+        if text is None:
+            return None
+        tid = self._tok.token_to_id(text)
+        if tid is None:
+            raise ValueError(f"{name}: {text!r} is not in the tokenizer's vocabulary")
+        return tid
+
+    # ------------------------------------------------------------------ text <-> ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, tok: str) -> int | None:
+        """The id of token text `tok` (a vocabulary entry or an added token), or None."""
+        return self._tok.token_to_id(tok)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token texts in `text` (e.g. `<|turn>`) become their single ids.
+
+        With `add_special_tokens`, BOS is prepended when the tokenizer has one and `add_bos_token` is set, unless
+        the ids already start with it (no double BOS). The tokenizer's own post-processor is never applied.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids (any iterable of ints, e.g. a list or a 1-D tensor). Incomplete or invalid UTF-8
+        decodes to U+FFFD; ids outside the vocabulary are dropped (the `tokenizers` behaviour)."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError("ids must be non-negative")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            enable_thinking: bool = False) -> str:
+        """Render `messages` as a prompt string.
+
+        `messages` is a non-empty list of `{"role": r, "content": c}` with r in system | user | assistant | model
+        (system only as the first message) and c a str or a list of `{"type": "text", "text": str}` parts; other
+        keys are passed through to a checkpoint template. Invalid input raises ValueError naming the field
+        (`messages[i].role`, ...); a non-text part raises NotImplementedError naming `messages[i].content[j].type`.
+
+        With a checkpoint template: rendered in jinja2's ImmutableSandboxedEnvironment with `messages`,
+        `add_generation_prompt`, `enable_thinking`, `bos_token`, `eos_token`, `pad_token` and transformers'
+        helpers (`raise_exception`, `tojson`, `strftime_now`, `namespace`); a template error raises ValueError
+        with jinja's message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
+        """
+        plain = validate_messages(messages)
+        if self._template is None:
+            return render_gemma4(plain, self.bos_token or "<bos>", add_generation_prompt, enable_thinking)
+        try:
+            return self._template.render(
+                messages=plain, add_generation_prompt=bool(add_generation_prompt),
+                enable_thinking=bool(enable_thinking), bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "", pad_token=self.pad_token or "")
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool = False) -> list[int]:
+        """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
+        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does."""
+        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _read_config(file: pathlib.Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return config
+
+
+def _special_from_config(config: dict, name: str, file: pathlib.Path, tok: tokenizers.Tokenizer) -> str | None:
+    """The text of special token `name`: the config's value (a str or a {"content": str} dict), else the Gemma
+    default when the vocabulary has it, else None."""
+    value = config.get(name)
+    if value is None:
+        default = DEFAULT_SPECIAL_TOKENS[name]
+        return default if tok.token_to_id(default) is not None else None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise ValueError(f"{file}: {name} must be a string or a {{\"content\": string}} object")
+    if tok.token_to_id(value) is None:
+        raise ValueError(f"{file}: {name} {value!r} is not in the tokenizer's vocabulary")
+    return value
+
+
+def _template_from_files(root: pathlib.Path, config: dict) -> tuple[str | None, str]:
+    """(template, source): `chat_template.jinja` wins over the config's `chat_template`, which may be a str or
+    transformers' list of `{"name", "template"}` (the one named "default" is used)."""
+    jinja_file = root / TEMPLATE_FILE
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja_file}: not UTF-8 text ({e})") from e
+    source = f"{root / CONFIG_FILE}: chat_template"
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{source}: a list of templates needs one named 'default'")
+        value = named["default"]
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{source}: must be a string")
+    return value, source
+
+
+# ---------------------------------------------------------------------- messages
+
+
+def validate_messages(messages: list[dict]) -> list[dict]:
+    """Check chat messages (see `Tokenizer.apply_chat_template`) and return a plain-JSON deep copy of them, so a
+    template sees only dicts, lists, strings and numbers and never the caller's objects."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+        if role == "system" and i != 0:
+            raise ValueError(f"messages[{i}].role: a system message is only allowed first")
+        _validate_content(msg.get("content"), f"messages[{i}].content")
+    try:
+        return json.loads(json.dumps(list(messages)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"messages must hold only JSON data ({e})") from e
+
+
+def _validate_content(content, field: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{field} must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"{field}[{j}] must be a dict")
+        kind = part.get("type")
+        if kind != "text":
+            raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: v1 accepts text parts only")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{field}[{j}].text must be a string")
+
+
+def message_text(content) -> str:
+    """The text of validated content: the string itself, or the text parts concatenated with no separator."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: bool,
+                  enable_thinking: bool) -> str:
+    """The built-in Gemma 4 turn format (spec §9), for validated messages.
+
+    `{bos}` then one `<|turn>{role}\\n{text}<turn|>\\n` per message, role "assistant" written "model"; text is
+    used verbatim (not stripped). The generation prompt is `<|turn>model\\n`, followed by an empty thought channel
+    `<|channel>thought\\n<channel|>` unless thinking is enabled. With `enable_thinking`, `<|think|>` opens the
+    system turn, right after `<|turn>system\\n`; when there is no system message, a system turn holding only
+    `<|think|>` is created (as the Gemma 4 templates do), so the model always sees the switch.
+    """
+    parts = [bos_token]
+    if enable_thinking and messages[0]["role"] != "system":
+        parts.append("<|turn>system\n<|think|><turn|>\n")
+    for msg in messages:
+        role = "model" if msg["role"] == "assistant" else msg["role"]
+        think = "<|think|>" if enable_thinking and role == "system" else ""
+        parts.append(f"<|turn>{role}\n{think}{message_text(msg['content'])}<turn|>\n")
+    if add_generation_prompt:
+        parts.append("<|turn>model\n")
+        if not enable_thinking:
+            parts.append("<|channel>thought\n<channel|>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------- sandboxed jinja
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's `namespace()` refusing underscore-prefixed names (transformers' hardening)."""
+
+    def __init__(*args, **kwargs):  # jinja's signature trick, so `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} may not start with '_'")
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str, origin: str) -> jinja2.Template:
+    """Compile a chat template in an immutable sandbox with transformers' globals; ValueError naming `origin`
+    on a syntax error."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"{origin}: invalid chat template ({e})") from e
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+class IncrementalDecoder:
+    """Text deltas of a token stream, fed block by block.
+
+    `push(ids)` returns the text that became final; the concatenation of all deltas is `text`. A delta never ends
+    inside a multi-byte UTF-8 character: text whose last character is U+FFFD (an incomplete sequence so far) is
+    held back until later tokens complete it, looking back at most `MAX_HOLD` tokens. `flush()` releases what is
+    held, U+FFFD included when the bytes never complete, so that after it `text == tokenizer.decode(all_ids,
+    skip_special_tokens)`. Each push decodes only a window from the previous block on (vLLM's prefix/read offsets),
+    which also keeps decoders that treat the first token specially consistent.
+    """
+
+    MAX_HOLD = 8  # tokens; a UTF-8 character has at most 4 bytes, each token at least one
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] is the context already emitted, re-decoded for continuity
+        self._read = 0  # ids[:_read] are emitted
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._parts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All ids pushed so far."""
+        return list(self._ids)
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Append `ids`; return the newly final text ("" when nothing is final yet)."""
+        self._ids.extend(int(i) for i in ids)
+        seen = self._decode(self._prefix, self._read)
+        for end in range(len(self._ids), max(self._read, len(self._ids) - self.MAX_HOLD), -1):
+            new = self._decode(self._prefix, end)
+            if len(new) > len(seen) and not new.endswith("\ufffd"):
+                return self._emit(new[len(seen):], end)
+        return ""
+
+    def flush(self) -> str:
+        """Emit everything still held (end of stream) and return it."""
+        if self._read == len(self._ids):
+            return ""
+        seen = self._decode(self._prefix, self._read)
+        return self._emit(self._decode(self._prefix, len(self._ids))[len(seen):], len(self._ids))
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def _emit(self, delta: str, end: int) -> str:
+        self._prefix, self._read = self._read, end
+        self._parts.append(delta)
+        return delta

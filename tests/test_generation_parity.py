@@ -1,0 +1,91 @@
+"""Seeded generation parity: our Engine vs transformers' generate() with the noise contract patched in
+(DESIGN Decision 5, tests/hf_reference.py). fp32 checkpoints, tokens compared exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_generate
+
+from dgserve import Engine, SamplingParams
+
+# (max_new_tokens, steps, t_min, t_max, entropy_bound, stability, confidence): defaults, non-multiples of C,
+# wide acceptance, and adaptive stopping that triggers. A random tiny model is near-uniform (entropy ≈ ln V),
+# so early stops need low temperatures (argmax stabilises) and τ above ln V or near the low-T entropies.
+CASES = [
+    (40, 12, 0.4, 0.8, 0.1, 1, 0.005),
+    (16, 6, 0.4, 0.8, 0.1, 1, 0.005),
+    (7, 5, 0.2, 1.0, 0.5, 1, 0.005),
+    (48, 10, 0.01, 0.02, 2.0, 1, 6.0),
+    (33, 8, 0.1, 0.9, 1.0, 0, 6.0),
+    (33, 12, 0.001, 0.002, 1000.0, 2, 6.0),
+    (48, 12, 0.01, 0.02, 2.0, 1, 0.05),
+]
+EARLY = {3, 4, 5}   # indices of CASES where some block must stop before its step budget
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint, hf_model_loader):
+    out = {}
+    for variant in ("base", "wide"):
+        path = tiny_checkpoint(variant)
+        out[variant] = (hf_model_loader(path, torch.float32, attn="sdpa"), Engine.from_pretrained(path))
+    return out
+
+
+def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
+    max_new, steps, t_min, t_max, beta, S, tau = case
+    ref, ref_tpf = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=t_min, t_max=t_max,
+                               entropy_bound=beta, stability_threshold=S, confidence_threshold=tau,
+                               eos_ids=None if ignore_eos else eos_ids, pad_id=None if ignore_eos else 0)
+    params = SamplingParams(max_new_tokens=max_new, max_denoising_steps=steps, t_min=t_min, t_max=t_max,
+                            entropy_bound=beta, stability_threshold=S, confidence_threshold=tau, seed=seed,
+                            ignore_eos=ignore_eos)
+    res = engine.generate(prompt, params)
+    assert res.seed == seed
+    assert res.token_ids == ref[: len(res.token_ids)], f"seed {seed} case {case}"
+    C = engine.model.config.canvas_length
+    if res.finish_reason == "eos":
+        assert res.token_ids[-1] in eos_ids and not set(res.token_ids[:-1]) & set(eos_ids)
+        assert len(ref) == len(res.blocks) * C and all(t == 0 for t in ref[len(res.token_ids):])
+        n_valid = sum(t != 0 for t in ref)
+        assert ref_tpf == pytest.approx(n_valid / res.denoising_steps, rel=1e-6)
+    else:
+        assert res.finish_reason == "length" and len(res.token_ids) == max_new
+        assert len(ref) == -(-max_new // C) * C      # transformers returns whole canvases
+        if ignore_eos:
+            assert ref_tpf == pytest.approx(len(ref) / res.denoising_steps, rel=1e-6)
+    return res
+
+
+@pytest.mark.parametrize("ci", range(len(CASES)))
+@pytest.mark.parametrize("variant", ["base", "wide"])
+def test_engine_matches_transformers_generate(models, variant, ci):
+    case = CASES[ci]
+    hf, engine = models[variant]
+    V = engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    early = 0
+    for seed in (0, 1, 2**40 + 3, 2**64 - 5):
+        prompt = torch.randint(3, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        res = _check(hf, engine, prompt, seed, case)
+        early += any(b.stats.denoising_steps < case[1] for b in res.blocks)
+    if ci in EARLY:
+        assert early, "adaptive stopping was meant to trigger in this case"
+
+
+def test_ignore_eos_matches_transformers_without_eos(models):
+    hf, engine = models["base"]
+    for seed in range(3):
+        res = _check(hf, engine, [5, 6, 7, 8], seed, (64, 6, 0.4, 0.8, 0.1, 1, 0.005), ignore_eos=True)
+        assert len(res.token_ids) == 64
+
+
+def test_several_eos_ids(models):
+    hf, engine = models["base"]
+    engine_eos = engine.eos_ids
+    try:
+        engine.eos_ids = frozenset({1, 5, 7})
+        for seed in range(4):
+            _check(hf, engine, [9, 10, 11], seed, (64, 6, 0.4, 0.8, 0.1, 1, 0.005), eos_ids=(1, 5, 7))
+    finally:
+        engine.eos_ids = engine_eos
