@@ -8,15 +8,10 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-import sys
 
 import pytest
 
-try:
-    from dgserve.tokenizer import IncrementalDecoder, Tokenizer
-except ImportError:  # not installed (pip install -e .): import from the source tree
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
-    from dgserve.tokenizer import IncrementalDecoder, Tokenizer
+from dgserve.tokenizer import IncrementalDecoder, Tokenizer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
 
