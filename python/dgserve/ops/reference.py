@@ -64,15 +64,24 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     in slot order 0..K-1 (spec §3.4: the grouped_mm combine, not eager's index_add in md).
     """
     T, K = ids.shape
-    inter = gate_up.shape[1] // 2
-    y = torch.zeros(T, K, x.shape[-1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.where(ids == e)
-        gu = F.linear(x[tok], gate_up[e])
-        h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-        y[tok, slot] = F.linear(h, down[e]).float() * weights[tok, slot, None]
+    E, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    flat = ids.reshape(-1)                                   # [T·K] pairs in (token, slot) order
+    order = torch.argsort(flat, stable=True)                 # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=E).tolist()
+    xs = x[order // K]                                       # [T·K, H] gathered inputs
+    ys = torch.empty(T * K, x.shape[-1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):                           # each expert's weights read once
+        if n:
+            gu = F.linear(xs[start:start + n], gate_up[e])
+            h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+            ys[start:start + n] = F.linear(h, down[e]).float()
+            start += n
+    y = torch.empty_like(ys)
+    y[order] = ys                                            # back to (token, slot) order
+    y = y.view(T, K, -1) * weights[..., None]
     out = y[:, 0]
-    for k in range(1, K):
+    for k in range(1, K):                                    # fixed slot order: deterministic
         out = out + y[:, k]
     return out.to(x.dtype)
 
