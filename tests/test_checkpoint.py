@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_VARIANTS, make_tiny_hf_model
-from dgserve.checkpoint import (NVFP4_MESSAGE, CheckpointError, expected_shapes, hf_names, load_weights,
+from dgserve.checkpoint import (CheckpointError, expected_shapes, hf_names, load_weights,
                                 save_weights)
 from dgserve.config import ModelConfig
 
@@ -218,16 +218,19 @@ def test_garbled_file(base, tmp_path, garble):
     _expect_error(tmp_path, cfg, "model.safetensors")
 
 
-def _nvfp4_experts(sd):
-    for name in [n for n in sd if ".experts." in n]:
-        del sd[name]
-    for e in range(4):
-        for proj, (n, k) in {"gate_proj": (32, 64), "up_proj": (32, 64), "down_proj": (64, 32)}.items():
-            p = f"{DEC}layers.0.experts.{e}.{proj}."
-            sd[p + "weight"] = torch.zeros(n, k // 2, dtype=torch.uint8)
-            sd[p + "weight_scale"] = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
-            sd[p + "weight_scale_2"] = torch.ones(1)
-            sd[p + "input_scale"] = torch.ones(1)
+def _nvfp4_layer0(experts=range(4), scale_byte=0x38):
+    """Replace layer 0's fused experts by per-expert NVFP4 tensors (scale byte 0x38 = 1.0, 0x7F = NaN)."""
+    def edit(sd):
+        for name in [n for n in sd if n.startswith(DEC + "layers.0.experts.")]:
+            del sd[name]
+        for e in experts:
+            for proj, (n, k) in {"gate_proj": (32, 64), "up_proj": (32, 64), "down_proj": (64, 32)}.items():
+                p = f"{DEC}layers.0.experts.{e}.{proj}."
+                sd[p + "weight"] = torch.zeros(n, k // 2, dtype=torch.uint8)
+                sd[p + "weight_scale"] = torch.full((n, k // 16), scale_byte, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                sd[p + "weight_scale_2"] = torch.ones(1)
+                sd[p + "input_scale"] = torch.ones(1)
+    return edit
 
 
 ERRORS = [
@@ -248,7 +251,9 @@ ERRORS = [
      DEC + "layers.3.layer_scalar"),
     ("integer weight", lambda sd: sd.update({DEC + "norm.weight": torch.ones(64, dtype=torch.int32)}),
      DEC + "norm.weight", "I32"),
-    ("nvfp4 experts", _nvfp4_experts, NVFP4_MESSAGE, "layers.0.experts.0"),
+    ("nvfp4 expert missing", _nvfp4_layer0(range(3)), DEC + "layers.0.experts.3.gate_proj.weight"),
+    ("nvfp4 NaN scale", _nvfp4_layer0(scale_byte=0x7F), "layers.0.experts.0.gate_proj.weight_scale", "NaN"),
+    ("nvfp4 negative scale", _nvfp4_layer0(scale_byte=0xB8), "weight_scale", "negative"),
 ]
 
 

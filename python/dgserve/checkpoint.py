@@ -4,7 +4,9 @@ Canonical names drop the HF prefix: `embed_tokens.weight`, `norm.weight`, `self_
 `layers.{i}.*` (the decoder's copy of every shared weight plus its `layer_scalar`), `layers.{i}.encoder_layer_scalar`
 (the encoder's own, untied buffer) and `lm_head.weight` only when it is stored and differs from the embedding.
 Shared weights may be stored under `model.decoder.` or `model.encoder.language_model.` (decoder preferred);
-vision tensors are ignored. NVIDIA ModelOpt NVFP4 expert tensors are rejected for now.
+vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-expert `experts.{e}.{gate,up,down}_proj`
+with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`) are dequantized exactly into the fused expert
+layout at load (spec §2.4): the CPU path runs on the dequantized weights.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import nvfp4
 from .config import FULL, TINY_VISION_CONFIG, ModelConfig
 
 DECODER = "model.decoder."
@@ -25,12 +28,11 @@ ENCODER = "model.encoder.language_model."
 LM_HEAD = "lm_head.weight"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-NVFP4_MESSAGE = "NVFP4 ModelOpt checkpoints are not supported yet (issue #7)"
+QUANT_FILE = "hf_quant_config.json"
+SUPPORTED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 
 _ENCODER_SCALAR = ".encoder_layer_scalar"
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
-_NVFP4_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -158,10 +160,60 @@ def _scan(path: pathlib.Path) -> dict[str, _Stored]:
 
 # --------------------------------------------------------------------------------------------------- load planning
 
-def _reject_nvfp4(stored: dict[str, _Stored]) -> None:
-    for name, s in stored.items():
-        if name.endswith(_NVFP4_SUFFIXES) or (_PER_EXPERT.search(name) and s.dtype == "U8"):
-            raise CheckpointError(f"{NVFP4_MESSAGE}: found {name} in {s.file.name}")
+def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, dict[tuple[int, str, str], str]]:
+    """Remove per-expert NVFP4 tensors from `stored`; return layer -> {(expert, proj, part): HF name}.
+
+    A checkpoint may store the shared weights under either prefix; the decoder prefix wins per layer.
+    Every layer that has any NVFP4 expert tensor must have all E experts × 3 projections × (weight,
+    weight_scale, weight_scale_2); input_scale is optional (W4A4 kernels only)."""
+    groups: dict[int, dict[str, dict[tuple[int, str, str], str]]] = defaultdict(lambda: defaultdict(dict))
+    for name in list(stored):
+        m = nvfp4.EXPERT_NAME.match(name)
+        if m is None:
+            continue
+        prefix = DECODER if name.startswith(DECODER) else ENCODER if name.startswith(ENCODER) else None
+        layer, expert = int(m["layer"]), int(m["expert"])
+        if prefix is None or layer >= config.num_hidden_layers or expert >= config.num_experts:
+            raise CheckpointError(f"unexpected tensor {name}: no such layer/expert in this config "
+                                  f"({config.num_hidden_layers} layers, {config.num_experts} experts)")
+        groups[layer][prefix][(expert, m["proj"], m["part"])] = name
+        del stored[name]
+    out = {}
+    for layer, by_prefix in groups.items():
+        names = by_prefix.get(DECODER) or by_prefix[ENCODER]
+        for e in range(config.num_experts):
+            for proj in nvfp4.PROJECTIONS:
+                for part in ("weight", "weight_scale", "weight_scale_2"):
+                    if (e, proj, part) not in names:
+                        raise CheckpointError(f"missing tensor {DECODER}layers.{layer}.experts.{e}.{proj}.{part} "
+                                              f"(layer {layer} stores NVFP4 experts)")
+        out[layer] = names
+    return out
+
+
+def _check_quant_config(path: pathlib.Path) -> None:
+    """hf_quant_config.json / config.json quantization_config, when present, must be a ModelOpt NVFP4 export."""
+    sources = []
+    if (path / QUANT_FILE).is_file():
+        try:
+            sources.append((QUANT_FILE + ":quantization", json.loads((path / QUANT_FILE).read_text())["quantization"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / QUANT_FILE}: cannot read the quantization section ({e!r})") from None
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if qc is not None:
+        sources.append(("config.json:quantization_config", qc))
+    for where, q in sources:
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{where}: expected an object")
+        method = q.get("quant_method", "modelopt")
+        if method != "modelopt":
+            raise CheckpointError(f"{where}.quant_method: {method!r} is not supported (only ModelOpt NVFP4)")
+        algo = q.get("quant_algo")
+        if algo not in SUPPORTED_QUANT_ALGOS:
+            raise CheckpointError(f"{where}.quant_algo: {algo!r} is not supported; expected one of "
+                                  f"{list(SUPPORTED_QUANT_ALGOS)}")
+        if q.get("group_size", nvfp4.GROUP) != nvfp4.GROUP:
+            raise CheckpointError(f"{where}.group_size: {q['group_size']} is not supported (NVFP4 uses 16)")
 
 
 def _unexpected_reason(name: str, config: ModelConfig) -> str:
@@ -174,10 +226,13 @@ def _unexpected_reason(name: str, config: ModelConfig) -> str:
     return "not a DiffusionGemma text tensor for this config"
 
 
-def _plan(stored: dict[str, _Stored], config: ModelConfig) -> dict[str, str]:
-    """Canonical name -> the HF name to read, after checking names, shapes and dtypes against `config`."""
-    _reject_nvfp4(stored)
+def _plan(stored: dict[str, _Stored], config: ModelConfig, quantized: frozenset[int] = frozenset()) -> dict[str, str]:
+    """Canonical name -> the HF name to read, after checking names, shapes and dtypes against `config`.
+    Expert tensors of the layers in `quantized` come from NVFP4 tensors instead (see `_read_nvfp4`)."""
     expected = expected_shapes(config)
+    for i in quantized:
+        for part in ("gate_up_proj", "down_proj"):
+            del expected[f"layers.{i}.experts.{part}"]
     expected[LM_HEAD] = (config.vocab_size, config.hidden_size)
     known = {hf for canonical in expected for hf in hf_names(canonical)}
     for name, s in stored.items():
@@ -230,17 +285,65 @@ def load_weights(path: str | pathlib.Path, config: ModelConfig, dtype: torch.dty
     `path` holds config.json and model.safetensors (or shards listed in model.safetensors.index.json).
     Floating tensors are converted to `dtype` and moved to `device` one at a time, so peak memory is the
     result plus one tensor. `lm_head.weight` is returned only when stored and different from the embedding.
+    NVFP4 experts are dequantized exactly (fp32 bracket, one rounding to `dtype`) into the fused layout.
     Raises CheckpointError naming the file or tensor: missing config.json / safetensors / shard, unreadable
-    file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, NVFP4 experts.
+    file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, bad NVFP4 tensors.
     """
     path = pathlib.Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path / 'config.json'}: not found (not a checkpoint directory)")
     stored = _scan(path)
-    weights = _read(_plan(stored, config), stored, dtype, device)
+    full = dict(stored)
+    quantized = _split_nvfp4(stored, config)
+    if quantized:
+        _check_quant_config(path)
+    weights = _read(_plan(stored, config, frozenset(quantized)), stored, dtype, device)
+    for layer, names in sorted(quantized.items()):
+        weights.update(_read_nvfp4(layer, names, full, config, dtype, device))
     if LM_HEAD in weights and torch.equal(weights[LM_HEAD], weights["embed_tokens.weight"]):
         del weights[LM_HEAD]  # stored but identical: tied, as transformers does (spec §2.2)
     return weights
+
+
+def _nvfp4_tensor(f, name: str, s: _Stored, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    if s.dtype != dtype or (s.shape != shape and not (shape == () and s.shape == (1,))):
+        raise CheckpointError(f"{name} in {s.file.name}: expected {dtype} {list(shape)}, got {s.dtype} {list(s.shape)}")
+    return f.get_tensor(name)
+
+
+def _read_nvfp4(layer: int, names: dict[tuple[int, str, str], str], stored: dict[str, _Stored], config: ModelConfig,
+                dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Dequantize layer `layer`'s NVFP4 experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I] (`dtype`).
+
+    gate_up[e, :I] = deq(gate_proj), gate_up[e, I:] = deq(up_proj) (each with its own weight_scale_2),
+    down[e] = deq(down_proj); one expert projection in memory at a time."""
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=device)
+    down = torch.empty(E, H, I, dtype=dtype, device=device)
+    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    for e in range(E):
+        for proj in nvfp4.PROJECTIONS:
+            n, k = dims[proj]
+            kp = nvfp4.padded(k)
+            w_name, s_name, s2_name = (names[(e, proj, p)] for p in ("weight", "weight_scale", "weight_scale_2"))
+            with safe_open(stored[w_name].file, framework="pt") as f:
+                w = _nvfp4_tensor(f, w_name, stored[w_name], (n, kp // 2), "U8")
+            with safe_open(stored[s_name].file, framework="pt") as f:
+                sc = _nvfp4_tensor(f, s_name, stored[s_name], (n, kp // nvfp4.GROUP), "F8_E4M3")
+            with safe_open(stored[s2_name].file, framework="pt") as f:
+                s2 = _nvfp4_tensor(f, s2_name, stored[s2_name], (), "F32")
+            try:
+                nvfp4.check_scales(sc, s_name)
+            except ValueError as err:
+                raise CheckpointError(str(err)) from None
+            if not torch.isfinite(s2).all() or bool((s2 < 0).any()):
+                raise CheckpointError(f"{s2_name}: global scale must be finite and >= 0, got {s2.tolist()}")
+            deq = nvfp4.dequantize(w, sc, s2, k).to(device=device, dtype=dtype)
+            if proj == "down_proj":
+                down[e] = deq
+            else:
+                gate_up[e, (0 if proj == "gate_proj" else I):(I if proj == "gate_proj" else 2 * I)] = deq
+    return {f"layers.{layer}.experts.gate_up_proj": gate_up, f"layers.{layer}.experts.down_proj": down}
 
 
 # -------------------------------------------------------------------------------------------------------- saving
