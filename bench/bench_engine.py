@@ -1,118 +1,191 @@
-"""End-to-end generation speed on CPU: dgserve's Engine vs transformers' generate() on the same weights.
+"""End-to-end generation speed: dgserve's Engine vs transformers 5.23.0's generate() on the same weights.
 
-    python bench/bench_engine.py [--shapes tiny,mid] [--steps 16] [--blocks 4] [--prompt-len 32] [--repeats 3]
+    python bench/bench_engine.py [--shape tiny|mid|26b-a4b] [--device cpu|cuda] [--dtype float32|bfloat16]
+                                 [--experts bf16|nvfp4] [--steps 16] [--blocks 4] [--prompt-len 512]
+                                 [--concurrency 1,4,16] [--no-baseline] [--mem-gbps 3000]
 
-For each shape: writes a random checkpoint (dgserve.tiny presets), loads it in both, runs the same
-prompt for the same number of blocks × fixed denoising steps (adaptive stopping off, EOS ignored), warm-up
-first, best of N. Prints one JSON line per configuration with tokens/s of both and the ratio ours/theirs,
-plus where our time goes (encoder, decoder, sampler) from one profiled run.
+Weights are random, drawn per tensor from a seed directly on the device (dgserve.tiny.random_tensor), so the
+baseline and ours see identical weights without a checkpoint on disk. transformers runs first and is freed
+before ours is built (two bf16 copies of 26B-A4B do not fit an H100). Work is fixed: `--steps` denoising steps
+per block with adaptive stopping off and EOS ignored; one more configuration uses the default adaptive
+settings. Warm-up first, best of `--repeats`. One JSON line per configuration: per-step and per-block time,
+time to first block, tokens/s, peak memory, the ratio to transformers, and, with `--mem-gbps`, the fraction of
+the memory-bandwidth roofline (every weight byte read once per denoising step at batch 1).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
-import tempfile
+import resource
 import time
 
 import torch
 
+from dgserve.checkpoint import expected_shapes, hf_names
 
-def _ours(engine, prompt, params, repeats):
-    from dgserve import SamplingParams  # noqa: F401
 
-    engine.generate(prompt, params)  # warm-up
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _peak_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _weight_bytes(config, dtype, experts) -> int:
+    total = 0
+    for name, shape in expected_shapes(config).items():
+        n = torch.Size(shape).numel()
+        if experts == "nvfp4" and ".experts." in name:
+            total += n // 2 + n // 16 + 8      # 4-bit codes + one E4M3 scale per 16 (+ global scales)
+        else:
+            total += n * torch.tensor([], dtype=dtype).element_size()
+    return total
+
+
+def _weights(config, seed, dtype, device, experts):
+    from dgserve import nvfp4
+    from dgserve.tiny import random_weights
+
+    w = random_weights(config, seed, dtype, device)
+    if experts == "nvfp4":   # the CPU/reference path runs on exactly dequantized NVFP4 weights
+        for name in [n for n in w if ".experts." in n]:
+            t = w[name]
+            for e in range(t.shape[0]):
+                t[e] = nvfp4.dequantize(*nvfp4.quantize(t[e]), t.shape[2]).to(dtype)
+    return w
+
+
+def _hf_model(config, seed, dtype, device, experts):
+    """transformers' model with the same weights as ours (loaded into its parameters, then ours are freed)."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    hf_cfg = DiffusionGemmaConfig.from_dict(config.to_dict())
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = DiffusionGemmaForBlockDiffusion(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    state = {}
+    for canonical, t in _weights(config, seed, dtype, device, experts).items():
+        for hf_name in hf_names(canonical):
+            state[hf_name] = t
+    missing, _ = hf.load_state_dict(state, strict=False)
+    text_missing = [m for m in missing if "vision" not in m and not m.endswith(("inv_freq", "embed_scale", "lm_head.weight"))]
+    assert not text_missing, text_missing[:5]
+    return hf
+
+
+def _time(fn, device, repeats):
+    fn()
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
-        res = engine.generate(prompt, params)
+        out = fn()
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
-    return best, len(res.token_ids)
+    return best, out
 
 
-def _theirs(hf, prompt, blocks, C, steps, repeats):
+def _baseline(args, config, dtype, device, prompt):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    kw = dict(max_new_tokens=blocks * C, max_denoising_steps=steps, t_min=0.4, t_max=0.8,
-              sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=1,
-              confidence_threshold=1e-30, eos_token_id=None, pad_token_id=None)
-    x = torch.tensor([prompt])
+    hf = _hf_model(config, 0, dtype, device, args.experts)
+    kw = dict(max_new_tokens=args.blocks * config.canvas_length, max_denoising_steps=args.steps,
+              sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), confidence_threshold=1e-30,
+              eos_token_id=None, pad_token_id=None)
+    x = torch.tensor([prompt], device=device)
     with torch.no_grad():
-        hf.generate(x, **kw)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = hf.generate(x, **kw)
-            best = min(best, time.perf_counter() - t0)
-    return best, out.sequences.shape[1] - len(prompt)
+        secs, out = _time(lambda: hf.generate(x, **kw), device, args.repeats)
+    n = out.sequences.shape[1] - len(prompt)
+    del hf, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return n / secs
 
 
-def _breakdown(engine, prompt, params):
-    """Seconds in encoder, decoder and sampler for one generate() call (wrapping the three entry points)."""
-    spent = {"encode": 0.0, "denoise": 0.0, "sample": 0.0}
+def _ours(args, config, dtype, device, prompt, params, concurrency):
+    from dgserve import SamplingParams
 
-    def timed(key, fn):
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - t0
-        return run
-
-    m, s = engine.model, engine.sampler
-    orig = m.encode_row, m.denoise, s.step
-    m.encode_row, m.denoise, s.step = timed("encode", orig[0]), timed("denoise", orig[1]), timed("sample", orig[2])
-    try:
-        t0 = time.perf_counter()
-        engine.generate(prompt, params)
-        total = time.perf_counter() - t0
-    finally:
-        m.encode_row, m.denoise, s.step = orig
-    return {k: round(v / total, 3) for k, v in spent.items()}
-
-
-def bench_shape(name, steps, blocks, prompt_len, repeats, threads):
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    from dgserve import Engine, SamplingParams, ops
-    from dgserve.tiny import make_random_checkpoint, preset
-
-    cfg = preset(name)
-    path = make_random_checkpoint(tempfile.mkdtemp(prefix=f"dg-bench-{name}-"), cfg, seed=0)
-    engine = Engine.from_pretrained(path)
-    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = torch.randint(3, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_new_tokens=blocks * cfg.canvas_length, max_denoising_steps=steps, seed=1,
-                            ignore_eos=True, confidence_threshold=1e-30)   # never stops early: fixed work
-    ours_s, ours_n = _ours(engine, prompt, params, repeats)
-    theirs_s, theirs_n = _theirs(hf, prompt, blocks, cfg.canvas_length, steps, repeats)
-    return {
-        "bench": "engine", "device": f"cpu ({platform.processor() or platform.machine()}, {threads} threads)",
-        "shape": name, "vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-        "experts": f"{cfg.top_k_experts}/{cfg.num_experts}", "canvas": cfg.canvas_length, "prompt_len": prompt_len,
-        "blocks": blocks, "steps_per_block": steps, "native_diffusion_step": ops.has_native("diffusion_step"),
-        "ours_s": round(ours_s, 4), "ours_tok_s": round(ours_n / ours_s, 1),
-        "transformers_s": round(theirs_s, 4), "transformers_tok_s": round(theirs_n / theirs_s, 1),
-        "ratio_ours_over_transformers": round((ours_n / ours_s) / (theirs_n / theirs_s), 3),
-        "ms_per_denoising_step": round(1e3 * ours_s / (blocks * steps), 2),
-        "time_share": _breakdown(engine, prompt, params),
-    }
+    engine = args.engine
+    plist = [SamplingParams(**{**params.__dict__, "seed": 1 + i}) for i in range(concurrency)]
+    secs, results = _time(lambda: engine.generate_batch([prompt] * concurrency, plist), device, args.repeats)
+    ntok = sum(len(r.token_ids) for r in results)
+    steps = sum(r.denoising_steps for r in results) / concurrency
+    _sync(device)
+    t0 = time.perf_counter()
+    first = next(iter(engine.stream(prompt, plist[0])))
+    ttfb = time.perf_counter() - t0
+    return secs, ntok, steps, ttfb, len(results[0].blocks), first
 
 
 def main() -> None:
+    from dgserve import DiffusionGemma, Engine, SamplingParams, ops
+    from dgserve.tiny import preset
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="tiny,mid")
+    ap.add_argument("--shape", default="mid")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--experts", choices=["bf16", "nvfp4"], default="bf16")
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--mem-gbps", type=float, default=None, help="memory bandwidth for the roofline (H100: 3000)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    for name in args.shapes.split(","):
-        print(json.dumps(bench_shape(name, args.steps, args.blocks, args.prompt_len, args.repeats, args.threads)),
-              flush=True)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    config = preset(args.shape)
+    prompt = torch.randint(3, config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf_tok_s = None if args.no_baseline else _baseline(args, config, dtype, device, prompt)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = DiffusionGemma(config, _weights(config, 0, dtype, device, args.experts), dtype, device)
+    args.engine = Engine(model)
+    fixed = SamplingParams(max_new_tokens=args.blocks * config.canvas_length, max_denoising_steps=args.steps,
+                           ignore_eos=True, confidence_threshold=1e-30)
+    adaptive = SamplingParams(max_new_tokens=args.blocks * config.canvas_length, ignore_eos=True)
+    wbytes = _weight_bytes(config, dtype, args.experts)
+    for label, params in (("fixed", fixed), ("adaptive", adaptive)):
+        for conc in [int(c) for c in args.concurrency.split(",")]:
+            if label == "adaptive" and conc != 1:
+                continue
+            secs, ntok, steps, ttfb, blocks, _ = _ours(args, config, dtype, device, prompt, params, conc)
+            step_s = secs / (blocks * steps)
+            row = {
+                "bench": "engine", "device": _device_name(device), "shape": args.shape, "dtype": str(dtype)[6:],
+                "experts": args.experts, "steps": label if label == "adaptive" else args.steps,
+                "concurrency": conc, "prompt_len": args.prompt_len, "blocks": blocks,
+                "native_diffusion_step": ops.has_native("diffusion_step"),
+                "tok_s": round(ntok / secs, 1), "ms_per_step": round(1e3 * step_s, 2),
+                "ms_per_block": round(1e3 * secs / blocks, 1), "ms_to_first_block": round(1e3 * ttfb, 1),
+                "mean_steps_per_block": round(steps / blocks, 2), "peak_mem_gb": round(_peak_bytes(device) / 1e9, 2),
+            }
+            if hf_tok_s is not None and conc == 1 and label == "fixed":
+                row["transformers_tok_s"] = round(hf_tok_s, 1)
+                row["ratio_vs_transformers"] = round(ntok / secs / hf_tok_s, 3)
+            if args.mem_gbps and conc == 1:
+                row["roofline_ms_per_step"] = round(1e3 * wbytes / (args.mem_gbps * 1e9), 2)
+                row["pct_of_roofline"] = round(100 * wbytes / (args.mem_gbps * 1e9) / step_s, 1)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 
 import torch
 
@@ -31,6 +32,12 @@ PRESETS: dict[str, ModelConfig] = {
         top_k_experts=4, num_hidden_layers=6, layer_types=(SLIDING,) * 5 + (FULL,), num_attention_heads=4,
         sliding_head_dim=64, sliding_num_kv_heads=2, full_head_dim=128, full_num_kv_heads=1,
         sliding_window=128, canvas_length=64, max_position_embeddings=8192)}),
+    # the real DiffusionGemma 26B-A4B shape (spec §0): 5 × (5 sliding + 1 full), 128 experts top-8
+    "26b-a4b": ModelConfig(**{**_BASE, **dict(
+        vocab_size=262_144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_experts=128,
+        top_k_experts=8, num_hidden_layers=30, layer_types=((SLIDING,) * 5 + (FULL,)) * 5, num_attention_heads=16,
+        sliding_head_dim=256, sliding_num_kv_heads=8, full_head_dim=512, full_num_kv_heads=2, sliding_window=1024,
+        canvas_length=256, max_position_embeddings=262_144, eos_token_id=(1, 106, 50))}),
 }
 
 
@@ -43,18 +50,25 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Canonical-name weights (see ``dgserve.checkpoint.expected_shapes``) drawn from ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(config).items():
-        if name.endswith("layer_scalar"):
-            t = 0.5 + torch.rand(shape, generator=g)
-        elif name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
-            t = 1 + 0.3 * torch.randn(shape, generator=g)
-        else:
-            t = 0.02 * torch.randn(shape, generator=g)
-        out[name] = t.to(device=device, dtype=dtype)
-    return out
+    """Canonical-name weights (see ``dgserve.checkpoint.expected_shapes``) drawn from ``seed``.
+
+    Each tensor has its own generator seeded by (seed, name), and is drawn directly on ``device``, so one
+    tensor can be regenerated alone (``random_tensor``) and no CPU copy of a large model is ever made.
+    """
+    return {name: random_tensor(name, shape, seed, dtype, device) for name, shape in expected_shapes(config).items()}
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor ``random_weights`` gives for ``name`` (same device kind → same values)."""
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    if name.endswith("layer_scalar"):
+        t = 0.5 + torch.rand(shape, generator=g, device=device)
+    elif name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+        t = 1 + 0.3 * torch.randn(shape, generator=g, device=device)
+    else:
+        t = 0.02 * torch.randn(shape, generator=g, device=device)
+    return t.to(dtype)
 
 
 def make_random_checkpoint(path: str | os.PathLike, config: ModelConfig | str = "tiny", seed: int = 0,
