@@ -3,8 +3,28 @@
 Each op dispatches to the compiled extension ``dgserve._C`` when it is built and supports the
 inputs, and otherwise to the readable PyTorch formula in ``dgserve.ops.reference`` (the oracle).
 Layers call these functions, never ``_C`` directly (one name per op, end to end).
+
+Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h``):
+
+- ``rms_norm``: CPU, fp32/bf16, last dim contiguous → bit-identical to the reference (torch's CPU sum
+  order is reproduced; verified once per process, else the reference is used). CUDA tensors use the
+  reference (the CUDA kernel is not bit-identical to torch's reductions).
+- ``canvas_noise``: bit-identical everywhere (integer only).
+- ``gumbel_noise`` and the Gumbel draw inside ``diffusion_step``: the contract's float32 log ``dg_logf``
+  shared by the CPU and CUDA code, within 1 ulp of max(|g|, 1) of the reference's ``torch.log`` noise
+  (spec §7.6); the native ``gumbel_noise`` is exactly the noise the native ``diffusion_step`` adds.
+- ``diffusion_step``: processed logits, argmax and renoise bit-identical to the reference; sampled tokens
+  equal except at near-ties of the Gumbel race; entropy accumulated in double (a few fp32 ulp from the
+  reference's fp32 formula); acceptance and the mean bit-exact given the entropies.
+
+``native_disabled()`` forces the reference path (tests); ``native_enabled()`` says whether native
+dispatch is on.
 """
 from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
 
 import torch
 
@@ -18,18 +38,99 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "DiffusionStepOut", "canvas_noise", "diffusion_step", "entropy_bound_accept", "gated_mlp",
-    "gumbel_noise", "has_native", "moe_experts", "moe_route", "rms_norm", "step_temperature",
+    "gumbel_noise", "has_native", "moe_experts", "moe_route", "native_disabled", "native_enabled",
+    "rms_norm", "step_temperature",
 ]
+
+_lock = threading.Lock()
+_disabled_depth = 0  # > 0 inside native_disabled(); process-wide, always restored by the context manager
+_lanes: list[int | None] = []  # memo of _sum_lanes(): [] = not probed yet
+
+# torch splits a single-output CPU reduction across threads (a different sum order) from this many elements.
+_TORCH_TWO_PASS_NUMEL = 32768
+
+
+@contextlib.contextmanager
+def native_disabled() -> Iterator[None]:
+    """Within the block every op uses ``dgserve.ops.reference`` (process-wide; nests; always restored)."""
+    global _disabled_depth
+    with _lock:
+        _disabled_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _disabled_depth -= 1
+
+
+def native_enabled() -> bool:
+    """True when ``dgserve._C`` is importable and native dispatch is not disabled by ``native_disabled()``."""
+    return _C is not None and _disabled_depth == 0
 
 
 def has_native(op: str) -> bool:
-    """True when ``dgserve._C`` is importable and provides ``op``."""
-    return _C is not None and hasattr(_C, op)
+    """True when ``dgserve._C`` is importable, provides ``op`` and native dispatch is enabled."""
+    return native_enabled() and hasattr(_C, op)
+
+
+def _cuda_built() -> bool:
+    return _C is not None and bool(_C.build_info().get("cuda", False))
+
+
+def _native_device(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and _cuda_built())
+
+
+def _sum_lanes() -> int | None:
+    """Vector width of torch's CPU float sum kernel (8 on AVX2/AVX-512 x86 builds), found by matching
+    ``_C.rms_norm`` against ``reference.rms_norm`` bit for bit on a probe; None when neither width matches
+    (then rms_norm stays on the reference and the native mean entropy is not bit-exact)."""
+    if _lanes:
+        return _lanes[0]
+    gen = torch.Generator().manual_seed(20240607)
+    probes = [torch.randn(3, d, generator=gen) * 3 for d in (67, 300, 1031)]
+    found = None
+    for lanes in (8, 16):
+        ok = True
+        for x in probes:
+            out = torch.empty_like(x)
+            _C.rms_norm(x, None, 1e-6, out, lanes)
+            ok = ok and torch.equal(out, reference.rms_norm(x, None, 1e-6))
+        if ok:
+            found = lanes
+            break
+    _lanes.append(found)
+    return found
+
+
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] with optional scale weight [D]; see reference.rms_norm."""
+    if _rms_norm_native_ok(x, weight):
+        lanes = _sum_lanes()
+        if lanes is not None:
+            D = x.shape[-1]
+            x2 = x.reshape(-1, D)                                     # [rows, D]
+            out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+            w = None if weight is None else weight.to(torch.float32).contiguous()  # exact, as weight.float()
+            _C.rms_norm(x2, w, float(eps), out, lanes)
+            return out.view(x.shape)
     return reference.rms_norm(x, weight, eps)
+
+
+def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    if not (has_native("rms_norm") and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)):
+        return False
+    if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0 or x.stride(-1) != 1 or _wants_grad(x, weight):
+        return False  # a strided last dim changes torch's sum order; autograd needs the reference
+    if weight is not None and (weight.device != x.device or weight.shape != (x.shape[-1],)
+                               or weight.dtype not in (torch.float32, torch.bfloat16)):
+        return False
+    one_row = x.numel() == x.shape[-1]
+    return not (one_row and x.numel() >= _TORCH_TWO_PASS_NUMEL and torch.get_num_threads() > 1)
 
 
 def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps: float):
@@ -42,16 +143,95 @@ def moe_experts(x, gate_up, down, weights, ids):
     return reference.moe_experts(x, gate_up, down, weights, ids)
 
 
+def _noise_inputs(seeds, blocks, steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """[B] int64 tensors on one device the extension supports, else None (→ reference)."""
+    if not all(isinstance(t, torch.Tensor) for t in (seeds, blocks, steps)):
+        return None
+    if seeds.dim() != 1 or blocks.shape != seeds.shape or steps.shape != seeds.shape:
+        return None
+    if not (seeds.device == blocks.device == steps.device and _native_device(seeds.device)):
+        return None
+    if any(t.dtype != torch.int64 for t in (seeds, blocks, steps)):
+        return None
+    return seeds.contiguous(), blocks.contiguous(), steps.contiguous()
+
+
 def canvas_noise(seeds, blocks, steps, canvas_length: int, vocab_size: int) -> torch.Tensor:
-    """Contract canvas tokens [B, C] int64 (spec §7.4); see reference.canvas_noise."""
-    return reference.canvas_noise(seeds, blocks, steps, canvas_length, vocab_size)
+    """Contract canvas tokens [B, C] int64 (spec §7.4); see reference.canvas_noise.
+
+    seeds, blocks, steps: [B] int64 (blocks in [0, 2^32), steps in [0, 2^31)) → new tensor [B, C] int64.
+    Bit-identical on every path.
+    """
+    args = _noise_inputs(seeds, blocks, steps) if has_native("canvas_noise") else None
+    if args is None or vocab_size < 1 or canvas_length < 0:
+        return reference.canvas_noise(seeds, blocks, steps, canvas_length, vocab_size)
+    out = torch.empty(args[0].shape[0], canvas_length, dtype=torch.int64, device=args[0].device)
+    _C.canvas_noise(*args, int(canvas_length), int(vocab_size), out)
+    return out
 
 
 def gumbel_noise(seeds, blocks, steps, canvas_length: int, vocab_size: int) -> torch.Tensor:
-    """Contract Gumbel noise [B, C, V] fp32 (spec §7.5); see reference.gumbel_noise."""
-    return reference.gumbel_noise(seeds, blocks, steps, canvas_length, vocab_size)
+    """Contract Gumbel noise [B, C, V] fp32 (spec §7.5); see reference.gumbel_noise.
+
+    seeds, blocks, steps: [B] int64 → new tensor [B, C, V] fp32. The native path computes the logs with the
+    contract's shared ``dg_logf`` (the noise the native ``diffusion_step`` adds, bit for bit); it differs
+    from the reference's ``torch.log`` by at most 1 ulp of max(|g|, 1) (spec §7.6).
+    """
+    args = _noise_inputs(seeds, blocks, steps) if has_native("gumbel_noise") else None
+    if args is None or vocab_size < 1 or canvas_length < 0:
+        return reference.gumbel_noise(seeds, blocks, steps, canvas_length, vocab_size)
+    out = torch.empty(args[0].shape[0], canvas_length, vocab_size, dtype=torch.float32, device=args[0].device)
+    _C.gumbel_noise(*args, int(canvas_length), int(vocab_size), out)
+    return out
 
 
 def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> DiffusionStepOut:
-    """One denoising step for B rows (sample, argmax, entropy, acceptance, renoise); see reference.diffusion_step."""
-    return reference.diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound)
+    """One denoising step for B rows (sample, argmax, entropy, acceptance, renoise); see reference.diffusion_step.
+
+    Parameters
+    ----------
+    logits : [B, C, V] fp32 or bf16 (softcapped decoder logits); not modified
+    temperature : [B] (rounded to fp32)
+    seeds, blocks, steps : [B] int64 (steps = remaining-steps counter k >= 1)
+    entropy_bound : [B] (rounded to fp32)
+
+    Returns
+    -------
+    DiffusionStepOut of new tensors: canvas [B, C] int64, argmax [B, C] int64, entropy [B, C] fp32,
+    accepted [B, C] bool, mean_entropy [B] fp32, processed [B, C, V] fp32.
+    """
+    if not _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound):
+        return reference.diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound)
+    B, C, V = logits.shape
+    dev = logits.device
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = DiffusionStepOut(
+        canvas=torch.empty(B, C, dtype=torch.int64, device=dev),
+        argmax=torch.empty(B, C, dtype=torch.int64, device=dev),
+        entropy=torch.empty(B, C, dtype=torch.float32, device=dev),
+        accepted=torch.empty(B, C, dtype=torch.bool, device=dev),
+        mean_entropy=torch.empty(B, dtype=torch.float32, device=dev),
+        processed=torch.empty(B, C, V, dtype=torch.float32, device=dev),
+    )
+    _C.diffusion_step(logits, temperature.to(torch.float32).contiguous(), seeds.contiguous(), blocks.contiguous(),
+                      steps.contiguous(), entropy_bound.to(torch.float32).contiguous(), out.canvas, out.argmax,
+                      out.entropy, out.accepted, out.mean_entropy, out.processed, _sum_lanes() or 8)
+    return out
+
+
+def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound) -> bool:
+    if not (has_native("diffusion_step") and isinstance(logits, torch.Tensor) and logits.dim() == 3):
+        return False
+    B, C, V = logits.shape
+    if B == 0 or C == 0 or V == 0 or logits.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not _native_device(logits.device) or _wants_grad(logits):
+        return False
+    if _noise_inputs(seeds, blocks, steps) is None or seeds.shape != (B,) or seeds.device != logits.device:
+        return False
+    for t in (temperature, entropy_bound):
+        if not (isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device
+                and t.is_floating_point()):
+            return False
+    return True
