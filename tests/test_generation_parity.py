@@ -89,3 +89,26 @@ def test_several_eos_ids(models):
             _check(hf, engine, [9, 10, 11], seed, (64, 6, 0.4, 0.8, 0.1, 1, 0.005), eos_ids=(1, 5, 7))
     finally:
         engine.eos_ids = engine_eos
+
+
+@pytest.mark.parametrize("ci", [0, 3])
+def test_engine_matches_transformers_without_native_ops(models, ci):
+    """The same parity through the PyTorch reference ops only (dgserve._C disabled)."""
+    from dgserve import ops
+
+    hf, engine = models["base"]
+    with ops.native_disabled():
+        assert not ops.has_native("diffusion_step")
+        for seed in (0, 7):
+            _check(hf, engine, [3, 4, 5, 6, 7], seed, CASES[ci])
+
+
+def test_native_and_reference_paths_give_the_same_tokens(models):
+    from dgserve import SamplingParams, ops
+
+    _, engine = models["wide"]
+    for seed in range(3):
+        p = SamplingParams(max_new_tokens=24, max_denoising_steps=6, seed=seed, ignore_eos=True)
+        native = engine.generate([5, 6, 7], p).token_ids
+        with ops.native_disabled():
+            assert engine.generate([5, 6, 7], p).token_ids == native
