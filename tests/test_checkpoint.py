@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_VARIANTS, make_tiny_hf_model
+from tiny_models import TINY_VARIANTS, make_tiny_hf_model
 from dgserve.checkpoint import (CheckpointError, expected_shapes, hf_names, load_weights,
                                 save_weights)
 from dgserve.config import ModelConfig

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import TINY_VARIANTS, tiny_config
+from tiny_models import TINY_VARIANTS, tiny_config
 from dgserve.config import FULL, SLIDING, ConfigError, GenerationDefaults, ModelConfig
 
 

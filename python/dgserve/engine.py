@@ -1,16 +1,22 @@
 """The generation engine: requests in, committed blocks out (spec §4, DESIGN Contracts).
 
-``Engine.step()`` is one iteration of continuous batching: requests that need it are encoded (prompt
-prefill, or the block they just committed), then every active canvas advances one denoising step in
-one batched decoder call, and finished blocks are committed. ``generate``, ``generate_batch`` and
-``stream`` are loops over it. A request's tokens never depend on what it is batched with: the noise
-is keyed per request and the model does fixed-shape work per row (DESIGN Decisions 3).
+``Engine.step()`` is one iteration of continuous batching, planned by the ``Scheduler``: waiting requests are
+admitted into free running slots, prompt prefill advances by fixed-size chunks (so one long prompt cannot stall
+the others), every running canvas whose prompt is encoded advances one denoising step in one batched decoder
+call, and finished blocks are committed (their tokens are encoded before the next block starts). ``generate``,
+``generate_batch`` and ``stream`` are loops over it. A request's tokens never depend on what it is batched with:
+the noise is keyed per request, the model does fixed-shape work per row, and prefill chunk boundaries depend on
+the prompt alone (DESIGN Decisions 3).
+
+Thread safety: ``add_request`` and ``abort`` may be called from any thread while one thread runs ``step``; an
+abort takes effect before the next step (the current one's result for that request is discarded).
 """
 from __future__ import annotations
 
 import itertools
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +25,32 @@ import torch
 
 from dgserve.config import GenerationDefaults
 from dgserve.model import DiffusionGemma, KVCache, RowCache
-from dgserve.outputs import BlockOutput, BlockStats, GenerationResult, OutputTracker
+from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
+from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
 
-Prompt = str | Sequence[int] | torch.Tensor
+MAX_REQUEST_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
+    messages: tuple
+    add_generation_prompt: bool = True
+    enable_thinking: bool = False
+
+
+Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """The current block's argmax canvas after its latest denoising step (a preview; may still change)."""
+    index: int
+    step: int
+    token_ids: list[int]
+    mean_entropy: float
 
 
 @dataclass
@@ -35,7 +62,7 @@ class _Request:
     seed: int
     tracker: OutputTracker
     row: RowCache = field(default_factory=RowCache)
-    pending: list[int] | None = None        # tokens to encode before the next block
+    pending: list[int] | None = None        # committed tokens to encode before the next block
     block_index: int = 0
     state: BlockState | None = None
     encode_seconds: float = 0.0
@@ -49,29 +76,39 @@ class _Request:
 
 
 class Engine:
-    """Runs DiffusionGemma generation for many concurrent requests on one device."""
+    """Runs DiffusionGemma generation for many concurrent requests on one device.
 
-    def __init__(self, model: DiffusionGemma, tokenizer=None, defaults: GenerationDefaults | None = None):
+    max_model_len: the context window (prompt + generated canvases), at most the model's
+    max_position_embeddings (the default). scheduler_config: capacity and prefill chunking.
+    """
+
+    def __init__(self, model: DiffusionGemma, tokenizer=None, defaults: GenerationDefaults | None = None,
+                 scheduler_config: SchedulerConfig | None = None, max_model_len: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         cfg = model.config
         eos = self.defaults.eos_token_ids or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
+        self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         self.sampler = Sampler(model.dtype)
+        self.scheduler = Scheduler(scheduler_config)
+        self.last_schedule = ScheduleOutput()            # the plan of the latest step (admitted ids, ...)
         self._requests: dict[str, _Request] = {}
         self._finished: dict[str, GenerationResult] = {}   # results not yet collected by their caller
         self._ids = itertools.count()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "Engine":
-        """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults."""
+                        dtype: torch.dtype = torch.float32, **kwargs) -> "Engine":
+        """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
+        to ``Engine.__init__`` (scheduler_config, max_model_len)."""
         from dgserve.tokenizer import Tokenizer
 
         model = DiffusionGemma.from_pretrained(path, device=device, dtype=dtype)
         tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-        return cls(model, tok, GenerationDefaults.from_pretrained(path))
+        return cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
@@ -85,7 +122,7 @@ class Engine:
     # ------------------------------------------------------------------ simple entry points
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationResult:
-        """Generate for one prompt (text or token ids) to completion."""
+        """Generate for one prompt (text, token ids or chat) to completion."""
         return self.generate_batch([prompt], [params])[0]
 
     def generate_batch(self, prompts: Sequence[Prompt],
@@ -94,11 +131,18 @@ class Engine:
         params_list = params_list if params_list is not None else [None] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params_list has {len(params_list)} entries for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
         results: dict[str, GenerationResult] = {}
-        while self.has_unfinished():
+        while len(results) < len(ids):
             for rid, block in self.step():
-                if block.finish_reason is not None:
+                if block.finish_reason is not None and rid in ids:
                     results[rid] = self._finished.pop(rid)
         return [results[i] for i in ids]
 
@@ -118,35 +162,60 @@ class Engine:
 
     # ------------------------------------------------------------------ continuous batching core
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError naming the bad field."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    *, deadline: float | None = None) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises ValueError naming the bad field, ``DuplicateRequestError`` (a ValueError) for an id in flight, and
+        ``QueueFullError`` when running slots and queue are full. ``deadline`` (time.monotonic() seconds): a
+        request still waiting then is dropped before any model work (its last block: finish_reason "cancelled").
+        """
         params = params or self.default_params()
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
+        self.check_context(len(prompt_ids), params.max_new_tokens)
+        if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
+            raise ValueError(f"request_id must have 1 to {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._requests:
-            raise ValueError(f"request_id: {rid!r} is already running")
-        cfg = self.model.config
-        n_blocks = -(-params.max_new_tokens // cfg.canvas_length)
-        if len(prompt_ids) + n_blocks * cfg.canvas_length > cfg.max_position_embeddings:
-            raise ValueError(f"prompt: {len(prompt_ids)} tokens + {n_blocks} canvases of {cfg.canvas_length} exceed "
-                             f"the context window of {cfg.max_position_embeddings} positions")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
-        self._requests[rid] = _Request(rid, prompt_ids, params, seed, tracker, pending=list(prompt_ids))
+        req = _Request(rid, prompt_ids, params, seed, tracker)
+        with self._lock:
+            self.scheduler.add(rid, len(prompt_ids), deadline)
+            self._requests[rid] = req
         return rid
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request (frees its cache); True if it was running."""
-        return self._requests.pop(request_id, None) is not None
+        """Drop a queued or running request (frees its slot and cache before the next step); True if it was."""
+        with self._lock:
+            self.scheduler.abort(request_id)
+            return self._requests.pop(request_id, None) is not None
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def take_result(self, request_id: str) -> GenerationResult | None:
+        """Collect (and forget) the result of a finished request; None if there is none."""
+        with self._lock:
+            return self._finished.pop(request_id, None)
+
+    def request_seed(self, request_id: str) -> int | None:
+        """The seed in use by a queued or running request (drawn at random when its params had none)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.seed
+
     def step(self) -> list[tuple[str, BlockOutput]]:
-        """One engine iteration: encode what is pending, one denoising step for every active canvas,
-        commit finished blocks. Returns the blocks committed in this iteration."""
-        active = list(self._requests.values())
+        """One engine iteration: admit, encode planned prompt chunks, one denoising step for every running
+        canvas whose prompt is encoded, commit finished blocks. Returns the blocks committed in this iteration
+        (and an empty "cancelled" block for each queued request whose deadline passed)."""
+        with self._lock:
+            plan = self.last_schedule = self.scheduler.schedule()
+            events = [(rid, self._expire(rid)) for rid in plan.expired if rid in self._requests]
+            prefill = [(self._requests[rid], s, e) for rid, s, e in plan.prefill]
+            active = [self._requests[rid] for rid in plan.decode]
+        for req, start, end in prefill:
+            self._encode(req, req.prompt_ids[start:end])
+        if not active:
+            return events
         for req in active:
             if req.state is None:
                 self._start_block(req)
@@ -156,17 +225,32 @@ class Engine:
                                     self_cond_logits=[s.self_cond for s in states])
         self.sampler.step(states, logits)
         dt = time.perf_counter() - t0
-        events = []
-        for req in active:
-            req.denoise_seconds += dt
-            if req.state.done:
-                events.append((req.request_id, self._commit(req)))
+        with self._lock:
+            for req in active:
+                req.denoise_seconds += dt
+                if req.state.done and self._requests.get(req.request_id) is req:
+                    events.append((req.request_id, self._commit(req)))
         return events
 
-    def _start_block(self, req: _Request) -> None:
+    def draft(self, request_id: str) -> DraftOutput | None:
+        """The request's current block after its latest denoising step, or None between blocks. Call from the
+        thread that runs ``step``."""
+        req = self._requests.get(request_id)
+        s = None if req is None else req.state
+        if s is None or s.argmax is None or s.done:
+            return None
+        return DraftOutput(s.block, s.steps_run, s.argmax.tolist(), s.mean_entropy)
+
+    def _encode(self, req: _Request, ids: list[int]) -> None:
         t0 = time.perf_counter()
-        self.model.encode_row(torch.tensor(req.pending, dtype=torch.int64, device=self.model.device), req.row)
-        req.encode_seconds, req.denoise_seconds, req.pending = time.perf_counter() - t0, 0.0, None
+        self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), req.row)
+        req.encode_seconds += time.perf_counter() - t0
+
+    def _start_block(self, req: _Request) -> None:
+        if req.pending is not None:
+            req.encode_seconds = 0.0
+            self._encode(req, req.pending)
+        req.denoise_seconds, req.pending = 0.0, None
         cfg = self.model.config
         req.state = BlockState.start(req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size,
                                      self.model.device)
@@ -182,14 +266,28 @@ class Engine:
         req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
         if block.finish_reason is not None:
             del self._requests[req.request_id]
+            self.scheduler.finish(req.request_id)
             self._finished[req.request_id] = req.result()
         return block
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _expire(self, rid: str) -> BlockOutput:
+        req = self._requests.pop(rid)
+        req.tracker.finish_reason = FINISH_CANCELLED
+        self._finished[rid] = req.result()
+        return BlockOutput(0, [], "", BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_CANCELLED)
+
+    # ------------------------------------------------------------------ validation
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe."""
+        if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
+            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; "
+                             "pass token ids")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer, and this model has none; pass token ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, ChatPrompt):
+            ids = self.tokenizer.encode_chat(list(prompt.messages), prompt.add_generation_prompt,
+                                             prompt.enable_thinking)
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
         V = self.model.config.vocab_size
@@ -199,6 +297,23 @@ class Engine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
         return ids
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """ValueError (with both numbers) when the prompt plus the canvases generated do not fit."""
+        C = self.model.config.canvas_length
+        n_blocks = -(-max_new_tokens // C)
+        if prompt_tokens + n_blocks * C > self.max_model_len:
+            raise ValueError(f"prompt: {prompt_tokens} tokens + {n_blocks} canvases of {C} (max_new_tokens "
+                             f"{max_new_tokens}) exceed the context window of {self.max_model_len} positions")
+
+
+def _check_max_model_len(value: int | None, limit: int) -> int:
+    if value is None:
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ValueError(f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), "
+                         f"got {value!r}")
+    return value
 
 
 def _as_tuple(x) -> tuple:

@@ -1,0 +1,137 @@
+"""gRPC service load test: N concurrent streaming clients against a server in this process (CPU by default).
+
+    python bench/bench_service.py [--model DIR] [--clients 1,4,16] [--requests-per-client 2]
+                                  [--max-new-tokens 64] [--steps 8] [--prompt-len 16]
+
+For each client count: the same requests (fixed seeds, EOS ignored, no adaptive stop so every block takes
+``--steps`` steps) are run (1) through ``Engine.generate_batch`` directly and (2) as concurrent gRPC streams
+(grpc.aio clients, one stream per client at a time) against a ``service.server.Server`` on 127.0.0.1. Prints
+one JSON line per configuration: time to first block (p50/p99), inter-block gap (p50/p99), aggregate tokens/s
+of both paths, and the gRPC overhead per block = (gRPC wall − direct wall) / blocks. Warm-up first.
+Default model: dgserve.default_model_path() (the tiny random checkpoint until the trained one ships).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _requests(n: int, args) -> list[tuple[list[int], dict]]:
+    prompt = [2] + [5 + (i * 7) % 250 for i in range(args.prompt_len - 1)]
+    knobs = dict(max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps, ignore_eos=True,
+                 confidence_threshold=1e-30)
+    return [(prompt, dict(knobs, seed=i)) for i in range(n)]
+
+
+def _direct(engine, reqs) -> float:
+    from dgserve import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.generate_batch([p for p, _ in reqs], [SamplingParams(**k) for _, k in reqs])
+    return time.perf_counter() - t0
+
+
+async def _client(target: str, reqs, ttfb: list, gaps: list) -> int:
+    from dgserve.client import AsyncClient
+
+    tokens = 0
+    async with AsyncClient(target) as c:
+        for prompt, knobs in reqs:
+            t0 = last = time.perf_counter()
+            first = True
+            async for ev in c.generate(token_ids=prompt, **knobs):
+                if ev.HasField("block"):
+                    now = time.perf_counter()
+                    (ttfb.append(now - t0) if first else gaps.append(now - last))
+                    first, last = False, now
+                    tokens += len(ev.block.token_ids)
+    return tokens
+
+
+async def _grpc(target: str, per_client: list) -> tuple[float, int, list, list]:
+    ttfb, gaps = [], []
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(_client(target, reqs, ttfb, gaps) for reqs in per_client))
+    return time.perf_counter() - t0, sum(tokens), ttfb, gaps
+
+
+def _start_server(model: str, max_num_seqs: int):
+    from service.config import ServiceConfig
+    from service.server import Server
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    cfg = ServiceConfig(model=model, host="127.0.0.1", port=0, http_port=None, max_num_seqs=max_num_seqs,
+                        max_queue_len=1024)
+
+    async def start():
+        s = Server(cfg)
+        await s.start()
+        await s.loaded.wait()
+        return s
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(300)
+    return server, loop
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    args = ap.parse_args()
+    import torch
+
+    from dgserve import Engine
+    from dgserve.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    counts = [int(x) for x in args.clients.split(",")]
+    server, loop = _start_server(model, max(counts))
+    engine = Engine.from_pretrained(model)
+    target = f"127.0.0.1:{server.port}"
+    _direct(engine, _requests(2, args))                                       # warm-up both paths
+    asyncio.run(_grpc(target, [_requests(2, args)]))
+    for n in counts:
+        reqs = _requests(n * args.requests_per_client, args)
+        per_client = [reqs[i::n] for i in range(n)]
+        # the direct path runs each client's requests in rounds of n concurrent ones, as the clients do
+        direct = sum(_direct(engine, [pc[r] for pc in per_client]) for r in range(args.requests_per_client))
+        wall, tokens, ttfb, gaps = asyncio.run(_grpc(target, per_client))
+        blocks = len(ttfb) + len(gaps)
+        print(json.dumps({
+            "bench": "service", "device": "cpu", "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "model": pathlib.Path(model).name, "clients": n,
+            "requests": len(reqs), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+            "ttfb_ms_p50": round(_pct(ttfb, 0.5) * 1e3, 2), "ttfb_ms_p99": round(_pct(ttfb, 0.99) * 1e3, 2),
+            "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2), "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
+            "grpc_tokens_per_s": round(tokens / wall, 1),
+            "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
+            "grpc_overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
+            "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
+        }), flush=True)
+    asyncio.run_coroutine_threadsafe(server.drain(0), loop).result(60)
+
+
+if __name__ == "__main__":
+    main()

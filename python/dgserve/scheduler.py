@@ -1,0 +1,210 @@
+"""Admission, queueing and batch formation for continuous batching (pure Python: no torch, no model).
+
+A request is *waiting* (queued) until a running slot is free, then *running* until it finishes or is aborted.
+Each ``schedule()`` call plans one engine iteration:
+
+* admit waiting requests FIFO while fewer than ``max_num_seqs`` run; drop waiting requests whose deadline has
+  passed (they never cost model work);
+* chunked prefill: a running request's prompt is encoded in fixed chunks of ``prefill_chunk`` tokens (the chunk
+  boundaries depend on the prompt alone, never on the batch, so a request's numbers do not depend on who else
+  runs); at most ``max_prefill_tokens`` prompt tokens are planned per iteration (always at least one chunk), so
+  one long prompt cannot stall the running streams;
+* every running request whose prompt is fully encoded (after this iteration's chunks) takes one denoising step.
+
+``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
+with a retry delay estimated from recent service times) or when the id is in flight (``DuplicateRequestError``).
+All methods are thread-safe: the asyncio side admits and aborts while the engine thread schedules.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEFAULT_RETRY_AFTER_S = 1.0
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
+
+
+class QueueFullError(Exception):
+    """All running slots and the waiting queue are full; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already waiting or running."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity and batching limits.
+
+    max_num_seqs: requests running at once (each holds a canvas and a KV cache row).
+    max_queue_len: requests waiting beyond the running ones; None = unbounded.
+    prefill_chunk: prompt tokens per encoder chunk (fixed per request, so results are batch-invariant).
+    max_prefill_tokens: prompt tokens encoded per engine iteration over all requests (>= one chunk is always run).
+    """
+    max_num_seqs: int = 256
+    max_queue_len: int | None = None
+    prefill_chunk: int = 512
+    max_prefill_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "prefill_chunk", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        q = self.max_queue_len
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
+            raise ValueError(f"max_queue_len must be an integer >= 0 or None, got {q!r}")
+
+
+@dataclass
+class Sequence:
+    """The scheduler's view of one request."""
+    request_id: str
+    prompt_len: int
+    arrival: float
+    deadline: float | None = None      # clock() value after which a waiting request is dropped
+    prefilled: int = 0                 # prompt tokens planned for encoding so far
+    admitted_at: float | None = None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= self.prompt_len
+
+
+@dataclass
+class ScheduleOutput:
+    """The plan of one engine iteration."""
+    admitted: list[str] = field(default_factory=list)        # moved from waiting to running now
+    expired: list[str] = field(default_factory=list)         # dropped from the queue: deadline passed
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)   # (id, start, end) prompt slices to encode
+    decode: list[str] = field(default_factory=list)          # one denoising step each, in admission order
+
+    @property
+    def empty(self) -> bool:
+        return not (self.admitted or self.expired or self.prefill or self.decode)
+
+
+class Scheduler:
+    """Waiting queue + running set with admission control and chunked-prefill planning."""
+
+    def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or SchedulerConfig()
+        self.clock = clock
+        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
+        self._running: OrderedDict[str, Sequence] = OrderedDict()
+        self._lock = threading.Lock()
+        self._service_ema: float | None = None     # seconds from admission to finish, smoothed
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._running.get(request_id) or self._waiting.get(request_id)
+
+    @property
+    def capacity(self) -> int | None:
+        q = self.config.max_queue_len
+        return None if q is None else self.config.max_num_seqs + q
+
+    # ------------------------------------------------------------------ admission
+
+    def add(self, request_id: str, prompt_len: int, deadline: float | None = None) -> Sequence:
+        """Queue a request. Raises DuplicateRequestError or QueueFullError; never blocks."""
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        with self._lock:
+            if request_id in self:
+                raise DuplicateRequestError(f"request_id: {request_id!r} is already in flight")
+            cap = self.capacity
+            if cap is not None and len(self) >= cap:
+                raise QueueFullError(
+                    f"server at capacity: {self.num_running} running (max_num_seqs {self.config.max_num_seqs}), "
+                    f"{self.num_waiting} waiting (max_queue_len {self.config.max_queue_len})",
+                    self._retry_after_locked())
+            seq = Sequence(request_id, prompt_len, self.clock(), deadline)
+            self._waiting[request_id] = seq
+            return seq
+
+    def abort(self, request_id: str) -> str | None:
+        """Remove a request: returns "waiting" or "running" (where it was), or None if unknown."""
+        with self._lock:
+            if self._waiting.pop(request_id, None) is not None:
+                return "waiting"
+            if self._running.pop(request_id, None) is not None:
+                return "running"
+            return None
+
+    def finish(self, request_id: str) -> None:
+        """A running request completed; its slot is free and its service time feeds the retry estimate."""
+        with self._lock:
+            seq = self._running.pop(request_id, None)
+            if seq is not None and seq.admitted_at is not None:
+                dt = self.clock() - seq.admitted_at
+                self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
+
+    def retry_after_s(self) -> float:
+        """Estimated wait until a slot frees up for a request arriving now."""
+        with self._lock:
+            return self._retry_after_locked()
+
+    def _retry_after_locked(self) -> float:
+        if self._service_ema is None:
+            return DEFAULT_RETRY_AFTER_S
+        rounds = 1 + self.num_waiting // self.config.max_num_seqs
+        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, self._service_ema * rounds))
+
+    # ------------------------------------------------------------------ one iteration
+
+    def schedule(self) -> ScheduleOutput:
+        """Plan the next engine iteration (mutates: admits, expires, advances planned prefill)."""
+        out = ScheduleOutput()
+        with self._lock:
+            now = self.clock()
+            self._expire(now, out)
+            self._admit(now, out)
+            self._plan_prefill(out)
+            out.decode = [rid for rid, s in self._running.items() if s.prefill_done]
+        return out
+
+    def _expire(self, now: float, out: ScheduleOutput) -> None:
+        for rid in [rid for rid, s in self._waiting.items() if s.deadline is not None and s.deadline <= now]:
+            del self._waiting[rid]
+            out.expired.append(rid)
+
+    def _admit(self, now: float, out: ScheduleOutput) -> None:
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            rid, seq = self._waiting.popitem(last=False)
+            seq.admitted_at = now
+            self._running[rid] = seq
+            out.admitted.append(rid)
+
+    def _plan_prefill(self, out: ScheduleOutput) -> None:
+        chunk, budget = self.config.prefill_chunk, self.config.max_prefill_tokens
+        for rid, seq in self._running.items():
+            while not seq.prefill_done:
+                end = min(seq.prompt_len, seq.prefilled + chunk)
+                if out.prefill and end - seq.prefilled > budget:
+                    return
+                out.prefill.append((rid, seq.prefilled, end))
+                budget -= end - seq.prefilled
+                seq.prefilled = end

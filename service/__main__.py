@@ -1,0 +1,112 @@
+"""``python -m service``: flags, each with one environment fallback (read here and nowhere else), → ServiceConfig
+→ run the server until SIGTERM (graceful drain). ``--dry-run`` prints the resolved config as JSON and exits.
+
+Precedence: a flag given on the command line, then its environment variable, then the default.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from service.config import DTYPES, ServiceConfig
+
+_TRUE = {"1", "true", "yes", "on"}
+
+# (flag, environment variable, ServiceConfig field, parser, help)
+FLAGS: list[tuple[str, str, str, object, str]] = [
+    ("--model", "NIM_MODEL_PATH", "model", str, "checkpoint directory (default: the shipped small model)"),
+    ("--served-model-name", "NIM_SERVED_MODEL_NAME", "served_model_name", str,
+     "name clients use in `model`; comma-separated: name,alias,... (default: the model directory's name)"),
+    ("--host", "DGSERVE_HOST", "host", str, "address to bind (default 0.0.0.0)"),
+    ("--port", "DGSERVE_GRPC_PORT", "port", int, "gRPC port (default 50051; 0 = ephemeral)"),
+    ("--http-port", "NIM_SERVER_PORT", "http_port", str, "metrics + health HTTP port (default 8000; 0 = ephemeral; "
+     "off = none)"),
+    ("--max-model-len", "NIM_MAX_MODEL_LEN", "max_model_len", int, "context window (default: the model's)"),
+    ("--log-level", "NIM_LOG_LEVEL", "log_level", str, "DEBUG | INFO | WARNING | ERROR | CRITICAL"),
+    ("--max-num-seqs", "DGSERVE_MAX_NUM_SEQS", "max_num_seqs", int, "requests running at once (default 32)"),
+    ("--max-queue-len", "DGSERVE_MAX_QUEUE_LEN", "max_queue_len", int,
+     "waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default 256)"),
+    ("--drain-timeout", "DGSERVE_DRAIN_TIMEOUT", "drain_timeout", float,
+     "seconds in-flight streams get after SIGTERM (default 30)"),
+    ("--auth-token-file", "DGSERVE_AUTH_TOKEN_FILE", "auth_token_file", str,
+     "accepted bearer tokens, one a line (health and reflection stay open)"),
+    ("--tls-cert", "DGSERVE_TLS_CERT", "tls_cert", str, "server certificate chain (PEM)"),
+    ("--tls-key", "DGSERVE_TLS_KEY", "tls_key", str, "server private key (PEM)"),
+    ("--tls-client-ca", "DGSERVE_TLS_CLIENT_CA", "tls_client_ca", str, "CA for client certificates: enables mTLS"),
+    ("--device", "DGSERVE_DEVICE", "device", str, "torch device (default cpu)"),
+    ("--dtype", "DGSERVE_DTYPE", "dtype", str, f"{' | '.join(DTYPES)} (default float32)"),
+    ("--prefill-chunk", "DGSERVE_PREFILL_CHUNK", "prefill_chunk", int,
+     "prompt tokens encoded per chunk and per engine iteration (default 512)"),
+    ("--stall-timeout", "DGSERVE_STALL_TIMEOUT", "stall_timeout", float,
+     "abort a stream whose reader takes nothing this long while blocks wait (default 30)"),
+    ("--max-message-bytes", "DGSERVE_MAX_MESSAGE_BYTES", "max_message_bytes", int,
+     "largest gRPC message accepted or sent (default 16 MiB)"),
+    ("--keepalive-min-ping-ms", "DGSERVE_KEEPALIVE_MIN_PING_MS", "keepalive_min_ping_ms", int,
+     "clients may ping this often without GOAWAY (default 10000)"),
+]
+SWITCHES = [  # (flag, environment variable, field, value when set, help)
+    ("--json-logs", "NIM_JSONL_LOGGING", "json_logs", True, "JSON-lines logs with the request id on every line"),
+    ("--no-reflection", "DGSERVE_NO_REFLECTION", "reflection", False, "do not serve gRPC reflection"),
+    ("--no-warm-up", "DGSERVE_NO_WARM_UP", "warm_up", False, "skip the warm-up generation before readiness"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
+    for flag, env, _, _, help_ in FLAGS:
+        p.add_argument(flag, default=None, help=f"{help_} [env {env}]")
+    for flag, env, _, _, help_ in SWITCHES:
+        p.add_argument(flag, action="store_true", default=None, help=f"{help_} [env {env}=1]")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
+    return p
+
+
+def build_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> tuple[ServiceConfig, bool]:
+    """(config, dry_run) from the command line and the environment (os.environ by default)."""
+    env = dict(os.environ if environ is None else environ)
+    args = _parser().parse_args(argv)
+    kw: dict = {}
+    for flag, var, field, parse, _ in FLAGS:
+        raw = getattr(args, flag[2:].replace("-", "_"))
+        raw = raw if raw is not None else env.get(var)
+        if raw is not None and raw != "":
+            kw[field] = _convert(field, raw, parse)
+    for flag, var, field, value, _ in SWITCHES:
+        if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
+            kw[field] = value
+    return ServiceConfig(**kw), args.dry_run
+
+
+def _convert(field: str, raw: str, parse):
+    if field == "served_model_name":
+        return tuple(n.strip() for n in raw.split(",") if n.strip())
+    if field == "http_port":
+        return None if raw.strip().lower() in ("off", "none", "-1") else int(raw)
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"{field}: cannot parse {raw!r} as {parse.__name__}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, dry_run = build_config(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        return 0
+    from service.logs import setup_logging
+    from service.server import Server
+
+    setup_logging(config.log_level, config.json_logs)
+    asyncio.run(Server(config).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""ServiceConfig: everything the server needs, built once in ``service/__main__.py`` (flags + environment) or
+directly by tests and embedders. Frozen; ValueError naming the field on a bad value."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model: str | None = None                 # checkpoint directory; None = dgserve.default_model_path()
+    served_model_name: tuple[str, ...] = ()  # name, then aliases; empty = the model directory's name
+    host: str = "0.0.0.0"
+    port: int = 50051                        # gRPC; 0 = ephemeral
+    http_port: int | None = 8000             # metrics + health; 0 = ephemeral; None = off
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None         # None = the model's max_position_embeddings
+    max_num_seqs: int = 32                   # running requests
+    max_queue_len: int = 256                 # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
+    prefill_chunk: int = 512                 # prompt tokens per encoder chunk and per engine iteration
+    drain_timeout: float = 30.0              # seconds in-flight streams get after SIGTERM
+    stall_timeout: float = 30.0              # a reader taking nothing this long while blocks wait is aborted
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None         # given: mTLS (clients must present a certificate it signed)
+    log_level: str = "INFO"
+    json_logs: bool = False
+    max_message_bytes: int = 16 << 20        # largest request / response message
+    keepalive_time_ms: int = 60_000          # server pings idle connections this often
+    keepalive_min_ping_ms: int = 10_000      # clients may ping this often (with or without calls)
+    reflection: bool = True
+    warm_up: bool = True
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("port", 0, 65535), ("max_num_seqs", 1, 1 << 20), ("max_queue_len", 0, 1 << 24),
+                             ("prefill_chunk", 1, 1 << 24), ("max_message_bytes", 1024, 1 << 31),
+                             ("keepalive_time_ms", 1000, 1 << 31), ("keepalive_min_ping_ms", 100, 1 << 31)):
+            _int(name, getattr(self, name), lo, hi)
+        if self.http_port is not None:
+            _int("http_port", self.http_port, 0, 65535)
+        if self.max_model_len is not None:
+            _int("max_model_len", self.max_model_len, 1, 1 << 30)
+        for name in ("drain_timeout", "stall_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if any(not n for n in self.served_model_name):
+            raise ValueError("served_model_name: names must be non-empty")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _int(name: str, v, lo: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")

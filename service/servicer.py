@@ -1,0 +1,73 @@
+"""TextGeneration servicer: one short method per RPC — check state, convert, call the engine, convert back.
+
+Errors are raised as domain exceptions and mapped to status codes by the call interceptor (service/errors.py).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dgserve.async_engine import ABORT_CANCELLED, AsyncEngine
+from dgserve.v1 import text_generation_pb2 as pb
+from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+from service import convert
+from service.errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
+
+
+@dataclass
+class ServingState:
+    """What the servicer serves; filled in by the server once the model is loaded and warmed up."""
+    names: tuple[str, ...] = ()                 # served name, then aliases
+    engine: AsyncEngine | None = None
+    info: pb.GetModelInfoResponse | None = None
+    draining: bool = False
+    loading_error: str | None = field(default=None)
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise DrainingError("server is draining for shutdown: retry on another instance")
+        if self.engine is None:
+            raise NotReadyError(f"not ready: {self.loading_error or 'model is loading'}")
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        if name and name not in self.names:
+            raise ModelNotFoundError(f"model: {name!r} is not served here (served: {', '.join(self.names)})")
+
+
+class TextGenerationServicer(pb_grpc.TextGenerationServicer):
+    def __init__(self, state: ServingState):
+        self.state = state
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        engine = self.state.ready_engine()
+        self.state.check_model(request.model)
+        vocab = self.state.info.vocab_size
+        prompt = convert.prompt(request, vocab)
+        params = convert.sampling_params(request.params, engine.engine.default_params())
+        stream = await engine.submit(prompt, params, request.request_id or None, timeout_s=context.time_remaining(),
+                                     drafts=convert.draft_spec(request.drafts))
+        try:
+            async for event in stream:
+                yield convert.response(stream.request_id, event)
+        finally:
+            remaining = context.time_remaining()
+            stream.cancel("deadline" if remaining is not None and remaining <= 0 else "client_cancelled")
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        outcome = self.state.ready_engine().abort(request.request_id, reason="abort_rpc")
+        if outcome is None:
+            raise RequestNotFoundError(f"request_id: {request.request_id!r} is not known to this server")
+        return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED
+                                else pb.ABORT_OUTCOME_ALREADY_FINISHED)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        engine = self.state.ready_engine()
+        self.state.check_model(request.model)
+        prompt = convert.prompt(request, self.state.info.vocab_size)
+        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.engine.max_model_len)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        self.state.ready_engine()
+        return self.state.info

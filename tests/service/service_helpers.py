@@ -1,0 +1,93 @@
+"""Helpers for the service tests: a real dgserve server on 127.0.0.1 (ephemeral ports) on its own event loop
+thread, and request builders."""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+import threading
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _ensure_stubs() -> None:
+    """build.py writes the stubs (python build.py --no-ext); generate them here when it has not run yet."""
+    try:
+        from dgserve.v1 import text_generation_pb2  # noqa: F401
+    except ImportError:
+        from grpc_tools import protoc
+
+        protos = [str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto")]
+        assert protoc.main(["protoc", "-I", str(ROOT / "proto"), f"--python_out={ROOT / 'python'}",
+                            f"--grpc_python_out={ROOT / 'python'}", *protos]) == 0
+
+
+_ensure_stubs()
+
+from dgserve.v1 import text_generation_pb2 as pb  # noqa: E402
+from service.config import ServiceConfig  # noqa: E402
+from service.server import Server  # noqa: E402
+
+
+class ServerThread:
+    """A Server on a private event loop thread. ``call(coro_fn)`` runs a coroutine there and returns its result."""
+
+    def __init__(self, config: ServiceConfig, engine_factory=None, wait_ready: bool = True):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: Server = self.call(lambda: self._make(config, engine_factory))
+        self.call(self.server.start)
+        if wait_ready:
+            self.call(self.server.loaded.wait, timeout=120)
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    @staticmethod
+    async def _make(config, factory):
+        return Server(config, factory)
+
+    def call(self, coro_fn, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)
+
+    @property
+    def engine(self):
+        return self.server.state.engine
+
+    def stop(self, grace: float = 0) -> None:
+        try:
+            self.call(lambda: self.server.drain(grace))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def base_config(model_dir, **kw) -> ServiceConfig:
+    base = dict(model=str(model_dir), host="127.0.0.1", port=0, http_port=0, max_num_seqs=4, max_queue_len=4,
+                drain_timeout=5.0, served_model_name=("tiny", "tiny-alias"))
+    base.update(kw)
+    return ServiceConfig(**base)
+
+
+def params(**kw) -> pb.SamplingParams:
+    base = dict(max_new_tokens=40, max_denoising_steps=4, seed=7)
+    base.update(kw)
+    return pb.SamplingParams(**base)
+
+
+def long_params(**kw) -> pb.SamplingParams:
+    """A request that runs for many engine steps (ignores EOS, many blocks)."""
+    base = dict(max_new_tokens=16 * 200, max_denoising_steps=8, seed=1, ignore_eos=True)
+    base.update(kw)
+    return pb.SamplingParams(**base)
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)

@@ -1,0 +1,110 @@
+"""``python -m service``: flags and environment fallbacks (Decision 8), --dry-run, and SIGTERM drain of a real
+server process (serving.md §10 row 17)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_helpers import ROOT, params
+
+from dgserve.v1 import text_generation_pb2 as pb
+from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+from service.__main__ import build_config
+
+
+def test_flags_override_environment_which_overrides_defaults():
+    env = {"NIM_MODEL_PATH": "/models/a", "NIM_SERVED_MODEL_NAME": "a,b", "DGSERVE_GRPC_PORT": "6000",
+           "NIM_SERVER_PORT": "off", "NIM_MAX_MODEL_LEN": "2048", "NIM_LOG_LEVEL": "DEBUG", "NIM_JSONL_LOGGING": "true",
+           "DGSERVE_MAX_NUM_SEQS": "8", "DGSERVE_MAX_QUEUE_LEN": "3", "DGSERVE_DRAIN_TIMEOUT": "2.5",
+           "DGSERVE_AUTH_TOKEN_FILE": "/run/tokens"}
+    cfg, dry = build_config(["--port", "7000", "--max-num-seqs", "9"], env)
+    assert not dry
+    assert (cfg.model, cfg.served_model_name, cfg.port, cfg.http_port, cfg.max_model_len) == \
+        ("/models/a", ("a", "b"), 7000, None, 2048)
+    assert (cfg.log_level, cfg.json_logs, cfg.max_num_seqs, cfg.max_queue_len, cfg.drain_timeout) == \
+        ("DEBUG", True, 9, 3, 2.5)
+    assert cfg.auth_token_file == "/run/tokens"
+    defaults, _ = build_config([], {})
+    assert (defaults.port, defaults.http_port, defaults.model, defaults.json_logs) == (50051, 8000, None, False)
+
+
+@pytest.mark.parametrize("argv, env, field", [
+    (["--port", "70000"], {}, "port"), ([], {"DGSERVE_MAX_NUM_SEQS": "many"}, "max_num_seqs"),
+    (["--tls-cert", "c.pem"], {}, "tls_cert"), (["--dtype", "int3"], {}, "dtype"),
+])
+def test_bad_configuration_names_field(argv, env, field):
+    with pytest.raises(ValueError, match=field):
+        build_config(argv, env)
+
+
+def test_dry_run_prints_resolved_config():
+    env = {**os.environ, "NIM_MODEL_PATH": "/models/x", "DGSERVE_MAX_QUEUE_LEN": "5"}
+    out = subprocess.run([sys.executable, "-m", "service", "--dry-run", "--port", "1234"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert (cfg["model"], cfg["port"], cfg["max_queue_len"], cfg["http_port"]) == ("/models/x", 1234, 5, 8000)
+
+
+class ServerProcess:
+    def __init__(self, model_dir, *extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+             "--http-port", "0", "--served-model-name", "tiny", *extra], cwd=ROOT, env=env,
+            stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.port = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._ready.wait(120), "server did not report its port:\n" + "".join(self.lines)
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"listening: gRPC [\d.]+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                self._ready.set()
+
+
+def test_sigterm_drain(model_dir):
+    """§10 row 17: SIGTERM → readiness NOT_SERVING at once (Watch notified), new calls UNAVAILABLE, the in-flight
+    stream finishes within the grace period, the process exits 0."""
+    srv = ServerProcess(model_dir, "--drain-timeout", "20")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+        health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 120
+        while health.Check(health_pb2.HealthCheckRequest(service="dgserve.v1.TextGeneration")).status != 1:
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.1)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service="dgserve.v1.TextGeneration"))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.TextGenerationStub(ch)
+        call = stub.Generate(pb.GenerateRequest(prompt="drain", params=params(
+            max_new_tokens=16 * 20, max_denoising_steps=8, ignore_eos=True)))
+        assert next(call).HasField("started")
+        srv.proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt="new", params=params()), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+        assert rest[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+        assert rest[-1].finished.usage.completion_tokens == 16 * 20
+        assert srv.proc.wait(30) == 0
+        assert any("stopped" in line for line in srv.lines)
+        ch.close()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
