@@ -13,7 +13,13 @@
 #include "ops/canvas_noise.h"
 #include "ops/diffusion_step.h"
 #include "ops/gumbel_noise.h"
+#include "ops/moe_align.h"
+#include "ops/moe_combine.h"
+#include "ops/moe_experts.h"
+#include "ops/moe_route.h"
 #include "ops/noise_hooks.h"
+#include "ops/nvfp4_moe_experts.h"
+#include "ops/nvfp4_repack.h"
 #include "ops/rms_norm.h"
 
 #if defined(DG_WITH_CUDA)
@@ -245,6 +251,233 @@ void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tenso
                  op);
 }
 
+// ---- moe_route / moe_align / moe_experts / moe_combine (contracts: ops/moe_*.h) --------------------------------
+
+#if defined(DG_WITH_CUDA)
+#define DG_CUDA_CORE(call) return call
+#else
+#define DG_CUDA_CORE(call) return ((void)s, dg::Status::Ok())
+#endif
+
+void moe_route(const Tensor& scores, const Tensor& per_expert_scale, int64_t top_k, bool from_logits,
+               const Tensor& weights, const Tensor& ids, int64_t sum_lanes) {
+  const char* op = "moe_route";
+  check_arg(scores, op, "scores", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(scores.stride(1) == 1, op, ": `scores` needs a contiguous expert dim, got strides ",
+                    scores.strides());
+  const int64_t T = scores.size(0), E = scores.size(1);
+  TORCH_CHECK_VALUE(E >= 1 && top_k >= 1 && top_k <= E, op, ": `top_k` must be in [1, experts=", E, "], got ",
+                    top_k);
+  check_arg(per_expert_scale, op, "per_expert_scale", {at::kFloat}, 1);
+  check_shape(per_expert_scale, op, "per_expert_scale", {E});
+  check_arg(weights, op, "weights", {at::kFloat}, 2);
+  check_shape(weights, op, "weights", {T, top_k});
+  check_arg(ids, op, "ids", {at::kLong}, 2);
+  check_shape(ids, op, "ids", {T, top_k});
+  for (const Tensor* t : {&per_expert_scale, &weights, &ids}) check_same_device(scores, *t, op, "outputs/scale");
+  const dg::MoeRouteParams p{dg_dtype(scores), scores.data_ptr(), scores.stride(0), from_logits,
+                             per_expert_scale.data_ptr<float>(), weights.data_ptr<float>(),
+                             ids.data_ptr<int64_t>(), T, E, top_k, (int)sum_lanes};
+  raise_if_error(run_on_device(scores, op, [&] { return dg::moe_route_cpu(p); },
+                               [&](void* s) { DG_CUDA_CORE(dg::moe_route_cuda(p, s)); }),
+                 op);
+}
+
+void moe_align(const Tensor& ids, int64_t experts, int64_t block_size, const Tensor& counts, const Tensor& offsets,
+               const Tensor& sorted_pairs, const Tensor& block_expert) {
+  const char* op = "moe_align";
+  check_arg(ids, op, "ids", {at::kLong}, 2);
+  TORCH_CHECK_VALUE(experts >= 1 && block_size >= 1, op, ": `experts` and `block_size` must be >= 1, got ",
+                    experts, ", ", block_size);
+  const int64_t P = ids.numel(), cap = dg::moe_align_capacity(P, experts, block_size);
+  const struct {
+    const Tensor& t;
+    const char* name;
+    int64_t size;
+  } outs[] = {{counts, "counts", experts},
+              {offsets, "offsets", experts + 1},
+              {sorted_pairs, "sorted_pairs", cap},
+              {block_expert, "block_expert", cap / block_size}};
+  for (const auto& o : outs) {
+    check_arg(o.t, op, o.name, {at::kInt}, 1);
+    check_shape(o.t, op, o.name, {o.size});
+    check_same_device(ids, o.t, op, o.name);
+  }
+  const dg::MoeAlignParams p{ids.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(),
+                             sorted_pairs.data_ptr<int32_t>(), block_expert.data_ptr<int32_t>(), P, experts,
+                             block_size};
+  raise_if_error(run_on_device(ids, op, [&] { return dg::moe_align_cpu(p); },
+                               [&](void* s) { DG_CUDA_CORE(dg::moe_align_cuda(p, s)); }),
+                 op);
+}
+
+void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const Tensor& weights,
+                 const Tensor& counts, const Tensor& offsets, const Tensor& sorted_pairs, const Tensor& act,
+                 const Tensor& y) {
+  const char* op = "moe_experts";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2);
+  const int64_t T = x.size(0), H = x.size(1);
+  check_arg(gate_up, op, "gate_up", {x.scalar_type()}, 3);
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK_VALUE(I >= 1 && gate_up.size(1) == 2 * I && gate_up.size(2) == H, op,
+                    ": `gate_up` must have shape [E, 2I, ", H, "], got ", shape_str(gate_up));
+  check_arg(down, op, "down", {x.scalar_type()}, 3);
+  check_shape(down, op, "down", {E, H, I});
+  check_arg(weights, op, "weights", {at::kFloat}, 2);
+  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T,
+                    ", K], got ", shape_str(weights));
+  const int64_t K = weights.size(1);
+  check_arg(counts, op, "counts", {at::kInt}, 1);
+  check_shape(counts, op, "counts", {E});
+  check_arg(offsets, op, "offsets", {at::kInt}, 1);
+  check_shape(offsets, op, "offsets", {E + 1});
+  check_arg(sorted_pairs, op, "sorted_pairs", {at::kInt}, 1);
+  const int64_t cap = sorted_pairs.size(0);
+  check_arg(act, op, "act", {x.scalar_type()}, 2);
+  check_shape(act, op, "act", {cap, I});
+  check_arg(y, op, "y", {at::kFloat}, 2);
+  check_shape(y, op, "y", {T * K, H});
+  const struct {
+    const Tensor& t;
+    const char* name;
+  } same[] = {{gate_up, "gate_up"}, {down, "down"}, {weights, "weights"}, {counts, "counts"},
+              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"}, {act, "act"}, {y, "y"}};
+  for (const auto& a : same) check_same_device(x, a.t, op, a.name);
+  const dg::MoeExpertsParams p{dg_dtype(x), x.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                               weights.data_ptr<float>(), counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(),
+                               sorted_pairs.data_ptr<int32_t>(), act.data_ptr(), y.data_ptr<float>(), T, K, E, H,
+                               I, cap};
+  raise_if_error(run_on_device(x, op, [&] { return dg::moe_experts_cpu(p); },
+                               [&](void* s) { DG_CUDA_CORE(dg::moe_experts_cuda(p, s)); }),
+                 op);
+}
+
+void moe_combine(const Tensor& y, const std::optional<Tensor>& weights, const Tensor& out) {
+  const char* op = "moe_combine";
+  check_arg(y, op, "y", {at::kFloat}, 3);
+  const int64_t T = y.size(0), K = y.size(1), H = y.size(2);
+  TORCH_CHECK_VALUE(K >= 1, op, ": `y` must have K >= 1, got shape ", shape_str(y));
+  const float* w = nullptr;
+  if (weights.has_value()) {
+    check_arg(*weights, op, "weights", {at::kFloat}, 2);
+    check_shape(*weights, op, "weights", {T, K});
+    check_same_device(y, *weights, op, "weights");
+    w = weights->data_ptr<float>();
+  }
+  check_arg(out, op, "out", {at::kFloat, at::kBFloat16}, 2);
+  check_shape(out, op, "out", {T, H});
+  check_same_device(y, out, op, "out");
+  const dg::MoeCombineParams p{y.data_ptr<float>(), w, dg_dtype(out), out.data_ptr(), T, K, H};
+  raise_if_error(run_on_device(y, op, [&] { return dg::moe_combine_cpu(p); },
+                               [&](void* s) { DG_CUDA_CORE(dg::moe_combine_cuda(p, s)); }),
+                 op);
+}
+
+#undef DG_CUDA_CORE
+
+// ---- nvfp4_repack / nvfp4_decode / nvfp4_moe_experts (contracts: ops/nvfp4_*.h) ---------------------------
+
+#if defined(DG_WITH_CUDA)
+#define DG_NVFP4_CUDA(call) return call
+#else
+#define DG_NVFP4_CUDA(call) return ((void)s, dg::Status::Ok())
+#endif
+
+void nvfp4_repack(const Tensor& weight, const Tensor& scale, int64_t interleave_half, const Tensor& words,
+                  const Tensor& scales) {
+  const char* op = "nvfp4_repack";
+  check_arg(weight, op, "weight", {at::kByte}, 3);
+  const int64_t E = weight.size(0), N = weight.size(1), kp = 2 * weight.size(2), kc = (kp + 63) / 64;
+  TORCH_CHECK_VALUE(N % 16 == 0 && kp % 16 == 0, op, ": `weight` must be [E, N, Kp/2] with N and Kp multiples of ",
+                    "16, got ", shape_str(weight));
+  check_arg(scale, op, "scale", {at::kByte}, 3);
+  check_shape(scale, op, "scale", {E, N, kp / 16});
+  check_arg(words, op, "words", {at::kInt}, 4);
+  check_shape(words, op, "words", {E, N / 16, kc, 128});
+  check_arg(scales, op, "scales", {at::kByte}, 4);
+  check_shape(scales, op, "scales", {E, N / 16, kc, 64});
+  check_same_device(weight, scale, op, "scale");
+  check_same_device(weight, words, op, "words");
+  check_same_device(weight, scales, op, "scales");
+  const dg::Nvfp4RepackParams p{weight.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(),
+                                reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), scales.data_ptr<uint8_t>(),
+                                E, N, kp, interleave_half};
+  raise_if_error(run_on_device(weight, op, [&] { return dg::nvfp4_repack_cpu(p); },
+                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_repack_cuda(p, s)); }),
+                 op);
+}
+
+void nvfp4_decode(const Tensor& words, const Tensor& scales, const Tensor& out) {
+  const char* op = "nvfp4_decode";
+  check_arg(words, op, "words", {at::kInt}, 4);
+  const int64_t E = words.size(0), RT = words.size(1), KC = words.size(2);
+  check_shape(words, op, "words", {E, RT, KC, 128});
+  check_arg(scales, op, "scales", {at::kByte}, 4);
+  check_shape(scales, op, "scales", {E, RT, KC, 64});
+  check_arg(out, op, "out", {at::kBFloat16}, 3);
+  check_shape(out, op, "out", {E, RT * 16, KC * 64});
+  check_same_device(words, scales, op, "scales");
+  check_same_device(words, out, op, "out");
+  const dg::Nvfp4DecodeParams p{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
+                                scales.data_ptr<uint8_t>(), reinterpret_cast<dg::bf16*>(out.data_ptr()), E,
+                                RT * 16, KC};
+  raise_if_error(run_on_device(words, op, [&] { return dg::nvfp4_decode_cpu(p); },
+                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_decode_cuda(p, s)); }),
+                 op);
+}
+
+void nvfp4_moe_experts(const Tensor& x, const Tensor& w13, const Tensor& s13, const Tensor& w2, const Tensor& s2,
+                       const Tensor& gs, const Tensor& weights, const Tensor& offsets, const Tensor& sorted_pairs,
+                       const Tensor& act, const Tensor& y) {
+  const char* op = "nvfp4_moe_experts";
+  check_arg(x, op, "x", {at::kBFloat16, at::kFloat}, 2, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.stride(1) == 1, op, ": `x` needs a contiguous last dim, got strides ", x.strides());
+  const int64_t T = x.size(0), H = x.size(1);
+  check_arg(w13, op, "w13", {at::kInt}, 4);
+  const int64_t E = w13.size(0), I = w13.size(1) * 8;
+  TORCH_CHECK_VALUE(E >= 1 && I >= 8 && H % 16 == 0, op, ": need E >= 1 experts, I >= 8 and hidden % 16 == 0, got ",
+                    "w13 ", shape_str(w13), ", x ", shape_str(x));
+  const int64_t kc1 = dg::nvfp4_chunks(H), kc2 = dg::nvfp4_chunks(I);
+  check_shape(w13, op, "w13", {E, 2 * I / 16, kc1, 128});
+  check_arg(s13, op, "s13", {at::kByte}, 4);
+  check_shape(s13, op, "s13", {E, 2 * I / 16, kc1, 64});
+  check_arg(w2, op, "w2", {at::kInt}, 4);
+  check_shape(w2, op, "w2", {E, H / 16, kc2, 128});
+  check_arg(s2, op, "s2", {at::kByte}, 4);
+  check_shape(s2, op, "s2", {E, H / 16, kc2, 64});
+  check_arg(gs, op, "gs", {at::kFloat}, 2);
+  check_shape(gs, op, "gs", {E, 3});
+  check_arg(weights, op, "weights", {at::kFloat}, 2);
+  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T,
+                    ", K], got ", shape_str(weights));
+  const int64_t K = weights.size(1);
+  check_arg(offsets, op, "offsets", {at::kInt}, 1);
+  check_shape(offsets, op, "offsets", {E + 1});
+  check_arg(sorted_pairs, op, "sorted_pairs", {at::kInt}, 1);
+  const int64_t P = sorted_pairs.size(0);
+  check_arg(act, op, "act", {at::kBFloat16}, 2);
+  check_shape(act, op, "act", {P, I});
+  check_arg(y, op, "y", {at::kFloat}, 2);
+  check_shape(y, op, "y", {T * K, H});
+  const struct {
+    const Tensor& t;
+    const char* name;
+  } same[] = {{w13, "w13"}, {s13, "s13"}, {w2, "w2"}, {s2, "s2"}, {gs, "gs"}, {weights, "weights"},
+              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"}, {act, "act"}, {y, "y"}};
+  for (const auto& a : same) check_same_device(x, a.t, op, a.name);
+  const dg::Nvfp4MoeParams p{dg_dtype(x), x.data_ptr(), x.stride(0),
+                             reinterpret_cast<const uint32_t*>(w13.data_ptr<int32_t>()), s13.data_ptr<uint8_t>(),
+                             reinterpret_cast<const uint32_t*>(w2.data_ptr<int32_t>()), s2.data_ptr<uint8_t>(),
+                             gs.data_ptr<float>(), weights.data_ptr<float>(), sorted_pairs.data_ptr<int32_t>(),
+                             offsets.data_ptr<int32_t>(), reinterpret_cast<dg::bf16*>(act.data_ptr()),
+                             y.data_ptr<float>(), T, K, E, H, I, P};
+  raise_if_error(run_on_device(x, op, [&] { return dg::nvfp4_moe_experts_cpu(p); },
+                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_moe_experts_cuda(p, s)); }),
+                 op);
+}
+
+#undef DG_NVFP4_CUDA
+
 // ---- test hooks (CPU) ----------------------------------------------------------------------------------------
 
 void philox4x32_10(const Tensor& ctr, const Tensor& key, const Tensor& out) {
@@ -315,12 +548,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("blocks"), py::arg("steps"),
         py::arg("entropy_bound"), py::arg("canvas"), py::arg("argmax"), py::arg("entropy"), py::arg("accepted"),
         py::arg("mean_entropy"), py::arg("processed"), py::arg("sum_lanes") = 8);
+  m.def("moe_route", &moe_route,
+        "router top-k from scores [T, E] (fp32 probabilities, or logits with from_logits) into weights [T, K] "
+        "fp32 and ids [T, K] int64",
+        py::arg("scores"), py::arg("per_expert_scale"), py::arg("top_k"), py::arg("from_logits"),
+        py::arg("weights"), py::arg("ids"), py::arg("sum_lanes") = 8);
+  m.def("moe_align", &moe_align,
+        "group the pairs of ids [T, K] by expert into counts [E], offsets [E+1], sorted_pairs [cap], "
+        "block_expert [cap / block_size] (int32)",
+        py::arg("ids"), py::arg("experts"), py::arg("block_size"), py::arg("counts"), py::arg("offsets"),
+        py::arg("sorted_pairs"), py::arg("block_expert"));
+  m.def("moe_experts", &moe_experts,
+        "grouped expert GEMMs: act [cap, I] md and weighted expert outputs y [T*K, H] fp32 for moe_align's groups",
+        py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("weights"), py::arg("counts"), py::arg("offsets"),
+        py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
+  m.def("moe_combine", &moe_combine,
+        "out [T, H] = rnd(sum_k y[:, k] * weights[:, k]) in slot order (weights None: y already weighted)",
+        py::arg("y"), py::arg("weights"), py::arg("out"));
   m.def("philox4x32_10", &philox4x32_10, "test hook: Philox4x32-10 of ctr [n, 4] and key [n, 2] into out [n, 4]",
         py::arg("ctr"), py::arg("key"), py::arg("out"));
   m.def("dg_logf", &dg_logf, "test hook: the contract's float32 log of x [n] into out [n]", py::arg("x"),
         py::arg("out"));
   m.def("gumbel", &gumbel, "test hook: Gumbel value of Philox words r [n] (int64) into out [n] fp32", py::arg("r"),
         py::arg("out"));
+  m.def("nvfp4_repack", &nvfp4_repack,
+        "ModelOpt NVFP4 weight [E, N, Kp/2] u8 + scale [E, N, Kp/16] u8 (E4M3 bytes) -> kernel layout words "
+        "[E, N/16, KC, 128] i32 + scales [E, N/16, KC, 64] u8 (interleave_half = N/2 for gate/up, else 0)",
+        py::arg("weight"), py::arg("scale"), py::arg("interleave_half"), py::arg("words"), py::arg("scales"));
+  m.def("nvfp4_decode", &nvfp4_decode,
+        "test hook: the kernels' bf16 MMA operands E2M1*s*2^-7 of words/scales into out [E, N, 64*KC] bf16",
+        py::arg("words"), py::arg("scales"), py::arg("out"));
+  m.def("nvfp4_moe_experts", &nvfp4_moe_experts,
+        "grouped W4A16 expert MLP on repacked NVFP4 weights: act [P, I] bf16 workspace, y [T*K, H] fp32 by pair "
+        "(weighted by the routing weight)",
+        py::arg("x"), py::arg("w13"), py::arg("s13"), py::arg("w2"), py::arg("s2"), py::arg("gs"),
+        py::arg("weights"), py::arg("offsets"), py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
   m.def("build_info", &build_info,
         "what this build contains: {'cuda': bool, 'openmp': bool, 'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512}");
   m.def("_set_cpu_level", &dg::set_cpu_level,

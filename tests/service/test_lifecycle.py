@@ -43,7 +43,7 @@ def test_overload_rejects_at_once_with_retry_pushback(stub, idle):
     """§10 row 9: slots + queue full → RESOURCE_EXHAUSTED with grpc-retry-pushback-ms and RetryInfo;
     the queued requests still complete; waiting never exceeds max_queue_len."""
     server, m = idle
-    reqs = [pb.GenerateRequest(prompt=f"load {i}", params=params(seed=i, max_new_tokens=96, max_denoising_steps=6,
+    reqs = [pb.GenerateRequest(prompt=f"load {i}", params=params(seed=i, max_new_tokens=256, max_denoising_steps=6,
                                                                  ignore_eos=True)) for i in range(8)]
     calls = [stub.Generate(r) for r in reqs]
     wait_until(lambda: server.engine.num_running + server.engine.num_waiting == 8)
@@ -59,7 +59,7 @@ def test_overload_rejects_at_once_with_retry_pushback(stub, idle):
     assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in rpc_status.from_call(err).details)
     assert server.engine.num_waiting <= 4
     finished = [list(c)[-1].finished for c in calls]
-    assert all(f.finish_reason == pb.FINISH_REASON_LENGTH and f.usage.completion_tokens == 96 for f in finished)
+    assert all(f.finish_reason == pb.FINISH_REASON_LENGTH and f.usage.completion_tokens == 256 for f in finished)
 
 
 def test_cancel_mid_stream_frees_slot(stub, idle):

@@ -17,6 +17,11 @@ Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h`
   equal except at near-ties of the Gumbel race; entropy accumulated in double (a few fp32 ulp from the
   reference's fp32 formula); acceptance and the mean bit-exact given the entropies.
 
+- ``moe_route``, ``moe_align``, ``moe_experts``, ``moe_combine``: see ``dgserve.ops.moe`` (CPU: bit-identical;
+  CUDA: fused route, device-side align, bf16 grouped expert GEMMs, exact combine).
+- ``nvfp4_repack``, ``nvfp4_moe_experts``: see ``dgserve.ops.nvfp4_experts`` (NVFP4 W4A16 experts: exact
+  in-register decode, grouped GEMMs on CUDA; CPU: torch GEMMs on exactly decoded weights).
+
 ``native_disabled()`` forces the reference path (tests); ``native_enabled()`` says whether native
 dispatch is on.
 """
@@ -30,6 +35,8 @@ import torch
 
 from . import reference
 from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
+from .moe import MoeAlignOut, moe_align, moe_combine, moe_experts, moe_route  # MoE dispatch (see moe.py)
+from .nvfp4_experts import nvfp4_decode, nvfp4_moe_experts, nvfp4_repack  # W4A16 experts (see nvfp4_experts.py)
 
 try:  # the extension is optional: `python build.py` builds it; the package works without it
     from dgserve import _C  # type: ignore[attr-defined]
@@ -38,7 +45,8 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "DiffusionStepOut", "canvas_noise", "diffusion_step", "entropy_bound_accept", "gated_mlp",
-    "gumbel_noise", "has_native", "moe_experts", "moe_route", "native_disabled", "native_enabled",
+    "gumbel_noise", "has_native", "MoeAlignOut", "moe_align", "moe_combine", "moe_experts", "moe_route",
+    "native_disabled", "native_enabled", "nvfp4_decode", "nvfp4_moe_experts", "nvfp4_repack",
     "rms_norm", "step_temperature",
 ]
 
@@ -131,16 +139,6 @@ def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
         return False
     one_row = x.numel() == x.shape[-1]
     return not (one_row and x.numel() >= _TORCH_TWO_PASS_NUMEL and torch.get_num_threads() > 1)
-
-
-def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps: float):
-    """Router → (weights [T, K] fp32, ids [T, K] int64); see reference.moe_route."""
-    return reference.moe_route(residual, router_scale, proj_w, per_expert_scale, top_k, eps)
-
-
-def moe_experts(x, gate_up, down, weights, ids):
-    """Grouped expert MLP with fp32 combine → [T, H] md; see reference.moe_experts."""
-    return reference.moe_experts(x, gate_up, down, weights, ids)
 
 
 def _noise_inputs(seeds, blocks, steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -55,6 +55,76 @@ def moe_route(residual: torch.Tensor, router_scale: torch.Tensor, proj_w: torch.
     return weights, ids
 
 
+class MoeAlignOut(NamedTuple):
+    """Token-expert pairs grouped by expert (``moe_align``). P = T·K pairs; pair ``p = t·K + k``."""
+    counts: torch.Tensor        # [E] int32: pairs routed to each expert
+    offsets: torch.Tensor       # [E + 1] int32: start of expert e's segment (multiples of block_size);
+    #                             offsets[E] = padded total
+    sorted_pairs: torch.Tensor  # [P + E·(block_size − 1)] int32: pair indices grouped by expert, ascending within
+    #                             an expert; the sentinel P in each segment's padding and past offsets[E]
+    block_expert: torch.Tensor  # [len(sorted_pairs) // block_size] int32: expert of each block, −1 past offsets[E]
+
+
+def moe_align_capacity(num_pairs: int, num_experts: int, block_size: int) -> int:
+    """Worst-case length of ``sorted_pairs``: every expert's segment padded by up to block_size − 1."""
+    return num_pairs + num_experts * (block_size - 1)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignOut:
+    """Group the pairs of ids [T, K] (int, values in [0, E)) by expert, each segment padded to block_size.
+
+    Pairs keep their (token, slot) order within an expert (a stable sort), so the result is unique.
+    """
+    flat = ids.reshape(-1).long()
+    P, E, b, dev = flat.numel(), num_experts, block_size, flat.device
+    counts = torch.bincount(flat, minlength=E)                      # [E] int64
+    padded = (counts + b - 1) // b * b
+    offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)                        # pairs grouped by expert
+    first = torch.cumsum(counts, 0) - counts                        # unpadded start of each expert
+    e_sorted = flat[order]
+    pos = offsets[e_sorted] + torch.arange(P, device=dev) - first[e_sorted]
+    cap = moe_align_capacity(P, E, b)
+    sorted_pairs = torch.full((cap,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[pos] = order.to(torch.int32)
+    starts = torch.arange(cap // b, device=dev) * b
+    owner = torch.searchsorted(offsets[1:], starts, right=True)     # first e with offsets[e + 1] > start
+    block_expert = torch.where(starts < offsets[E], owner, -1).to(torch.int32)
+    return MoeAlignOut(counts.to(torch.int32), offsets.to(torch.int32), sorted_pairs, block_expert)
+
+
+def moe_expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, align: MoeAlignOut,
+                       top_k: int) -> torch.Tensor:
+    """Un-weighted expert outputs ``f32(y_p)`` [T·K, H] in (token, slot) order, y_p = expert e_p's MLP of
+    x[p // K] in md (torch GEMMs, one pair of F.linear per expert over its contiguous group of rows)."""
+    P = x.shape[0] * top_k
+    inter = gate_up.shape[1] // 2
+    offsets = align.offsets.tolist()
+    counts = align.counts.tolist()
+    pairs = align.sorted_pairs[:offsets[-1]].long()                 # [padded total]
+    xs = x[pairs.clamp(max=max(P - 1, 0)) // top_k]                 # gathered inputs (padding rows unused)
+    y = torch.empty(P, x.shape[-1], dtype=torch.float32, device=x.device)
+    for e, n in enumerate(counts):                                  # each expert's weights read once
+        if n:
+            s = offsets[e]
+            gu = F.linear(xs[s:s + n], gate_up[e])
+            h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+            y[pairs[s:s + n]] = F.linear(h, down[e]).float()
+    return y
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``out = rnd(Σ_k f32(y[:, k])·w[:, k])`` [T, H] in dtype: y [T, K, H] fp32; weights [T, K] fp32, or None
+    when y already carries them. fp32 products, the sum over k in slot order 0..K-1, one rounding."""
+    if weights is not None:
+        y = y * weights[..., None]
+    out = y[:, 0]
+    for k in range(1, y.shape[1]):                                  # fixed slot order: deterministic
+        out = out + y[:, k]
+    return out.to(dtype)
+
+
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Grouped expert MLP with an fp32 combine. x [T, H] md; gate_up [E, 2I, H]; down [E, H, I];
@@ -62,28 +132,28 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
     ``y_k = (gelu_tanh(gate_k) ⊙ up_k)·DN[e_k]ᵀ`` in md, ``out = rnd(Σ_k f32(y_k)·w_k)`` with the sum over k
     in slot order 0..K-1 (spec §3.4: the grouped_mm combine, not eager's index_add in md).
+    Built from ``moe_align`` (block 1: no padding), ``moe_expert_outputs`` and ``moe_combine``.
     """
     T, K = ids.shape
-    E, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    flat = ids.reshape(-1)                                   # [T·K] pairs in (token, slot) order
-    order = torch.argsort(flat, stable=True)                 # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=E).tolist()
-    xs = x[order // K]                                       # [T·K, H] gathered inputs
-    ys = torch.empty(T * K, x.shape[-1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):                           # each expert's weights read once
-        if n:
-            gu = F.linear(xs[start:start + n], gate_up[e])
-            h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-            ys[start:start + n] = F.linear(h, down[e]).float()
-            start += n
-    y = torch.empty_like(ys)
-    y[order] = ys                                            # back to (token, slot) order
-    y = y.view(T, K, -1) * weights[..., None]
-    out = y[:, 0]
-    for k in range(1, K):                                    # fixed slot order: deterministic
-        out = out + y[:, k]
-    return out.to(x.dtype)
+    align = moe_align(ids, gate_up.shape[0], 1)
+    y = moe_expert_outputs(x, gate_up, down, align, K)
+    return moe_combine(y.view(T, K, -1), weights, x.dtype)
+
+
+def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False):
+    """ModelOpt NVFP4 tensors → the W4A16 kernel layout (words, scales); the formula is ``dgserve.nvfp4.repack``."""
+    from dgserve import nvfp4
+    return nvfp4.repack(weight, weight_scale, interleave)
+
+
+def nvfp4_moe_experts(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Grouped W4A16 expert MLP on ``nvfp4.PackedExperts`` with the fp32 combine → [T, H] in x's dtype:
+    ``moe_align`` (block 1) → ``nvfp4.expert_outputs`` (y already weighted) → ``moe_combine(y, None)``."""
+    from dgserve import nvfp4
+    T, K = ids.shape
+    align = moe_align(ids, experts.gs.shape[0], 1)
+    y = nvfp4.expert_outputs(x, experts, weights.to(torch.float32), align.offsets, align.sorted_pairs)
+    return moe_combine(y.view(T, K, -1), None, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
