@@ -1,6 +1,6 @@
 """Op-level benchmarks of dgserve.ops, one JSON line per configuration.
 
-    python bench/bench_ops.py moe|nvfp4 [--shape 26b|small] [--device cuda|cpu] [--dtype bfloat16|float32]
+    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu] [--dtype bfloat16|float32]
                                   [--canvases 1,4,16] [--hbm-gbps 3350] [--repeats 20] [--warmup 3]
                                   [--no-reference]
 
@@ -23,6 +23,11 @@ at the same shapes, with the bf16 path ``ops.moe_experts`` timed in the same run
 native grouped GEMMs alone (``gemm_ms``), GB/s of the NVFP4 bytes of the active experts (0.5625 B/weight) as % of
 ``--hbm-gbps`` and of a copy bandwidth measured in the run. kernels.md §8 targets at one canvas on an H100: ≥ 70 %
 of HBM bandwidth and ≥ 2.5× the bf16 path.
+
+``diffusion_step``: ``dgserve.ops.diffusion_step`` over [B, 256, V] logits (V = 262,144 at 26b; 8,192 small) for
+1, 4, 16 canvases: time, GB/s of logits read + processed logits written, % of ``--hbm-gbps``, and the speed-up
+over the PyTorch reference (``ops.native_disabled()``; skipped on CUDA at V = 262,144, where the reference's
+Philox temporaries take several GB per canvas).
 """
 from __future__ import annotations
 
@@ -278,12 +283,50 @@ def nvfp4_gemm_ms(x, packed, w, ids, device, args) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# diffusion_step
+# ---------------------------------------------------------------------------------------------------------
+
+STEP_VOCAB = {"26b": 262_144, "small": 8192}
+
+
+def add_diffusion_step_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=sorted(STEP_VOCAB), default="26b" if torch.cuda.is_available() else "small")
+    p.add_argument("--canvases", default="1,4,16")
+    p.add_argument("--hbm-gbps", type=float, default=3350.0)
+    p.add_argument("--no-reference", action="store_true")
+
+
+def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    """The fused sampler step over [B, 256, V] logits: bytes = logits read + processed logits written (fp32)."""
+    V = STEP_VOCAB[args.shape]
+    for B in [int(c) for c in args.canvases.split(",")]:
+        g = torch.Generator().manual_seed(args.seed)
+        inputs = [(4 * torch.randn(B, CANVAS, V, generator=g)).to(dtype), 0.4 + 0.4 * torch.rand(B, generator=g),
+                  torch.randint(0, 2**62, (B,), generator=g), torch.zeros(B, dtype=torch.int64),
+                  torch.full((B,), 16, dtype=torch.int64), torch.full((B,), 0.1)]
+        inputs = [t.to(device) for t in inputs]
+        ms = time_ms(lambda: ops.diffusion_step(*inputs), device, args.repeats, args.warmup)
+        nbytes = B * CANVAS * V * (inputs[0].element_size() + 4)
+        row = {"bench": "diffusion_step", "device": device_name(device), "dtype": str(dtype)[6:], "canvases": B,
+               "canvas": CANVAS, "vocab": V, "native": ops.has_native("diffusion_step"), "ms": round(ms, 3),
+               "gb_s": round(nbytes / ms / 1e6, 1), "pct_of_hbm": round(100 * nbytes / ms / 1e6 / args.hbm_gbps, 1)}
+        if not args.no_reference and (device.type == "cpu" or V <= 32768):
+            with ops.native_disabled():
+                ref_ms = time_ms(lambda: ops.diffusion_step(*inputs), device, max(1, args.repeats // 4), 1)
+            row["reference_ms"] = round(ref_ms, 3)
+            row["speedup_vs_reference"] = round(ref_ms / ms, 2)
+        emit(row)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS = {  # name -> (add_args, bench, help)
     "moe": (add_moe_args, bench_moe, "MoE expert block: align, grouped expert GEMMs, combine"),
     "nvfp4": (add_nvfp4_args, bench_nvfp4, "NVFP4 W4A16 experts vs the bf16 expert path"),
+    "diffusion_step": (add_diffusion_step_args, bench_diffusion_step,
+                       "fused sampler step over [B, 256, V] logits vs the PyTorch reference"),
 }
 
 

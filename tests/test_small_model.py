@@ -1,0 +1,109 @@
+"""The small trained model shipped in the package (issue 8 part 1, DESIGN.md Decision 10).
+
+It must load in dgserve and in transformers 5.23.0 (no missing or unexpected keys), generate the same tokens in both
+for the same seed under the noise contract (fp32, DESIGN Decision 5), fit in 25 MB, and produce text.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from hf_reference import hf_generate
+
+from dgserve import DiffusionGemma, Engine, SamplingParams, Tokenizer
+from dgserve.engine import ChatPrompt
+
+SMALL = pathlib.Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+         "README.md")
+
+pytestmark = pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="small model not exported")
+
+
+@pytest.fixture(scope="module")
+def hf_small():
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(SMALL, dtype=torch.float32,
+                                                                  output_loading_info=True)
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(SMALL, dtype=torch.float32)
+
+
+def test_directory_contents_and_size():
+    for name in FILES:
+        assert (SMALL / name).is_file(), name
+    total = sum(p.stat().st_size for p in SMALL.rglob("*") if p.is_file())
+    assert total <= 25 * 1024 * 1024, f"{total} bytes"
+
+
+def test_config_is_the_real_architecture():
+    cfg = json.loads((SMALL / "config.json").read_text())
+    text = cfg["text_config"]
+    assert cfg["model_type"] == "diffusion_gemma" and cfg["tie_word_embeddings"] is True
+    assert {"sliding_attention", "full_attention"} <= set(text["layer_types"])
+    assert text["layer_types"][-1] == "full_attention"
+    assert text["num_experts"] > text["top_k_experts"] >= 2
+    assert cfg["vision_config"]["hidden_size"] <= 32 and cfg["vision_config"]["num_hidden_layers"] == 1
+    gen = json.loads((SMALL / "generation_config.json").read_text())
+    assert gen["sampler_config"]["_cls_name"] == "EntropyBoundSamplerConfig"
+    assert isinstance(gen["sampler_config"]["entropy_bound"], float)
+    assert gen["pad_token_id"] == 0 and 1 in gen["eos_token_id"]
+
+
+def test_transformers_loads_without_missing_or_unexpected_keys(hf_small):
+    model, info = hf_small
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys")
+    n = sum(p.numel() for p in model.parameters())
+    assert 1_000_000 < n < 10_000_000
+
+
+def test_dgserve_loads_the_same_weights(hf_small):
+    model = DiffusionGemma.from_pretrained(SMALL, dtype=torch.float32)
+    cfg = model.config
+    assert cfg.canvas_length == hf_small[0].config.canvas_length
+    assert cfg.vocab_size == hf_small[0].config.text_config.vocab_size
+
+
+def test_tokenizer_round_trips_and_chat_template():
+    tok = Tokenizer.from_pretrained(SMALL)
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    for text in ["In the beginning God created the heaven and the earth.",
+                 "Hello, world! 123 — naïve café\n\ttabs", ""]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    ids = tok.encode("And God said", add_special_tokens=True)
+    assert ids[0] == 2
+    chat = tok.apply_chat_template([{"role": "user", "content": "Who is the king of glory?"}])
+    assert chat == "<bos><|turn>user\nWho is the king of glory?<turn|>\n<|turn>model\n"
+    chat_ids = tok.encode_chat([{"role": "user", "content": "Who is the king of glory?"}])
+    assert chat_ids[:2] == [2, 3] and chat_ids.count(4) == 1
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_engine_matches_transformers_generate(hf_small, engine, seed):
+    """Same tokens as transformers' generate() under the seeded noise contract (fp32, DESIGN Decision 5)."""
+    hf = hf_small[0]
+    prompt = engine.tokenizer.encode("And the LORD spake unto Moses, saying,", add_special_tokens=True)
+    steps, max_new = 12, 32
+    ref, _ = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=0.4, t_max=0.8,
+                         entropy_bound=0.5, eos_ids=(1, 4), pad_id=0)
+    params = SamplingParams(max_new_tokens=max_new, max_denoising_steps=steps, t_min=0.4, t_max=0.8,
+                            entropy_bound=0.5, seed=seed)
+    res = engine.generate(prompt, params)
+    assert res.token_ids and res.token_ids == ref[: len(res.token_ids)]
+
+
+def test_generation_returns_text(engine):
+    res = engine.generate("In the beginning", engine.default_params(max_new_tokens=32, seed=1))
+    assert res.text.strip()
+    res = engine.generate(ChatPrompt(({"role": "user", "content": "Who is the king of glory?"},)),
+                          engine.default_params(max_new_tokens=32, seed=2))
+    assert res.token_ids and res.finish_reason in ("eos", "length")
