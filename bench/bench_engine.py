@@ -169,7 +169,7 @@ def main() -> None:
             if label == "adaptive" and conc != 1:
                 continue
             secs, ntok, steps, ttfb, blocks, _ = _ours(args, config, dtype, device, prompt, params, conc)
-            step_s = secs / (blocks * steps)
+            step_s = secs / steps   # steps: denoising steps each request ran (rows advance together)
             row = {
                 "bench": "engine", "device": _device_name(device), "shape": args.shape, "dtype": str(dtype)[6:],
                 "experts": args.experts, "steps": label if label == "adaptive" else args.steps,
