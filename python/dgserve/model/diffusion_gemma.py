@@ -17,6 +17,7 @@ from dgserve import ops
 from dgserve.checkpoint import load_weights
 from dgserve.config import ModelConfig
 
+from .batched import decode_batched
 from .cache import KVCache, RowCache
 from .layers import (LayerWeights, attend, attention_output, feed_forward, project_kv, project_q,
                      rope_cos_sin, rope_inv_freq)
@@ -26,10 +27,13 @@ class DiffusionGemma:
     """The model over explicit weight tensors (no nn.Module: inference only, weights never trained here)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", batch_rows: bool | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
+        # GEMM row results may depend on the row count and batch invariance must be bitwise (Decision 3)
+        self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
         self.embed = weights["embed_tokens.weight"]                        # [V, H]
         self.lm_head = weights.get("lm_head.weight", self.embed)            # tied unless stored and different
         self.final_norm = weights["norm.weight"]
@@ -80,12 +84,17 @@ class DiffusionGemma:
         canvas_ids = torch.as_tensor(canvas_ids).to(self.device)
         if len(cache.rows) != canvas_ids.shape[0]:
             raise ValueError(f"canvas_ids has {canvas_ids.shape[0]} rows but the cache has {len(cache.rows)}")
-        out = []
-        for b, row in enumerate(cache.rows):
-            sc_l = None if self_cond_logits is None else self_cond_logits[b]
-            sc_p = None if self_cond_probs is None else self_cond_probs[b]
-            out.append(self.decode_row(row, canvas_ids[b], sc_l, sc_p))
-        return torch.stack(out)
+        B = len(cache.rows)
+        sc_l = [None if self_cond_logits is None else self_cond_logits[b] for b in range(B)]
+        sc_p = [None if self_cond_probs is None else self_cond_probs[b] for b in range(B)]
+        if self.batch_rows and B > 1 and self._uniform_sc(sc_l, sc_p):
+            return decode_batched(self, cache.rows, canvas_ids, sc_l, sc_p)
+        return torch.stack([self.decode_row(row, canvas_ids[b], sc_l[b], sc_p[b]) for b, row in enumerate(cache.rows)])
+
+    @staticmethod
+    def _uniform_sc(sc_l: list, sc_p: list) -> bool:
+        """The batched pass needs self-conditioning rows to be all logits or all probabilities."""
+        return not (any(t is not None for t in sc_l) and any(t is not None for t in sc_p))
 
     # ------------------------------------------------------------------ one row
 
