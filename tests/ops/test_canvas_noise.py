@@ -8,14 +8,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    """The compiled extension dgserve._C; skips the test when it is not built (`python build.py`)."""
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
 T = torch.tensor
 
 

@@ -23,22 +23,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    """The compiled extension dgserve._C; skips the test when it is not built (`python build.py`)."""
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
-@pytest.fixture
-def cpu_levels(C):
-    """The CPU code paths this machine runs (0 baseline, 1 AVX2+FMA, 2 AVX-512); restores the automatic choice."""
-    top = C._set_cpu_level(-1)
-    yield list(range(top + 1))
-    C._set_cpu_level(-1)
-
-
 ENTROPY_ATOL_VS_REFERENCE = 3e-5  # the reference's own fp32 error (measured up to 2.7e-5 at |y| ~ 1000)
 
 

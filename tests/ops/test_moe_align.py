@@ -8,13 +8,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
 def _ids(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """Routing patterns: uniform top-k, all tokens on the same K experts, half the experts never used."""
     if kind == "uniform":

@@ -8,13 +8,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
 SHAPES = [(1, 1, 1), (1, 8, 64), (7, 2, 17), (33, 8, 96), (256, 3, 5), (5, 1, 2816)]
 
 

@@ -9,13 +9,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
 # (tokens, hidden, inter, experts, top_k, routing)
 CASES = [(1, 64, 32, 4, 2, "uniform"), (7, 48, 16, 5, 1, "uniform"), (7, 40, 24, 6, 3, "one_group"),
          (33, 64, 32, 13, 5, "half_unused"), (256, 96, 24, 13, 8, "uniform"), (5, 32, 8, 3, 3, "uniform"),

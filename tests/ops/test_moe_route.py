@@ -13,13 +13,6 @@ SHAPES = [(1, 64, 4, 2), (7, 48, 5, 1), (7, 40, 6, 3), (33, 64, 128, 8), (256, 9
           (3, 24, 129, 8), (9, 16, 200, 1), (2, 16, 1000, 8)]
 
 
-@pytest.fixture(scope="module")
-def C():
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
 def _router(T, H, E, dtype, gen, device="cpu"):
     r = (torch.randn(T, H, generator=gen) * 2).to(dtype)
     scale = (torch.rand(H, generator=gen) + 0.5).to(dtype)

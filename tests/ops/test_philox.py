@@ -10,22 +10,6 @@ from dgserve import ops
 from dgserve.ops import reference
 
 
-@pytest.fixture(scope="module")
-def C():
-    """The compiled extension dgserve._C; skips the test when it is not built (`python build.py`)."""
-    if ops._C is None:
-        pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
-
-
-@pytest.fixture
-def cpu_levels(C):
-    """The CPU code paths this machine runs (0 baseline, 1 AVX2+FMA, 2 AVX-512); restores the automatic choice."""
-    top = C._set_cpu_level(-1)
-    yield list(range(top + 1))
-    C._set_cpu_level(-1)
-
-
 # spec §7.2: (counter c0..c3, key k0 k1, output)
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
