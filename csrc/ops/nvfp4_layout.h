@@ -123,6 +123,26 @@ DG_HD void decode_fragment(uint32_t q, uint32_t sg, uint32_t sg8, int j, uint32_
   a[3] = mul_bf16x2(pair_bits(q << 12), s_g8);
 }
 
+// Host decode of one 64-column chunk of one 16-row tile (kWordsPerChunk words, kScalesPerChunk scale bytes)
+// through the kernels' own fragment decode: store(row in [0, 16), col in [0, 64), bf16 bits) for every element.
+template <class Store>
+inline void decode_chunk(const uint32_t* words, const uint8_t* sc, Store&& store) {
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2;
+    uint32_t sg = 0, sg8 = 0;
+    for (int b = 0; b < 4; ++b) {
+      sg |= (uint32_t)sc[8 * g + b] << (8 * b);
+      sg8 |= (uint32_t)sc[8 * g + 4 + b] << (8 * b);
+    }
+    for (int j = 0; j < 4; ++j) {
+      uint32_t a[4];
+      decode_fragment(words[lane * 4 + j], sg, sg8, j, a);
+      for (int i = 0; i < 8; ++i)
+        store(frag_row(lane, i), 16 * j + frag_col(lane, i), (uint16_t)(a[i >> 1] >> (16 * (i & 1))));
+    }
+  }
+}
+
 DG_HD float gelu_tanh(float g) {
   // torch's approximate="tanh": 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
   const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));

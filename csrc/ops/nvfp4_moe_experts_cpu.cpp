@@ -19,23 +19,9 @@ void decode_expert(const uint32_t* words, const uint8_t* scales, int64_t rows, i
     for (int64_t kc = 0; kc < chunks; ++kc) {
       const uint32_t* w = words + (rt * chunks + kc) * nvfp4::kWordsPerChunk;
       const uint8_t* sc = scales + (rt * chunks + kc) * nvfp4::kScalesPerChunk;
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane >> 2;
-        uint32_t sg = 0, sg8 = 0;
-        for (int b = 0; b < 4; ++b) {
-          sg |= (uint32_t)sc[8 * g + b] << (8 * b);
-          sg8 |= (uint32_t)sc[8 * g + 4 + b] << (8 * b);
-        }
-        for (int j = 0; j < 4; ++j) {
-          uint32_t a[4];
-          nvfp4::decode_fragment(w[lane * 4 + j], sg, sg8, j, a);
-          for (int i = 0; i < 8; ++i) {
-            const uint32_t bits = (a[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
-            out[(rt * 16 + nvfp4::frag_row(lane, i)) * width + (4 * kc + j) * 16 + nvfp4::frag_col(lane, i)] =
-                bits_to_float(bits << 16);
-          }
-        }
-      }
+      nvfp4::decode_chunk(w, sc, [&](int r, int c, uint16_t bits) {
+        out[(rt * 16 + r) * width + 64 * kc + c] = bits_to_float((uint32_t)bits << 16);
+      });
     }
   }
 }

@@ -42,22 +42,7 @@ Status nvfp4_decode_cpu(const Nvfp4DecodeParams& p) {
     for (int64_t kc = 0; kc < p.chunks; ++kc) {
       const uint32_t* words = p.words + (er * p.chunks + kc) * nvfp4::kWordsPerChunk;
       const uint8_t* sc = p.scales + (er * p.chunks + kc) * nvfp4::kScalesPerChunk;
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane >> 2;
-        uint32_t sg = 0, sg8 = 0;
-        for (int b = 0; b < 4; ++b) {
-          sg |= (uint32_t)sc[8 * g + b] << (8 * b);
-          sg8 |= (uint32_t)sc[8 * g + 4 + b] << (8 * b);
-        }
-        for (int j = 0; j < 4; ++j) {
-          uint32_t a[4];
-          nvfp4::decode_fragment(words[lane * 4 + j], sg, sg8, j, a);
-          for (int i = 0; i < 8; ++i) {
-            const uint16_t bits = (uint16_t)(a[i >> 1] >> (16 * (i & 1)));
-            out[nvfp4::frag_row(lane, i) * width + (4 * kc + j) * 16 + nvfp4::frag_col(lane, i)] = bf16{bits};
-          }
-        }
-      }
+      nvfp4::decode_chunk(words, sc, [&](int r, int c, uint16_t bits) { out[r * width + 64 * kc + c] = bf16{bits}; });
     }
   }
   return Status::Ok();
