@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from dgserve import Engine, SamplingParams
+from dgserve.default_model import train_tokenizer
 from dgserve.outputs import OutputTracker
 from dgserve.tiny import make_random_checkpoint
 
-SPECIALS = ["<pad>", "<eos>", "<bos>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",
           "A diffusion model writes a whole canvas of tokens at once and refines it over a few steps."]
 
@@ -16,15 +16,8 @@ CORPUS = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in th
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """The tiny random model with a 300-id byte-level BPE tokenizer (specials 0, 1, 2 = pad, eos, bos)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
     path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-tok"), "tiny", seed=3)
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = train_tokenizer(300, CORPUS)
     assert tok.get_vocab_size() <= 300
     tok.save(f"{path}/tokenizer.json")
     return Engine.from_pretrained(path)
