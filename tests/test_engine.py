@@ -50,7 +50,7 @@ def test_stream_blocks_partition_result(engine):
     assert [b.finish_reason for b in blocks] == [None, None, "length"]
     assert "".join(b.text for b in blocks) == res.text
     for b in blocks:
-        assert b.stats.denoising_steps == 6
+        assert b.denoising_steps == b.stats.denoising_steps == 6
         assert b.stats.tokens_per_forward == pytest.approx(len(b.token_ids) / 6)
         assert b.stats.denoise_seconds > 0 and b.stats.encode_seconds > 0
 

@@ -29,6 +29,11 @@ class BlockOutput:
     stats: BlockStats
     finish_reason: str | None = None   # set on the last block of a request
 
+    @property
+    def denoising_steps(self) -> int:
+        """Decoder forwards run for this block (the DESIGN contract's ``blocks[i].denoising_steps``)."""
+        return self.stats.denoising_steps
+
 
 @dataclass
 class GenerationResult:
@@ -42,7 +47,7 @@ class GenerationResult:
 
     @property
     def denoising_steps(self) -> int:
-        return sum(b.stats.denoising_steps for b in self.blocks)
+        return sum(b.denoising_steps for b in self.blocks)
 
     @property
     def tokens_per_forward(self) -> float:
