@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../common/activation.h"
 #include "../common/check.h"
 #include "../common/dtype.h"
 #include "moe_experts.h"
@@ -129,11 +130,6 @@ __device__ __forceinline__ void run_pass(const Pass& ps, int t, float acc[2][kNT
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return to_float(float_to_bf16(v)); }
-
-__device__ __forceinline__ float gelu_tanh(float x) {  // torch's gelu(approximate="tanh"), fp32
-  const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));
-  return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
-}
 
 __global__ void __launch_bounds__(kThreads) moe_gemm1_kernel(MoeExpertsParams p) {
   const int e = blockIdx.y;

@@ -2,18 +2,12 @@
 // Experts in parallel (OpenMP); every dot product is a sequential fp32 sum over k.
 #include <math.h>
 
+#include "../common/activation.h"
 #include "../common/check.h"
 #include "moe_experts.h"
 
 namespace dg {
 namespace {
-
-// torch's gelu(approximate="tanh"): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) in fp32.
-inline float gelu_tanh(float x) {
-  const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-  const float inner = kBeta * (x + kKappa * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(inner));
-}
 
 template <class T>
 float dot(const T* a, const T* b, int64_t n) {

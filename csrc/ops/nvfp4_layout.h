@@ -143,11 +143,5 @@ inline void decode_chunk(const uint32_t* words, const uint8_t* sc, Store&& store
   }
 }
 
-DG_HD float gelu_tanh(float g) {
-  // torch's approximate="tanh": 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
-  const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
-  return 0.5f * g * (1.0f + tanhf(inner));
-}
-
 }  // namespace nvfp4
 }  // namespace dg

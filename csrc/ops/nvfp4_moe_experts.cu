@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "../common/check.h"
+#include "../common/activation.h"
 #include "nvfp4_layout.h"
 #include "nvfp4_moe_experts.h"
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
             if (pair < 0 || pair >= pairs) continue;
             if constexpr (kGemm1) {  // rows g / g + 8 of tile rt are gate / up of feature 8·rt + g
               const float gv = acc[r][n][h] * (gs[0] * 128.0f), uv = acc[r][n][2 + h] * (gs[1] * 128.0f);
-              p.act[s * p.inter + 8 * rt + g] = float_to_bf16(nvfp4::gelu_tanh(gv) * uv);
+              p.act[s * p.inter + 8 * rt + g] = float_to_bf16(gelu_tanh(gv) * uv);
             } else {
               const float scale = gs[2] * 128.0f, w = p.topk_w[pair];
               float* yr = p.y + pair * p.hidden + 16 * rt + g;

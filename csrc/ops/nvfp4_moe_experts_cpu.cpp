@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "../common/activation.h"
 #include "nvfp4_layout.h"
 #include "nvfp4_moe_experts.h"
 
@@ -59,7 +60,7 @@ void run_expert(const Nvfp4MoeParams& p, int64_t e, std::vector<float>& w, std::
       const int64_t row = 16 * (j / 8) + j % 8;
       const float g = dot(&w[row * 64 * kc1], v.data(), H) * gs_g;
       const float u = dot(&w[(row + 8) * 64 * kc1], v.data(), H) * gs_u;
-      p.act[s * I + j] = float_to_bf16(nvfp4::gelu_tanh(g) * u);
+      p.act[s * I + j] = float_to_bf16(gelu_tanh(g) * u);
     }
   }
   // GEMM2 + global scale + routing weight, written by pair
