@@ -130,8 +130,8 @@ class DiffusionGemma:
 
     def _store(self, row: RowCache, i: int, keys: torch.Tensor, values: torch.Tensor, first: bool) -> None:
         if self.config.is_sliding(i):  # keep the last W−1 positions, after this chunk's own attention
-            keep = self.config.sliding_window - 1
-            keys, values = keys[:, -keep:] if keep > 0 else keys[:, :0], values[:, -keep:] if keep > 0 else values[:, :0]
+            start = max(0, keys.shape[1] - (self.config.sliding_window - 1))
+            keys, values = keys[:, start:], values[:, start:]
         if first:
             row.keys.append(keys)
             row.values.append(values)
