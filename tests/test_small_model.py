@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 import torch
@@ -16,6 +17,18 @@ from dgserve import DiffusionGemma, Engine, SamplingParams, Tokenizer
 from dgserve.engine import ChatPrompt
 
 SMALL = pathlib.Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
+LEXICON = pathlib.Path(__file__).resolve().parent / "data" / "kjv_train_words.txt"
+# Half verses from held-out chapters (never trained on), as tools/eval_small_model.py draws them.
+HELD_OUT_PROMPTS = (
+    "All this was done, that it might be",
+    "And Jonathan climbed up upon his hands and upon his feet, and his",
+    "And Saul said, Cast lots between me",
+    "But he that doeth truth cometh to the light, that his",
+    "And forty days were fulfilled for him; for so are fulfilled the days of",
+    "Wherefore the LORD brought upon them the captains of the host of the king of Assyria,",
+    "Lo, I will bring a nation upon you from far, O house of Israel, saith the LORD: it is",
+    "Mine eye trickleth down, and",
+)
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "README.md")
 
@@ -107,3 +120,21 @@ def test_generation_returns_text(engine):
     res = engine.generate(ChatPrompt(({"role": "user", "content": "Who is the king of glory?"},)),
                           engine.default_params(max_new_tokens=32, seed=2))
     assert res.token_ids and res.finish_reason in ("eos", "length")
+
+
+def test_writes_mostly_real_words(engine):
+    """Recognisably English: most words the model writes are words of its training text.
+
+    The word list is the train split's vocabulary (written by `tools/eval_small_model.py --write-lexicon`). For
+    reference, on the eval tool's 40 held-out prompts the true continuations score ~0.99 and tokens drawn from the
+    train unigram distribution ~0.68; the shipped model's score is in its model card. A model that learned only
+    token frequencies (or a broken export) fails this bar.
+    """
+    vocab = set(LEXICON.read_text().split())
+    params = [engine.default_params(max_new_tokens=48, seed=100 + i, ignore_eos=True)
+              for i in range(len(HELD_OUT_PROMPTS))]
+    outs = engine.generate_batch(list(HELD_OUT_PROMPTS), params)
+    words = [w.lower() for o in outs for w in re.findall(r"[A-Za-z]+", o.text)]
+    assert len(words) >= 150, words
+    known = sum(w in vocab for w in words) / len(words)
+    assert known >= 0.85, (known, [o.text for o in outs])

@@ -313,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export-only", default=None, metavar="DIR", help="export the latest checkpoint and exit")
     ap.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--init-from", default=None, metavar="HF_DIR",
+                    help="warm start: load the weights (and, when --work has none yet, the tokenizer) of an exported "
+                         "model, e.g. python/dgserve/models/small; the optimizer starts fresh")
     # model
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=192)
@@ -353,6 +356,14 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     work, out = pathlib.Path(args.work), pathlib.Path(args.out)
+    if args.init_from:
+        # The warm-started weights only make sense with the tokenizer they were trained with.
+        work.mkdir(parents=True, exist_ok=True)
+        src_tok = pathlib.Path(args.init_from) / "tokenizer.json"
+        if not (work / "tokenizer.json").exists():
+            shutil.copy(src_tok, work / "tokenizer.json")
+        elif (work / "tokenizer.json").read_bytes() != src_tok.read_bytes():
+            sys.exit(f"{work}/tokenizer.json differs from {src_tok}: use a fresh --work for a warm start")
     tok, train, held, corpus = build_data(work, args.seed, args.vocab)
     V = tok.get_vocab_size()
     print(f"data: train {len(train):,} tokens, held-out {len(held):,} tokens, vocab {V}", flush=True)
@@ -384,6 +395,20 @@ def main(argv=None):
         print(f"resumed from {ck} at step {step}", flush=True)
     elif args.export_only:
         sys.exit(f"no checkpoint in {out}")
+    elif args.init_from:
+        # from_pretrained restores the encoder/decoder weight sharing that a state-dict load would not see.
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init_from, dtype=torch.float32)
+        model.train()
+        have, want = model.config.text_config.to_dict(), make_config(args, V).text_config.to_dict()
+        diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
+                if k != "dtype" and have.get(k) != want.get(k)}
+        if diff:
+            sys.exit(f"--init-from {args.init_from}: config differs from this script's model flags: {diff}")
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+        print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
 
     if args.export_only:
         export_hf(model, work / "tokenizer.json", pathlib.Path(args.export_only), args,
