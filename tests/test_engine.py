@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dgserve import Engine, SamplingParams
+from dgserve.config import ConfigError, GenerationDefaults
 from dgserve.default_model import train_tokenizer
 from dgserve.outputs import OutputTracker
 from dgserve.tiny import make_random_checkpoint
@@ -145,6 +146,14 @@ def test_stop_without_tokenizer_is_rejected(tiny_checkpoint):
         eng.generate([5, 6], _params(stop=("x",)))
     with pytest.raises(ValueError, match="tokenizer"):
         eng.generate("text", _params())
+
+
+def test_checkpoint_defaults_outside_request_limits_fail_at_load(tiny_checkpoint):
+    """generation_config.json values that GenerationDefaults accepts but no request may use (here 2,000 denoising
+    steps, above SamplingParams' 1,024) are refused when the engine is built, naming the file and the field."""
+    eng = Engine.from_pretrained(tiny_checkpoint("base"))
+    with pytest.raises(ConfigError, match="generation_config: max_denoising_steps"):
+        Engine(eng.model, None, GenerationDefaults(max_denoising_steps=2000))
 
 
 class _CharTokenizer:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dgserve.config import GenerationDefaults
+from dgserve.config import ConfigError, GenerationDefaults
 from dgserve.model import DiffusionGemma, KVCache, RowCache
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampler import BlockState, Sampler
@@ -87,6 +87,10 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
+        try:  # a checkpoint default outside the request limits fails here, at load, not on the first request
+            self.default_params()
+        except ValueError as e:
+            raise ConfigError(f"generation_config: {e}") from None
         cfg = model.config
         eos = self.defaults.eos_token_ids or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
