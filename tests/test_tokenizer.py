@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from dgserve.outputs import OutputTracker
 from dgserve.tokenizer import IncrementalDecoder, Tokenizer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
@@ -400,3 +401,46 @@ def test_incremental_decoder_incomplete_tail(tok):
     assert dec.text == tok.decode(ids[:-1])
     dec = IncrementalDecoder(tok)
     assert dec.push(ids[:-1]) + dec.push(ids[-1:]) + dec.flush() == "ok 🦊"
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and records the longest id list it was asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class _FullDecodeTracker(OutputTracker):
+    """The reference: the output rules over a full decode of everything so far at every question."""
+
+    def _text_with(self, toks):
+        return self.tokenizer.decode(self._text_ids(self.token_ids + toks), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stop", [(), ("🦊",), ("日本", "xyz"), ("e d", "✓ 👩")])
+def test_output_tracker_windowed_text_equals_full_decode(tok, stop):
+    """OutputTracker's windowed decoding gives the same tokens, deltas, text and finish reason as full decodes,
+    for every block split, with stop strings that span tokens, blocks and multi-byte characters, and EOS ids
+    (1) that are excluded from the text; its decodes stay the size of a window."""
+    ids = tok.encode(STREAM_TEXT * 3)
+    rng = random.Random(1)
+    for sizes in _splits(len(ids), rng):
+        stream = list(ids)
+        for _ in range(2):  # an EOS inside the stream, ignored (ignore_eos) so that generation goes on
+            stream.insert(rng.randrange(len(stream)), 1)
+        counting = _CountingTokenizer(tok)
+        fast = OutputTracker(10_000, frozenset({1}), True, stop, counting)
+        ref = _FullDecodeTracker(10_000, frozenset({1}), True, stop, tok)
+        pos = 0
+        for size in sizes:
+            if pos >= len(stream) or ref.finish_reason is not None:
+                break
+            block = stream[pos:pos + size]
+            pos += size
+            assert fast.add_block(block) == ref.add_block(block)
+            assert (fast.text, fast.token_ids, fast.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+        assert counting.longest <= 2 * max(sizes) + 2 * IncrementalDecoder.MAX_HOLD

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dgserve.tokenizer import IncrementalDecoder
+
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "eos", "length", "stop", "cancelled"
 
 
@@ -55,7 +57,11 @@ class GenerationResult:
 
 
 class OutputTracker:
-    """Applies the output rules block by block for one request and produces each block's text delta."""
+    """Applies the output rules block by block for one request and produces each block's text delta.
+
+    Text comes from an `IncrementalDecoder` over the output ids without EOS tokens, so each block costs decodes of
+    a window (the previous block and this one), not of the whole output so far.
+    """
 
     def __init__(self, max_new_tokens: int, eos_ids: frozenset[int], ignore_eos: bool,
                  stop: tuple[str, ...], tokenizer=None):
@@ -66,6 +72,7 @@ class OutputTracker:
         self.all_eos = eos_ids
         self.stop = stop
         self.tokenizer = tokenizer
+        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.text = ""            # text emitted so far
         self.finish_reason: str | None = None
@@ -78,22 +85,28 @@ class OutputTracker:
             if t in self.eos_ids:
                 toks, reason = toks[: j + 1], FINISH_EOS
                 break
-        full = self._decode(self.token_ids + toks)
+        full = self._text_with(toks)
         hit = self._find_stop(full)
         if hit is not None:
             toks, full, reason = self._cut_at_stop(toks, full, hit)
         if reason is None and len(self.token_ids) + len(toks) >= self.max_new_tokens:
             reason = FINISH_LENGTH
         self.token_ids += toks
+        if self._decoder is not None:
+            self._decoder.push(self._text_ids(toks))
         self.finish_reason = reason
         shown = full if reason is not None else full[: len(full) - self._holdback(full)]
         delta, self.text = shown[len(self.text):], shown if len(shown) > len(self.text) else self.text
         return toks, delta
 
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
+    def _text_ids(self, toks: list[int]) -> list[int]:
+        return [t for t in toks if t not in self.all_eos]
+
+    def _text_with(self, toks: list[int]) -> str:
+        """The output's full text (EOS excluded) if `toks` were appended."""
+        if self._decoder is None:
             return ""
-        return self.tokenizer.decode([t for t in ids if t not in self.all_eos], skip_special_tokens=True)
+        return self._decoder.text_with(self._text_ids(toks))
 
     def _find_stop(self, full: str) -> tuple[int, int] | None:
         """Earliest stop-string match (start, end) not already emitted; it may span blocks."""
@@ -111,7 +124,7 @@ class OutputTracker:
     def _cut_at_stop(self, toks: list[int], full: str, hit: tuple[int, int]):
         """Keep the block's tokens up to the one completing the match; text ends before the match."""
         for n in range(1, len(toks) + 1):
-            if len(self._decode(self.token_ids + toks[:n])) >= hit[1]:
+            if len(self._text_with(toks[:n])) >= hit[1]:
                 return toks[:n], full[: hit[0]], FINISH_STOP
         return toks, full[: hit[0]], FINISH_STOP
 

@@ -14,7 +14,7 @@ import datetime
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jinja2
 import jinja2.ext
@@ -361,23 +361,27 @@ class IncrementalDecoder:
     held back until later tokens complete it, looking back at most `MAX_HOLD` tokens. `flush()` releases what is
     held, U+FFFD included when the bytes never complete, so that after it `text == tokenizer.decode(all_ids,
     skip_special_tokens)`. Each push decodes only a window from the previous block on (vLLM's prefix/read offsets),
-    which also keeps decoders that treat the first token specially consistent.
+    which also keeps decoders that treat the first token specially consistent. `text_with(ids)` is the full text
+    the stream would have with `ids` appended, from the same window, without pushing them.
+
+    `tokenizer` needs only `decode(ids, skip_special_tokens=...)`.
     """
 
     MAX_HOLD = 8  # tokens; a UTF-8 character has at most 4 bytes, each token at least one
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] is the context already emitted, re-decoded for continuity
         self._read = 0  # ids[:_read] are emitted
-        self._parts: list[str] = []
+        self._seen = ""  # decode(ids[_prefix:_read])
+        self._text = ""
 
     @property
     def text(self) -> str:
         """All text emitted so far."""
-        return "".join(self._parts)
+        return self._text
 
     @property
     def token_ids(self) -> list[int]:
@@ -387,24 +391,32 @@ class IncrementalDecoder:
     def push(self, ids: Iterable[int]) -> str:
         """Append `ids`; return the newly final text ("" when nothing is final yet)."""
         self._ids.extend(int(i) for i in ids)
-        seen = self._decode(self._prefix, self._read)
         for end in range(len(self._ids), max(self._read, len(self._ids) - self.MAX_HOLD), -1):
             new = self._decode(self._prefix, end)
-            if len(new) > len(seen) and not new.endswith("\ufffd"):
-                return self._emit(new[len(seen):], end)
+            if len(new) > len(self._seen) and not new.endswith("\ufffd"):
+                return self._emit(new, end)
         return ""
 
     def flush(self) -> str:
         """Emit everything still held (end of stream) and return it."""
         if self._read == len(self._ids):
             return ""
-        seen = self._decode(self._prefix, self._read)
-        return self._emit(self._decode(self._prefix, len(self._ids))[len(seen):], len(self._ids))
+        return self._emit(self._decode(self._prefix, len(self._ids)), len(self._ids))
+
+    def text_with(self, ids: Sequence[int]) -> str:
+        """decode(pushed ids + `ids`), held-back bytes included (U+FFFD where still incomplete); pushes nothing.
+        Costs one decode of the window from the previous emit on, not of the whole stream."""
+        window = self._ids[self._prefix:] + [int(i) for i in ids]
+        decoded = self._tokenizer.decode(window, skip_special_tokens=self._skip)
+        return self._text + decoded[len(self._seen):]
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
-    def _emit(self, delta: str, end: int) -> str:
+    def _emit(self, window_text: str, end: int) -> str:
+        """Emit decode(ids[_prefix:end]) beyond what was seen; the emitted span becomes the next context."""
+        delta = window_text[len(self._seen):]
         self._prefix, self._read = self._read, end
-        self._parts.append(delta)
+        self._seen = self._decode(self._prefix, self._read)
+        self._text += delta
         return delta
