@@ -126,9 +126,10 @@ def test_writes_mostly_real_words(engine):
     """Recognisably English: most words the model writes are words of its training text.
 
     The word list is the train split's vocabulary (written by `tools/eval_small_model.py --write-lexicon`). For
-    reference, on the eval tool's 40 held-out prompts the true continuations score ~0.99 and tokens drawn from the
-    train unigram distribution ~0.68; the shipped model's score is in its model card. A model that learned only
-    token frequencies (or a broken export) fails this bar.
+    reference, on the eval tool's 60 held-out prompts the true continuations score 0.986, tokens drawn from the
+    train unigram distribution 0.678, the previous shipped model (7,000 steps) 0.879 and this one 0.943; on these 8
+    prompts this one scores 0.96. A model that learned only token frequencies, the previous one, or a broken export
+    fails this bar.
     """
     vocab = set(LEXICON.read_text().split())
     params = [engine.default_params(max_new_tokens=48, seed=100 + i, ignore_eos=True)
@@ -137,4 +138,4 @@ def test_writes_mostly_real_words(engine):
     words = [w.lower() for o in outs for w in re.findall(r"[A-Za-z]+", o.text)]
     assert len(words) >= 150, words
     known = sum(w in vocab for w in words) / len(words)
-    assert known >= 0.85, (known, [o.text for o in outs])
+    assert known >= 0.90, (known, [o.text for o in outs])

@@ -18,6 +18,7 @@ Usage:
     python tools/train_small_model.py --work /work/train --out /work/train/ckpt --threads 2 --steps 6000
     python tools/train_small_model.py ... --resume            # continue from the latest checkpoint in --out
     python tools/train_small_model.py ... --export-only DIR   # write the HF dir from the latest checkpoint
+    python tools/train_small_model.py ... --init-from python/dgserve/models/small   # warm start (fresh optimizer)
 
 Reproducible with `--seed` (data order, noise and init all come from seeded generators; a resumed run restores the
 RNG states, so it follows the same trajectory up to floating-point thread effects).
