@@ -371,8 +371,21 @@ def main(argv=None):
 
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    ck = latest_ckpt(out) if (args.resume or args.export_only) else None
+    if ck is None and args.export_only:
+        sys.exit(f"no checkpoint in {out}")
     torch.manual_seed(args.seed)
-    model = DiffusionGemmaForBlockDiffusion(make_config(args, V)).float()
+    if ck is None and args.init_from:
+        # from_pretrained restores the encoder/decoder weight sharing that a state-dict load would not see.
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init_from, dtype=torch.float32)
+        have, want = model.config.text_config.to_dict(), make_config(args, V).text_config.to_dict()
+        diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
+                if k != "dtype" and have.get(k) != want.get(k)}
+        if diff:
+            sys.exit(f"--init-from {args.init_from}: config differs from this script's model flags: {diff}")
+        print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
+    else:
+        model = DiffusionGemmaForBlockDiffusion(make_config(args, V)).float()
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     n_vis = sum(p.numel() for n, p in model.named_parameters() if "vision" in n)
@@ -384,8 +397,6 @@ def main(argv=None):
     np_rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     step, tokens_seen, train_time = 0, 0, 0.0
-
-    ck = latest_ckpt(out) if (args.resume or args.export_only) else None
     if ck is not None:
         st = torch.load(ck, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])
@@ -394,22 +405,6 @@ def main(argv=None):
         gen.set_state(st["torch_gen"])
         step, tokens_seen, train_time = st["step"], st["tokens_seen"], st["train_time"]
         print(f"resumed from {ck} at step {step}", flush=True)
-    elif args.export_only:
-        sys.exit(f"no checkpoint in {out}")
-    elif args.init_from:
-        # from_pretrained restores the encoder/decoder weight sharing that a state-dict load would not see.
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init_from, dtype=torch.float32)
-        model.train()
-        have, want = model.config.text_config.to_dict(), make_config(args, V).text_config.to_dict()
-        diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
-                if k != "dtype" and have.get(k) != want.get(k)}
-        if diff:
-            sys.exit(f"--init-from {args.init_from}: config differs from this script's model flags: {diff}")
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-        print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
 
     if args.export_only:
         export_hf(model, work / "tokenizer.json", pathlib.Path(args.export_only), args,
