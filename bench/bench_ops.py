@@ -94,12 +94,17 @@ def emit(row: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def add_moe_args(p: argparse.ArgumentParser) -> None:
+def add_expert_shape_args(p: argparse.ArgumentParser, no_reference_help: str) -> None:
+    """The flags the expert benches (moe, nvfp4) share: problem shape, batch sizes, roofline, reference check."""
     p.add_argument("--shape", choices=sorted(MOE_SHAPES), default=None,
                    help="26b (default on CUDA) or small (default on CPU)")
     p.add_argument("--canvases", default="1,4,16", help="comma-separated canvases of 256 tokens")
     p.add_argument("--hbm-gbps", type=float, default=3350.0, help="memory bandwidth roofline in GB/s")
-    p.add_argument("--no-reference", action="store_true", help="skip the (slow) per-expert PyTorch reference")
+    p.add_argument("--no-reference", action="store_true", help=no_reference_help)
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    add_expert_shape_args(p, "skip the (slow) per-expert PyTorch reference")
 
 
 def moe_problem(H, I, E, K, tokens, dtype, device, seed):
@@ -188,11 +193,7 @@ def moe_grouped_mm_row(x, gate_up, down, w, ids, device, args, ms) -> dict:
 
 
 def add_nvfp4_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=sorted(MOE_SHAPES), default=None,
-                   help="26b (default on CUDA) or small (default on CPU)")
-    p.add_argument("--canvases", default="1,4,16", help="comma-separated canvases of 256 tokens")
-    p.add_argument("--hbm-gbps", type=float, default=3350.0, help="memory bandwidth roofline in GB/s")
-    p.add_argument("--no-reference", action="store_true", help="skip the accuracy check against the reference")
+    add_expert_shape_args(p, "skip the accuracy check against the reference")
 
 
 def sig(v: float) -> float:
