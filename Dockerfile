@@ -1,12 +1,12 @@
 # syntax=docker/dockerfile:1.7
 #
-# dgserve: gRPC serving for DiffusionGemma, as a NIM-style container.
+# dgserve: gRPC and OpenAI-compatible HTTP serving for DiffusionGemma, as a NIM-style container.
 #
 #   builder  CUDA devel image: Python venv with a CUDA build of torch, `build.py` (protobuf stubs + the
 #            dgserve._C extension with CUDA kernels for sm_90a / sm_100a), the CPU test suite, a wheel, and a
 #            clean runtime venv with that wheel installed.
-#   runtime  slim CUDA base image: the runtime venv, `service/`, a non-root user, gRPC on 50051, health and
-#            metrics on 8000, the model directory as the volume /models.
+#   runtime  slim CUDA base image: the runtime venv (the server is in the wheel: `dgserve serve`), a non-root
+#            user, gRPC on 50051, the OpenAI-compatible API + health + metrics on 8000, the model as /models.
 #
 #   docker build -t dgserve .
 #   docker run --gpus all -p 50051:50051 -p 8000:8000 dgserve               # the small model shipped inside
@@ -104,10 +104,9 @@ RUN apt-get update \
 
 COPY --from=builder /opt/venv /opt/venv
 WORKDIR /opt/dgserve
-COPY service/ service/
 COPY --chmod=0755 docker/entrypoint.sh docker/entrypoint.sh
 
-# NIM-style defaults; each is read by service/__main__.py and overridden by the matching flag.
+# NIM-style defaults; each is read by dgserve serve (dgserve/service/__main__.py) and overridden by its flag.
 # NIM_MODEL_PATH stays unset: the small model shipped in the package is served (mount a checkpoint at /models and
 # set NIM_MODEL_PATH=/models to serve it); NIM_SERVED_MODEL_NAME unset: the model directory's name.
 ENV PATH=/opt/venv/bin:${PATH} \
@@ -121,7 +120,8 @@ ENV PATH=/opt/venv/bin:${PATH} \
     DGSERVE_DRAIN_TIMEOUT=30
 
 VOLUME ["/models"]
-# gRPC (dgserve.v1.TextGeneration, grpc.health.v1, reflection); HTTP: /v1/health/live, /v1/health/ready, /metrics
+# gRPC (dgserve.v1.TextGeneration, grpc.health.v1, reflection); HTTP: /v1/completions, /v1/chat/completions,
+# /v1/models, /v1/health/live, /v1/health/ready, /metrics
 EXPOSE 50051 8000
 
 USER 10001:10001
@@ -130,7 +130,9 @@ USER 10001:10001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v1/health/ready' % os.environ.get('NIM_SERVER_PORT', '8000'), timeout=4)"]
 
-# SIGTERM drains: readiness NOT_SERVING at once, new calls UNAVAILABLE, running streams get DGSERVE_DRAIN_TIMEOUT s.
+# SIGTERM drains both front doors: readiness NOT_SERVING / 503 at once, new calls UNAVAILABLE / 503, running
+# streams get DGSERVE_DRAIN_TIMEOUT s. Startup that cannot succeed (port in use, missing model, auth or TLS
+# file, a model that fails to load) exits 2 with one line on stderr.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/opt/dgserve/docker/entrypoint.sh"]
 CMD []

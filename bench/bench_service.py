@@ -73,8 +73,8 @@ async def _grpc(target: str, per_client: list) -> tuple[float, int, list, list]:
 
 
 def _start_server(model: str, max_num_seqs: int):
-    from service.config import ServiceConfig
-    from service.server import Server
+    from dgserve.service.config import ServiceConfig
+    from dgserve.service.server import Server
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Check that a dgserve wheel carries what the container serves with: the generated gRPC stubs, the small model
-shipped as the default, and (``--require-ext``) the compiled extension ``dgserve._C``.
+"""Check that a dgserve wheel carries what the container serves with: the server app (``dgserve.service``, run as
+``dgserve serve``; no top-level ``service`` module), the generated gRPC stubs, the small model shipped as the
+default, and (``--require-ext``) the compiled extension ``dgserve._C``.
 
     python docker/check_wheel.py [--require-ext] dist/dgserve-*.whl
 
@@ -16,6 +17,10 @@ import zipfile
 
 REQUIRED = [
     "dgserve/__init__.py",
+    "dgserve/service/__init__.py",
+    "dgserve/service/__main__.py",
+    "dgserve/service/server.py",
+    "dgserve/service/http/app.py",
     "dgserve/v1/__init__.py",
     "dgserve/v1/text_generation_pb2.py",
     "dgserve/v1/text_generation_pb2_grpc.py",
@@ -25,13 +30,16 @@ REQUIRED = [
     "dgserve/models/small/tokenizer.json",
 ]
 EXTENSION = "dgserve/_C*.so"
+FORBIDDEN = "service/*"   # the app is installed inside our namespace, never as a top-level `service`
 
 
 def missing_members(wheel: str, require_ext: bool) -> list[str]:
-    """The required member names (or glob) that ``wheel`` lacks."""
+    """The required member names (or glob) that ``wheel`` lacks, and "not service/*" when it has a top-level
+    ``service`` package."""
     names = zipfile.ZipFile(wheel).namelist()
     patterns = REQUIRED + ([EXTENSION] if require_ext else [])
-    return [p for p in patterns if not fnmatch.filter(names, p)]
+    missing = [p for p in patterns if not fnmatch.filter(names, p)]
+    return missing + ([f"not {FORBIDDEN}"] if fnmatch.filter(names, FORBIDDEN) else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_members(args.wheel, args.require_ext)
     if missing:
         print(f"check_wheel: {args.wheel} lacks {', '.join(missing)} "
-              "(pyproject.toml [tool.setuptools.package-data]; run build.py before building the wheel)",
+              "(pyproject.toml [tool.setuptools] packages / package-data; run build.py before building the wheel)",
               file=sys.stderr)
         return 1
-    print(f"check_wheel: {args.wheel} carries the stubs, the small model"
+    print(f"check_wheel: {args.wheel} carries the server, the stubs, the small model"
           f"{' and dgserve._C' if args.require_ext else ''}")
     return 0
 

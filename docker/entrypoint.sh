@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # dgserve container entrypoint.
 #
-#   entrypoint.sh [serve] [FLAGS...]   run `python -m service FLAGS...` (exec: the server is PID 1 and gets
+#   entrypoint.sh [serve] [FLAGS...]   run `dgserve serve FLAGS...` (exec: the server is PID 1 and gets
 #                                      SIGTERM itself, which starts its graceful drain)
 #   entrypoint.sh --dry-run [FLAGS...] print the resolved configuration as JSON and exit
 #   entrypoint.sh COMMAND [ARGS...]    run any other command instead (e.g. `bash`, `dgserve info --server ...`)
 #
-# Configuration is read by service/__main__.py alone: NIM_* / DGSERVE_* environment variables, overridden by
-# the words of NIM_PASSTHROUGH_ARGS (NIM's convention), overridden by the flags given here.
+# Configuration is read by dgserve/service/__main__.py alone: NIM_* / DGSERVE_* environment variables, overridden
+# by the words of NIM_PASSTHROUGH_ARGS (NIM's convention), overridden by the flags given here. The server is the
+# installed `dgserve` package (dgserve.service); nothing is taken from the source tree.
+# Exit status: 0 after a graceful drain, 2 when startup cannot succeed (one line on stderr says why).
 set -euo pipefail
-
-app_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"   # holds service/ (the app is not installed)
-export PYTHONPATH="${app_dir}${PYTHONPATH:+:${PYTHONPATH}}"
 
 case "${1:-}" in
     "" | -*) ;;
@@ -24,4 +23,4 @@ if [[ -n "${NIM_PASSTHROUGH_ARGS:-}" ]]; then
     read -r -a passthrough <<< "${NIM_PASSTHROUGH_ARGS}"
 fi
 
-exec python -m service ${passthrough[@]+"${passthrough[@]}"} "$@"
+exec dgserve serve ${passthrough[@]+"${passthrough[@]}"} "$@"

@@ -1,7 +1,12 @@
-"""``python -m service``: flags, each with one environment fallback (read here and nowhere else), → ServiceConfig
-→ run the server until SIGTERM (graceful drain). ``--dry-run`` prints the resolved config as JSON and exits.
+"""``dgserve serve`` (also ``python -m dgserve.service``): flags, each with one environment fallback (read here and
+nowhere else), → ServiceConfig → run the gRPC and OpenAI-compatible HTTP server until SIGTERM (graceful drain).
+``--dry-run`` prints the resolved config as JSON and exits.
 
 Precedence: a flag given on the command line, then its environment variable, then the default.
+
+Exit status: 0 after a graceful drain; 2 when startup cannot succeed (a bad flag or env value, a port in use, a
+missing or unreadable model, auth or TLS file, a model that fails to load), with one line on stderr naming the
+problem and the flag / env var that fixes it (the traceback too only with ``--log-level debug``).
 """
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
+import traceback
 
-from service.config import DTYPES, ServiceConfig
+from .config import DTYPES, ServiceConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -22,8 +29,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
      "name clients use in `model`; comma-separated: name,alias,... (default: the model directory's name)"),
     ("--host", "DGSERVE_HOST", "host", str, "address to bind (default 0.0.0.0)"),
     ("--port", "DGSERVE_GRPC_PORT", "port", int, "gRPC port (default 50051; 0 = ephemeral)"),
-    ("--http-port", "NIM_SERVER_PORT", "http_port", str, "metrics + health HTTP port (default 8000; 0 = ephemeral; "
-     "off = none)"),
+    ("--http-port", "NIM_SERVER_PORT", "http_port", str, "HTTP port: OpenAI-compatible API, health, metrics "
+     "(default 8000; 0 = ephemeral; off = none)"),
     ("--max-model-len", "NIM_MAX_MODEL_LEN", "max_model_len", int, "context window (default: the model's)"),
     ("--log-level", "NIM_LOG_LEVEL", "log_level", str, "DEBUG | INFO | WARNING | ERROR | CRITICAL"),
     ("--max-num-seqs", "DGSERVE_MAX_NUM_SEQS", "max_num_seqs", int, "requests running at once (default 32)"),
@@ -55,7 +62,7 @@ SWITCHES = [  # (flag, environment variable, field, value when set, help)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dgserve serve", description=__doc__.split("\n\n")[0])
     for flag, env, _, _, help_ in FLAGS:
         p.add_argument(flag, default=None, help=f"{help_} [env {env}]")
     for flag, env, _, _, help_ in SWITCHES:
@@ -65,19 +72,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> tuple[ServiceConfig, bool]:
-    """(config, dry_run) from the command line and the environment (os.environ by default)."""
+    """(config, dry_run) from the command line and the environment (os.environ by default). ValueError naming the
+    field, then the flag and env var that set it."""
     env = dict(os.environ if environ is None else environ)
     args = _parser().parse_args(argv)
-    kw: dict = {}
-    for flag, var, field, parse, _ in FLAGS:
-        raw = getattr(args, flag[2:].replace("-", "_"))
-        raw = raw if raw is not None else env.get(var)
-        if raw is not None and raw != "":
-            kw[field] = _convert(field, raw, parse)
-    for flag, var, field, value, _ in SWITCHES:
-        if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
-            kw[field] = value
-    return ServiceConfig(**kw), args.dry_run
+    try:
+        kw: dict = {}
+        for flag, var, field, parse, _ in FLAGS:
+            raw = getattr(args, flag[2:].replace("-", "_"))
+            raw = raw if raw is not None else env.get(var)
+            if raw is not None and raw != "":
+                kw[field] = _convert(field, raw, parse)
+        for flag, var, field, value, _ in SWITCHES:
+            if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
+                kw[field] = value
+        return ServiceConfig(**kw), args.dry_run
+    except ValueError as e:
+        raise ValueError(f"{e}{_fix_hint(str(e))}") from None
+
+
+def _fix_hint(message: str) -> str:
+    """" (set --flag / env VAR)" for each config field a ServiceConfig message names; "" when none."""
+    hints = [f"{flag} / env {var}" for flag, var, field, *_ in FLAGS + SWITCHES
+             if re.search(rf"\b{field}\b", message)]
+    return f" (set {'; '.join(hints)})" if hints else ""
 
 
 def _convert(field: str, raw: str, parse):
@@ -95,16 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, dry_run = build_config(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"dgserve serve: error: {e}", file=sys.stderr)
         return 2
     if dry_run:
         print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
         return 0
-    from service.logs import setup_logging
-    from service.server import Server
+    from .logs import setup_logging
+    from .server import Server, StartupError
 
     setup_logging(config.log_level, config.json_logs)
-    asyncio.run(Server(config).run())
+    try:
+        asyncio.run(Server(config).run())
+    except StartupError as e:
+        if config.log_level.upper() == "DEBUG":
+            traceback.print_exception(e.__cause__ or e)
+        print(f"dgserve serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

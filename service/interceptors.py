@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from service import errors
-from service.logs import request_id_var
+from . import errors
+from .logs import request_id_var
 
 log = logging.getLogger("dgserve.access")
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

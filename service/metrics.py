@@ -1,19 +1,15 @@
-"""Prometheus metrics (own registry), NVML GPU gauges when a GPU is present, and the HTTP side port:
-``/metrics`` (also ``/v1/metrics``), ``/v1/health/live`` and ``/v1/health/ready`` (NIM-style probes: 200/503).
+"""Prometheus metrics (own registry) and NVML GPU gauges when a GPU is present; served on the HTTP port as
+``/metrics`` (also ``/v1/metrics``) by the HTTP front door (service/http/).
 
 Names follow the NIM / vLLM conventions with a ``dgserve_`` prefix; "first token" is the first committed block.
 """
 from __future__ import annotations
 
-import json
 import logging
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dgserve.async_engine import EngineObserver, Finished
 from dgserve.outputs import BlockOutput
@@ -123,47 +119,3 @@ class NvmlCollector:
             log.warning("NVML query failed: %s", e)
             return
         yield from (util, used, total)
-
-
-class HttpSidecar:
-    """``/metrics``, ``/v1/metrics``, ``/v1/health/live``, ``/v1/health/ready`` on a thread (port 0: ephemeral)."""
-
-    def __init__(self, host: str, port: int, metrics: Metrics, live: Callable[[], bool], ready: Callable[[], bool]):
-        routes = {"/metrics": self._metrics, "/v1/metrics": self._metrics,
-                  "/v1/health/live": lambda: self._health(live(), "live"),
-                  "/v1/health/ready": lambda: self._health(ready(), "ready")}
-        self.metrics = metrics
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - the http.server API
-                route = routes.get(self.path.split("?")[0])
-                status, ctype, body = route() if route else (404, "text/plain", b"not found\n")
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # keep probes out of the logs
-                pass
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="dgserve-http", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def _metrics(self):
-        return 200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry)
-
-    @staticmethod
-    def _health(ok: bool, what: str):
-        body = {"object": "health.response", "status": what if ok else f"not {what}",
-                "message": f"service is {what}" if ok else f"service is not {what}"}
-        return (200 if ok else 503), "application/json", json.dumps(body).encode()

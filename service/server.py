@@ -1,11 +1,16 @@
-"""The grpc.aio server: options, interceptors, health, reflection, model loading, signals and graceful drain.
+"""The server: the grpc.aio server (options, interceptors, health, reflection) and the OpenAI-compatible HTTP front
+door (service/http/, uvicorn on this same event loop) over one AsyncEngine; model loading, signals, graceful drain.
 
-Lifecycle: ``start()`` binds the ports and serves at once — liveness ("" and /v1/health/live) SERVING, readiness
-(``dgserve.v1.TextGeneration`` and /v1/health/ready) NOT_SERVING, Generate answers UNAVAILABLE — while the model
-loads and warms up on a worker thread; then readiness flips to SERVING. ``drain()`` (SIGTERM/SIGINT under
-``run()``): every health status NOT_SERVING at once, new calls UNAVAILABLE, in-flight streams get
-``drain_timeout`` seconds to finish, then the engine stops. An engine fault fails in-flight calls (INTERNAL) and
-turns both liveness and readiness off, so an orchestrator restarts the process.
+Lifecycle: ``start()`` checks the files it was given (auth tokens, TLS, the model directory), binds both ports and
+serves at once — liveness ("" and /v1/health/live) SERVING, readiness (``dgserve.v1.TextGeneration`` and
+/v1/health/ready) NOT_SERVING, Generate UNAVAILABLE, HTTP generation 503 — while the model loads and warms up on a
+worker thread; then readiness flips to SERVING. Anything that makes startup impossible (a missing file, a port in
+use, a model that fails to load) raises ``StartupError`` with one line naming the problem and the flag that fixes
+it; ``run()`` then stops what it started and re-raises (``dgserve serve`` prints the line and exits 2).
+``drain()`` (SIGTERM/SIGINT under ``run()``): every health status NOT_SERVING at once, new calls UNAVAILABLE (gRPC)
+or 503 (HTTP), in-flight streams of both front doors get ``drain_timeout`` seconds to finish, then the engine
+stops. An engine fault fails in-flight calls (INTERNAL / 500) and turns both liveness and readiness off, so an
+orchestrator restarts the process.
 """
 from __future__ import annotations
 
@@ -24,15 +29,21 @@ from dgserve.engine import Engine
 from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from service import convert
-from service.config import ServiceConfig
-from service.interceptors import BearerAuthInterceptor, CallInterceptor, load_tokens
-from service.metrics import HttpSidecar, Metrics
-from service.servicer import ServingState, TextGenerationServicer
+from . import convert
+from .config import ServiceConfig
+from .http.app import Gate
+from .http.front_door import HttpFrontDoor, bind, describe_bind_error
+from .interceptors import BearerAuthInterceptor, CallInterceptor, load_tokens
+from .metrics import Metrics
+from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StartupError(Exception):
+    """Startup cannot succeed; the message is one line naming the problem and the flag / env var that fixes it."""
 
 
 def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
@@ -78,46 +89,70 @@ class Server:
         self.http_port: int | None = None
         self.live = True
         self.loaded = asyncio.Event()           # set when loading ended (ready or failed)
+        self.load_error: Exception | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._http: HttpSidecar | None = None
+        self._http: HttpFrontDoor | None = None
         self._load_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     # ---------------------------------------------------------------- start
 
     async def start(self) -> None:
+        """Check the given files, bind both ports, serve health; the model loads in the background.
+        StartupError (after releasing whatever was bound) when any of that cannot succeed."""
         cfg = self.config
-        interceptors = [CallInterceptor(self.metrics)]
-        if cfg.auth_token_file:
-            interceptors.insert(0, BearerAuthInterceptor(load_tokens(cfg.auth_token_file)))
-        self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
+        auth = BearerAuthInterceptor(_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
+        creds = _credentials(cfg)
+        _check_model_dir(cfg.model)
+        self._grpc = grpc.aio.server(interceptors=[i for i in (auth, CallInterceptor(self.metrics)) if i],
+                                     options=grpc_options(cfg))
+        try:
+            await self._start_grpc(creds)
+            if cfg.http_port is not None:
+                await self._start_http(auth)
+        except BaseException:
+            await self._grpc.stop(None)
+            raise
+        await self.health.set("", SERVING)
+        await self.health.set(SERVICE_NAME, NOT_SERVING)
+        log.info("listening: gRPC %s:%s%s, HTTP %s", cfg.host, self.port, " (TLS)" if cfg.tls_cert else "",
+                 self.http_port if self.http_port is not None else "off")
+        self._load_task = asyncio.create_task(self._load())
+
+    async def _start_grpc(self, creds) -> None:
+        cfg = self.config
         pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if cfg.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                                 self._grpc)
-        self.port = self._bind(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        fix = "(choose another with --port / env DGSERVE_GRPC_PORT)"
+        if cfg.port != 0:               # grpc says only "Failed to bind" (and logs a core error line): probe first
+            try:
+                bind(cfg.host, cfg.port).close()
+            except OSError as e:
+                raise StartupError(f"gRPC port {address}: {describe_bind_error(e)} {fix}") from None
+        try:
+            self.port = (self._grpc.add_insecure_port(address) if creds is None
+                         else self._grpc.add_secure_port(address, creds))
+        except RuntimeError:
+            raise StartupError(f"gRPC port {address}: cannot bind {fix}") from None
         await self._grpc.start()
-        await self.health.set("", SERVING)
-        await self.health.set(SERVICE_NAME, NOT_SERVING)
-        if cfg.http_port is not None:
-            self._http = HttpSidecar(cfg.host, cfg.http_port, self.metrics, lambda: self.live,
-                                     lambda: self.live and self.state.engine is not None and not self.state.draining)
-            self._http.start()
-            self.http_port = self._http.port
-        log.info("listening: gRPC %s:%s%s, HTTP %s", cfg.host, self.port, " (TLS)" if cfg.tls_cert else "",
-                 self.http_port if self.http_port is not None else "off")
-        self._load_task = asyncio.create_task(self._load())
 
-    def _bind(self, address: str) -> int:
+    async def _start_http(self, auth: BearerAuthInterceptor | None) -> None:
         cfg = self.config
-        if cfg.tls_cert is None:
-            return self._grpc.add_insecure_port(address)
-        creds = grpc.ssl_server_credentials(
-            [(_read(cfg.tls_key), _read(cfg.tls_cert))],
-            root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
-            require_client_auth=cfg.tls_client_ca is not None)
-        return self._grpc.add_secure_port(address, creds)
+        try:
+            sock = bind(cfg.host, cfg.http_port)
+        except OSError as e:
+            raise StartupError(f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
+                               "with --http-port / env NIM_SERVER_PORT, or 'off')") from None
+        authorized = None if auth is None else (lambda value: auth._authorized((("authorization", value),)))
+        gate = Gate(self.state, self.metrics, live=lambda: self.live, authorized=authorized,
+                    max_body_bytes=cfg.max_message_bytes)
+        self._http = HttpFrontDoor(gate, sock)
+        await self._http.start()
+        self.http_port = self._http.port
 
     async def _load(self) -> None:
         try:
@@ -136,9 +171,12 @@ class Server:
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
-        except Exception as e:  # noqa: BLE001 - report, stay alive but never ready
-            log.exception("model load failed")
-            self.state.loading_error = f"model failed to load: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - never ready: run() ends the process with this one line
+            log.debug("model load failed", exc_info=True)
+            path = self.config.model or "the shipped default model"
+            detail = " ".join(f"{type(e).__name__}: {e}".split())
+            self.state.loading_error = f"model {path} failed to load: {detail} (--model / env NIM_MODEL_PATH)"
+            self.load_error = e
             self.live = False
             await self.health.set("", NOT_SERVING)
         finally:
@@ -166,13 +204,14 @@ class Server:
         log.info("draining: %d running, %d waiting; grace %.1f s", *self._load_counts(), grace)
         self.state.draining = True
         await self.health.enter_graceful_shutdown()
-        await self._grpc.stop(grace)
+        waits = [self._grpc.stop(grace)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
+        await asyncio.gather(*waits)
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.stop()
         if self._http is not None:
-            self._http.stop()
+            await self._http.stop()
         log.info("stopped")
         self._stopped.set()
 
@@ -181,14 +220,23 @@ class Server:
         return (e.num_running, e.num_waiting) if e is not None else (0, 0)
 
     async def run(self) -> None:
-        """Start, then serve until SIGTERM / SIGINT, then drain."""
-        await self.start()
+        """Start, then serve until SIGTERM / SIGINT, then drain. StartupError when startup cannot succeed,
+        including a model that fails to load (after stopping what was started)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await self.drain()
+        await self.start()
+        signalled = asyncio.create_task(stop.wait())
+        loaded = asyncio.create_task(self.loaded.wait())
+        await asyncio.wait((signalled, loaded), return_when=asyncio.FIRST_COMPLETED)
+        if not signalled.done() and self.load_error is None:
+            await signalled
+        loaded.cancel()
+        signalled.cancel()
+        await self.drain(grace=0 if self.load_error is not None else None)
+        if self.load_error is not None and not stop.is_set():
+            raise StartupError(self.state.loading_error) from self.load_error
 
 
 def _model_name(engine: Engine, cfg: ServiceConfig) -> str:
@@ -200,6 +248,50 @@ def _model_name(engine: Engine, cfg: ServiceConfig) -> str:
     return os.path.basename(os.path.normpath(path))
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _read(path: str, what: str, fix: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise StartupError(f"{what} {path}: {e.strerror or e} ({fix})") from None
+
+
+def _tokens(path: str) -> list[str]:
+    fix = "--auth-token-file / env DGSERVE_AUTH_TOKEN_FILE"
+    try:
+        return load_tokens(path)
+    except OSError as e:
+        raise StartupError(f"auth token file {path}: {e.strerror or e} ({fix})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StartupError(f"auth token file {path}: {e} ({fix})") from None
+
+
+def _credentials(cfg: ServiceConfig) -> grpc.ServerCredentials | None:
+    """Server TLS credentials (mTLS with a client CA), the files read now; None without TLS."""
+    if cfg.tls_cert is None:
+        return None
+    key = _read(cfg.tls_key, "TLS key", "--tls-key / env DGSERVE_TLS_KEY")
+    cert = _read(cfg.tls_cert, "TLS certificate", "--tls-cert / env DGSERVE_TLS_CERT")
+    ca = _read(cfg.tls_client_ca, "TLS client CA", "--tls-client-ca / env DGSERVE_TLS_CLIENT_CA") \
+        if cfg.tls_client_ca else None
+    try:
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+    except Exception as e:  # noqa: BLE001 - grpc raises plain errors on unusable PEM data
+        raise StartupError(f"TLS certificate {cfg.tls_cert} / key {cfg.tls_key}: unusable ({e}) "
+                           "(--tls-cert, --tls-key)") from None
+
+
+def _check_model_dir(path: str | None) -> None:
+    """A model directory that cannot load fails here, before the ports are bound (the load itself may still
+    fail later, e.g. on a corrupt weight file: run() then ends the process too)."""
+    if path is None:
+        return
+    fix = "set --model / env NIM_MODEL_PATH to a checkpoint directory"
+    if not os.path.isdir(path):
+        raise StartupError(f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} "
+                           f"({fix})")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise StartupError(f"model {path}: permission denied ({fix})")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise StartupError(f"model {path}: no config.json, not a Hugging Face-format checkpoint ({fix})")

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from dgserve.async_engine import ABORT_CANCELLED, AsyncEngine
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from service import convert
-from service.errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
+from . import convert
+from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
 
 
 @dataclass

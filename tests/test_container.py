@@ -20,8 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from service.__main__ import FLAGS, SWITCHES  # noqa: E402
-from service.config import ServiceConfig  # noqa: E402
+from dgserve.service.__main__ import FLAGS, SWITCHES  # noqa: E402
+from dgserve.service.config import ServiceConfig  # noqa: E402
 
 DOCKERFILE = ROOT / "Dockerfile"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -170,7 +170,7 @@ def test_runtime_stage_contract():
     workdir = get("WORKDIR")[-1]
     assert entry[0] == f"{workdir}/docker/entrypoint.sh"
     copies = get("COPY")
-    assert "service/ service/" in copies
+    assert not any(c.startswith("service/") for c in copies), "the server comes from the wheel, not the tree"
     assert "--chmod=0755 docker/entrypoint.sh docker/entrypoint.sh" in copies
     assert "--from=builder /opt/venv /opt/venv" in copies
     env = env_of(body)
@@ -222,7 +222,8 @@ def test_entrypoint_is_executable_bash_that_parses():
     r = subprocess.run(["bash", "-n", str(ENTRYPOINT)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = ENTRYPOINT.read_text()
-    assert "set -euo pipefail" in text and re.search(r"^exec python -m service ", text, re.M)
+    assert "set -euo pipefail" in text and re.search(r"^exec dgserve serve ", text, re.M)
+    assert "PYTHONPATH" not in text, "the installed package serves; nothing from the source tree"
 
 
 def test_entrypoint_dry_run_reflects_nim_environment():
@@ -248,8 +249,8 @@ def test_entrypoint_passthrough_args_sit_between_environment_and_flags():
 
 def test_entrypoint_serve_word_and_other_commands():
     assert dry_run(["serve"], {"DGSERVE_GRPC_PORT": "1234"})["port"] == 1234
-    r = run_entrypoint(["python", "-c", "import service, sys; print(sys.argv[1:])", "a b"], {})
-    assert r.returncode == 0 and r.stdout.strip() == "['a b']", r.stderr  # exec'd as given, service importable
+    r = run_entrypoint(["python", "-c", "import dgserve.service, sys; print(sys.argv[1:])", "a b"], {})
+    assert r.returncode == 0 and r.stdout.strip() == "['a b']", r.stderr  # exec'd as given, the app installed
 
 
 def test_entrypoint_reports_a_bad_value_with_its_field():
@@ -325,6 +326,9 @@ def test_check_wheel_lists_what_is_missing(tmp_path, capsys):
     no_model = fake_wheel(tmp_path / "no_model.whl", [n for n in check_wheel.REQUIRED if "/models/" not in n])
     assert check_wheel.main([no_model]) == 1
     assert "dgserve/models/small/model.safetensors" in capsys.readouterr().err
+    top_level = fake_wheel(tmp_path / "top_level.whl", check_wheel.REQUIRED + ["service/__main__.py"])
+    assert check_wheel.main([top_level]) == 1
+    assert "not service/*" in capsys.readouterr().err
 
 
 def test_wheel_carries_stubs_model_and_extension(tmp_path):
@@ -337,7 +341,8 @@ def test_wheel_carries_stubs_model_and_extension(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "python", src / "python", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for tree in ("python", "service"):
+        shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                         "--wheel-dir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

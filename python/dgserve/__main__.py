@@ -1,6 +1,7 @@
 """The ``dgserve`` command line.
 
-    dgserve generate "PROMPT" --server HOST:PORT [knobs]   stream blocks from a running server (python -m service)
+    dgserve serve [FLAGS]                                  run the server: gRPC + OpenAI-compatible HTTP (dgserve.service)
+    dgserve generate "PROMPT" --server HOST:PORT [knobs]   stream blocks from a running server (dgserve serve)
     dgserve generate "PROMPT" [--model DIR] [knobs]        generate in this process (no server)
     dgserve info --server HOST:PORT                        the served model, its defaults and bounds
     dgserve make-random DIR [--preset tiny|mid] [--seed S] [--tokenizer]
@@ -22,6 +23,8 @@ _DTYPES = ("float32", "bfloat16")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dgserve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", add_help=False,
+                   help="run the server (gRPC + OpenAI-compatible HTTP); `dgserve serve --help` lists its flags")
     g = sub.add_parser("generate", help="generate from a prompt, streaming each committed block")
     g.add_argument("text", nargs="?", help="prompt text")
     src = g.add_mutually_exclusive_group()
@@ -50,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _remote_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", help="HOST:PORT of a dgserve server (python -m service)")
+    p.add_argument("--server", help="HOST:PORT of a dgserve server's gRPC port (dgserve serve)")
     p.add_argument("--token-file", help="file holding a bearer token")
     p.add_argument("--tls", action="store_true", help="connect with TLS")
     p.add_argument("--ca", help="CA certificate (PEM) to verify the server with")
@@ -184,6 +187,11 @@ def _make_random(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:      # the server owns its flags (dgserve/service/__main__.py)
+        from dgserve.service.__main__ import main as serve
+
+        return serve(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "info":
         return _info(args)

@@ -27,8 +27,8 @@ def _ensure_stubs() -> None:
 _ensure_stubs()
 
 from dgserve.v1 import text_generation_pb2 as pb  # noqa: E402
-from service.config import ServiceConfig  # noqa: E402
-from service.server import Server  # noqa: E402
+from dgserve.service.config import ServiceConfig  # noqa: E402
+from dgserve.service.server import Server  # noqa: E402
 
 
 class ServerThread:

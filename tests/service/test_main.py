@@ -18,7 +18,7 @@ from service_helpers import ROOT, params
 
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from service.__main__ import build_config
+from dgserve.service.__main__ import build_config
 
 
 def test_flags_override_environment_which_overrides_defaults():
@@ -48,7 +48,7 @@ def test_bad_configuration_names_field(argv, env, field):
 
 def test_dry_run_prints_resolved_config():
     env = {**os.environ, "NIM_MODEL_PATH": "/models/x", "DGSERVE_MAX_QUEUE_LEN": "5"}
-    out = subprocess.run([sys.executable, "-m", "service", "--dry-run", "--port", "1234"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "dgserve.service", "--dry-run", "--port", "1234"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
@@ -59,7 +59,7 @@ class ServerProcess:
     def __init__(self, model_dir, *extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-m", "dgserve.service", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
              "--http-port", "0", "--served-model-name", "tiny", *extra], cwd=ROOT, env=env,
             stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []

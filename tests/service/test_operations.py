@@ -19,8 +19,8 @@ from service_helpers import ServerThread, base_config, long_params, params, wait
 
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from service.logs import setup_logging
-from service.server import load_engine
+from dgserve.service.logs import setup_logging
+from dgserve.service.server import load_engine
 
 READY = "dgserve.v1.TextGeneration"
 

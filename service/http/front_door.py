@@ -1,0 +1,76 @@
+"""uvicorn on the running asyncio loop (the grpc.aio server's): we bind the socket ourselves, so a port in use is
+reported as one line, and run uvicorn's startup / tick loop / shutdown steps as tasks, never ``uvicorn.run`` or
+``Server.serve`` (which would own the loop and replace our SIGTERM handling)."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+
+import uvicorn
+
+from .app import Gate, build_app
+
+log = logging.getLogger("dgserve.http")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: ephemeral); OSError with the reason when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT after a restart; not a shared port
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class HttpFrontDoor:
+    """The FastAPI app served by uvicorn on ``sock``, in this event loop."""
+
+    def __init__(self, gate: Gate, sock: socket.socket):
+        self.gate, self.sock = gate, sock
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(gate), lifespan="off", http="h11", loop="none", log_config=None,
+                                access_log=False, server_header=False, timeout_graceful_shutdown=1,
+                                timeout_keep_alive=30)
+        config.load()
+        self._server = uvicorn.Server(config)
+        self._server.lifespan = config.lifespan_class(config)
+        self._ticker: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._server.startup(sockets=[self.sock])
+        self._ticker = asyncio.create_task(self._server.main_loop())
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation request is in flight (at most ``timeout`` s); True when idle."""
+        if self.gate.idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self.gate.idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("drain: %d HTTP request(s) still running after %.1f s", self.gate.in_flight, timeout)
+            return False
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._ticker is not None:
+            await self._ticker
+        await self._server.shutdown(sockets=[self.sock])
+
+
+def describe_bind_error(e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return "address already in use"
+    if e.errno == errno.EACCES:
+        return "permission denied"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return "address not available on this host"
+    return e.strerror or str(e)
