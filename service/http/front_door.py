@@ -40,6 +40,7 @@ class HttpFrontDoor:
                                 access_log=False, server_header=False, timeout_graceful_shutdown=1,
                                 timeout_keep_alive=30)
         config.load()
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)   # its lifecycle lines duplicate ours
         self._server = uvicorn.Server(config)
         self._server.lifespan = config.lifespan_class(config)
         self._ticker: asyncio.Task | None = None
