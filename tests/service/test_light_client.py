@@ -12,7 +12,8 @@ assert "torch" not in sys.modules, "import dgserve.client imported torch"
 from dgserve.__main__ import main
 code = main(["generate", "hello", "--server", sys.argv[1], "--max-new-tokens", "8", "--max-denoising-steps", "2",
              "--seed", "1"])
-print("\nexit", code, "torch" in sys.modules)
+print()
+print("exit", code, "torch" in sys.modules)
 """
 
 
