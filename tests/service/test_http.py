@@ -256,6 +256,14 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert server.server.metrics.value("dgserve_request_aborted_total", {"reason": "client_cancelled"}) == aborted + 1
 
 
+def test_client_giving_up_on_a_non_streaming_request_frees_the_slot(server):
+    eng = server.engine
+    body = {"prompt": "long", "max_tokens": 16 * 200, "ignore_eos": True, "max_denoising_steps": 8}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url(server) + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
+
+
 def test_loading_is_503_and_live(model_dir):
     gate = threading.Event()
 
