@@ -1,14 +1,16 @@
-"""gRPC service load test: N concurrent streaming clients against a server in this process (CPU by default).
+"""Service load test: N concurrent streaming clients against a server in this process (CPU by default), over
+gRPC and over the OpenAI-compatible HTTP API (SSE), beside the engine alone.
 
     python bench/bench_service.py [--model DIR] [--clients 1,4,16] [--requests-per-client 2]
-                                  [--max-new-tokens 64] [--steps 8] [--prompt-len 16]
+                                  [--max-new-tokens 64] [--steps 8] [--prompt-len 16] [--front-doors grpc,http]
 
 For each client count: the same requests (fixed seeds, EOS ignored, no adaptive stop so every block takes
-``--steps`` steps) are run (1) through ``Engine.generate_batch`` directly and (2) as concurrent gRPC streams
-(grpc.aio clients, one stream per client at a time) against a ``service.server.Server`` on 127.0.0.1. Prints
-one JSON line per configuration: time to first block (p50/p99), inter-block gap (p50/p99), aggregate tokens/s
-of both paths, and the gRPC overhead per block = (gRPC wall − direct wall) / blocks. Warm-up first.
-Default model: dgserve.default_model_path() (the tiny random checkpoint until the trained one ships).
+``--steps`` steps) are run (1) through ``Engine.generate_batch`` directly and (2) as concurrent streams through each
+front door (grpc.aio clients, or httpx streaming ``/v1/completions`` with ``stream: true``; one stream per client
+at a time) against a ``dgserve.service.server.Server`` on 127.0.0.1. Prints one JSON line per (front door, client
+count): time to first block (p50/p99), inter-block gap (p50/p99), aggregate tokens/s of the front door and of the
+direct path, and the overhead per block = (front-door wall − direct wall) / blocks. Warm-up first.
+Default model: dgserve.default_model_path().
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _direct(engine, reqs) -> float:
     return time.perf_counter() - t0
 
 
-async def _client(target: str, reqs, ttfb: list, gaps: list) -> int:
+async def _grpc_client(target: str, reqs, ttfb: list, gaps: list) -> int:
     from dgserve.client import AsyncClient
 
     tokens = 0
@@ -65,10 +67,34 @@ async def _client(target: str, reqs, ttfb: list, gaps: list) -> int:
     return tokens
 
 
-async def _grpc(target: str, per_client: list) -> tuple[float, int, list, list]:
+async def _http_client(url: str, reqs, ttfb: list, gaps: list) -> int:
+    import httpx
+
+    tokens = 0
+    async with httpx.AsyncClient(timeout=600) as c:
+        for prompt, knobs in reqs:
+            body = {"prompt": prompt, "stream": True, **knobs, "max_tokens": knobs["max_new_tokens"]}
+            del body["max_new_tokens"]
+            t0 = last = time.perf_counter()
+            first = True
+            async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    block = (json.loads(line[6:]).get("dgserve") or {}).get("block")
+                    if block is not None:
+                        now = time.perf_counter()
+                        (ttfb.append(now - t0) if first else gaps.append(now - last))
+                        first, last = False, now
+                        tokens += block["tokens"]
+    return tokens
+
+
+async def _run(front_door: str, address: str, per_client: list) -> tuple[float, int, list, list]:
+    client = _grpc_client if front_door == "grpc" else _http_client
     ttfb, gaps = [], []
     t0 = time.perf_counter()
-    tokens = await asyncio.gather(*(_client(target, reqs, ttfb, gaps) for reqs in per_client))
+    tokens = await asyncio.gather(*(client(address, reqs, ttfb, gaps) for reqs in per_client))
     return time.perf_counter() - t0, sum(tokens), ttfb, gaps
 
 
@@ -78,7 +104,7 @@ def _start_server(model: str, max_num_seqs: int):
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    cfg = ServiceConfig(model=model, host="127.0.0.1", port=0, http_port=None, max_num_seqs=max_num_seqs,
+    cfg = ServiceConfig(model=model, host="127.0.0.1", port=0, http_port=0, max_num_seqs=max_num_seqs,
                         max_queue_len=1024)
 
     async def start():
@@ -99,6 +125,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--front-doors", default="grpc,http", help="comma-separated: grpc, http")
     args = ap.parse_args()
     import torch
 
@@ -109,27 +136,31 @@ def main() -> None:
     counts = [int(x) for x in args.clients.split(",")]
     server, loop = _start_server(model, max(counts))
     engine = Engine.from_pretrained(model)
-    target = f"127.0.0.1:{server.port}"
-    _direct(engine, _requests(2, args))                                       # warm-up both paths
-    asyncio.run(_grpc(target, [_requests(2, args)]))
+    addresses = {"grpc": f"127.0.0.1:{server.port}", "http": f"http://127.0.0.1:{server.http_port}"}
+    doors = args.front_doors.split(",")
+    _direct(engine, _requests(2, args))                                       # warm-up every path
+    for door in doors:
+        asyncio.run(_run(door, addresses[door], [_requests(2, args)]))
     for n in counts:
         reqs = _requests(n * args.requests_per_client, args)
         per_client = [reqs[i::n] for i in range(n)]
         # the direct path runs each client's requests in rounds of n concurrent ones, as the clients do
         direct = sum(_direct(engine, [pc[r] for pc in per_client]) for r in range(args.requests_per_client))
-        wall, tokens, ttfb, gaps = asyncio.run(_grpc(target, per_client))
-        blocks = len(ttfb) + len(gaps)
-        print(json.dumps({
-            "bench": "service", "device": "cpu", "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "model": pathlib.Path(model).name, "clients": n,
-            "requests": len(reqs), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-            "ttfb_ms_p50": round(_pct(ttfb, 0.5) * 1e3, 2), "ttfb_ms_p99": round(_pct(ttfb, 0.99) * 1e3, 2),
-            "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2), "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
-            "grpc_tokens_per_s": round(tokens / wall, 1),
-            "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
-            "grpc_overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
-            "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
-        }), flush=True)
+        for door in doors:
+            wall, tokens, ttfb, gaps = asyncio.run(_run(door, addresses[door], per_client))
+            blocks = len(ttfb) + len(gaps)
+            print(json.dumps({
+                "bench": "service", "front_door": door, "device": "cpu",
+                "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "model": pathlib.Path(model).name, "clients": n, "requests": len(reqs),
+                "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+                "ttfb_ms_p50": round(_pct(ttfb, 0.5) * 1e3, 2), "ttfb_ms_p99": round(_pct(ttfb, 0.99) * 1e3, 2),
+                "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2), "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
+                "tokens_per_s": round(tokens / wall, 1),
+                "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
+                "overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
+                "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
+            }), flush=True)
     asyncio.run_coroutine_threadsafe(server.drain(0), loop).result(60)
 
 
