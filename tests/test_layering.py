@@ -59,3 +59,17 @@ def test_scheduler_is_pure_python():
 def test_model_calls_ops_not_native():
     for p in _py_files(PKG / "model"):
         assert "_C" not in _imports(p), p
+
+
+def test_service_imports_work_when_installed():
+    """service/ is installed as dgserve.service: its modules import each other relatively (or as dgserve.*), never
+    as a top-level `service`, which exists only in the source tree."""
+    for p in _py_files(ROOT / "service"):
+        assert not re.search(r"^\s*(from|import)\s+service\b", p.read_text(), re.M), p
+
+
+def test_http_front_door_speaks_no_grpc():
+    """The OpenAI front door translates JSON to dgserve objects; protobuf and gRPC stay in convert/servicer."""
+    for p in _py_files(ROOT / "service" / "http"):
+        imports = _imports(p)
+        assert "grpc" not in imports and "_pb2" not in imports, p
