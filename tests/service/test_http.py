@@ -18,6 +18,9 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 KNOBS = {"max_denoising_steps": 4}
+# every block runs all 16 steps (no early stop): an unread draft is dropped when its block commits, so give the
+# reader many steps per block to see one even on a loaded machine
+SLOW_BLOCKS = {"max_denoising_steps": 16, "confidence_threshold": 1e-30}
 
 
 def base_url(server) -> str:
@@ -96,8 +99,7 @@ def test_stop_string_gives_stop_and_cuts_the_text(client):
 
 
 def test_raw_sse_frames_seed_header_and_drafts(server):
-    body = {"prompt": "raw", "max_tokens": 40, "stream": True, "drafts": {"every_n_steps": 1},
-            "max_denoising_steps": 4}
+    body = {"prompt": "raw", "max_tokens": 40, "stream": True, "drafts": {"every_n_steps": 1}, **SLOW_BLOCKS}
     with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         seed = int(r.headers["x-dgserve-seed"])
@@ -116,15 +118,16 @@ def test_raw_sse_frames_seed_header_and_drafts(server):
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
     assert plain[-1]["dgserve"]["seed"] == seed                # no seed asked: the one used, in header and body
     again = httpx.post(base_url(server) + "/v1/completions", timeout=60,
-                       json={"prompt": "raw", "max_tokens": 40, "seed": seed, "max_denoising_steps": 4}).json()
+                       json={"prompt": "raw", "max_tokens": 40, "seed": seed, **SLOW_BLOCKS}).json()
     assert again["choices"][0]["text"] == "".join(d["choices"][0]["text"] for d in plain)
 
 
 def test_official_client_skips_draft_events(client):
     """Drafts are typed SSE events whose chunks have no choices: the official client yields no text for them."""
     kw = dict(model="tiny", prompt="drafts", max_tokens=40, seed=9, stream=True)
-    plain = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=KNOBS) if c.choices)
-    chunks = list(client.completions.create(**kw, extra_body={**KNOBS, "drafts": {"include_text": True}}))
+    plain = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=SLOW_BLOCKS)
+                    if c.choices)
+    chunks = list(client.completions.create(**kw, extra_body={**SLOW_BLOCKS, "drafts": {"include_text": True}}))
     assert any(not c.choices for c in chunks)                  # the drafts reached the client
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
 
