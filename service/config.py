@@ -15,7 +15,7 @@ class ServiceConfig:
     served_model_name: tuple[str, ...] = ()  # name, then aliases; empty = the model directory's name
     host: str = "0.0.0.0"
     port: int = 50051                        # gRPC; 0 = ephemeral
-    http_port: int | None = 8000             # metrics + health; 0 = ephemeral; None = off
+    http_port: int | None = 8000             # OpenAI-compatible API + health + metrics; 0 = ephemeral; None = off
     device: str = "cpu"
     dtype: str = "float32"
     max_model_len: int | None = None         # None = the model's max_position_embeddings
