@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_helpers import ROOT, params
@@ -63,7 +64,7 @@ class ServerProcess:
              "--http-port", "0", "--served-model-name", "tiny", *extra], cwd=ROOT, env=env,
             stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self.port = None
+        self.port = self.http_port = None
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         assert self._ready.wait(120), "server did not report its port:\n" + "".join(self.lines)
@@ -71,15 +72,15 @@ class ServerProcess:
     def _read(self):
         for line in self.proc.stderr:
             self.lines.append(line)
-            m = re.search(r"listening: gRPC [\d.]+:(\d+)", line)
+            m = re.search(r"listening: gRPC [\d.]+:(\d+), HTTP (\d+)", line)
             if m:
-                self.port = int(m.group(1))
+                self.port, self.http_port = int(m.group(1)), int(m.group(2))
                 self._ready.set()
 
 
 def test_sigterm_drain(model_dir):
-    """§10 row 17: SIGTERM → readiness NOT_SERVING at once (Watch notified), new calls UNAVAILABLE, the in-flight
-    stream finishes within the grace period, the process exits 0."""
+    """§10 row 17: SIGTERM → readiness NOT_SERVING at once (Watch notified) on both front doors, new calls
+    UNAVAILABLE (gRPC) / 503 (HTTP), the in-flight stream finishes within the grace period, the process exits 0."""
     srv = ServerProcess(model_dir, "--drain-timeout", "20")
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
@@ -99,6 +100,10 @@ def test_sigterm_drain(model_dir):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(prompt="new", params=params()), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        http = f"http://127.0.0.1:{srv.http_port}"
+        assert httpx.get(http + "/v1/health/ready", timeout=10).status_code == 503
+        r = httpx.post(http + "/v1/completions", json={"prompt": "new", "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
         rest = list(call)
         assert rest[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
         assert rest[-1].finished.usage.completion_tokens == 16 * 20
