@@ -31,6 +31,10 @@ class RequestNotFoundError(LookupError):
     """Abort of a request id this server has never seen (or long forgotten)."""
 
 
+class UnauthenticatedError(Exception):
+    """The call carries no accepted bearer token."""
+
+
 class NotReadyError(Exception):
     """The model is still loading or warming up."""
 
@@ -41,6 +45,7 @@ class DrainingError(Exception):
 
 # most specific first: DuplicateRequestError is a ValueError
 TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, "DUPLICATE_REQUEST_ID"),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND"),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, "REQUEST_NOT_FOUND"),

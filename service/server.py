@@ -26,12 +26,13 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 from service import convert
 from service.config import ServiceConfig
-from service.interceptors import BearerAuthInterceptor, CallInterceptor, load_tokens
+from service.interceptors import BearerAuth, CallInterceptor, load_tokens
 from service.metrics import HttpSidecar, Metrics
 from service.servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
+MAX_METADATA_BYTES = 16 << 10
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -55,6 +56,8 @@ def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
+        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         # a block can take seconds with no DATA frames: let clients ping often without GOAWAY too_many_pings
         ("grpc.keepalive_time_ms", cfg.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -87,9 +90,8 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.config
-        interceptors = [CallInterceptor(self.metrics)]
-        if cfg.auth_token_file:
-            interceptors.insert(0, BearerAuthInterceptor(load_tokens(cfg.auth_token_file)))
+        auth = BearerAuth(load_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
+        interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
         self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)

@@ -175,10 +175,10 @@ class Engine:
         request still waiting then is dropped before any model work (its last block: finish_reason "cancelled").
         """
         params = params or self.default_params()
+        if request_id is not None:
+            check_request_id(request_id)
         prompt_ids = self.prompt_ids(prompt)
         self.check_context(len(prompt_ids), params.max_new_tokens)
-        if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
-            raise ValueError(f"request_id must have 1 to {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
@@ -309,6 +309,18 @@ class Engine:
         if prompt_tokens + n_blocks * C > self.max_model_len:
             raise ValueError(f"prompt: {prompt_tokens} tokens + {n_blocks} canvases of {C} (max_new_tokens "
                              f"{max_new_tokens}) exceed the context window of {self.max_model_len} positions")
+
+
+def check_request_id(value: str, field: str = "request_id") -> None:
+    """ValueError naming ``field`` unless ``value`` is 1 to 256 printable characters. Ids end up in logs, metrics
+    and error messages: no control characters (forged log lines), no megabyte ids. The message does not echo it."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REQUEST_ID_LENGTH:
+        n = len(value) if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {n}")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {bad!r} at "
+                         f"index {value.index(bad)}")
 
 
 def _check_max_model_len(value: int | None, limit: int) -> int:
