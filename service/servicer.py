@@ -67,7 +67,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
         prompt = convert.prompt(request, self.state.info.vocab_size)
-        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt)
+        # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
+        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt,
+                                                               engine.engine.max_model_len)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.engine.max_model_len)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:

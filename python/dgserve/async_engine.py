@@ -243,9 +243,10 @@ class AsyncEngine:
             params = dataclasses.replace(params, seed=secrets.randbits(64))
         rid = request_id or f"dg-{uuid.uuid4().hex}"
         if isinstance(prompt, (list, tuple)):
-            ids = self.engine.prompt_ids(prompt)
+            ids = self.engine.request_prompt_ids(prompt, params.max_new_tokens)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(None, self.engine.prompt_ids, prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.request_prompt_ids, prompt, params.max_new_tokens)
         stream = RequestStream(self, rid, len(ids), params, drafts, owner)
         with self._lock:
             if rid in self._streams:

@@ -7,6 +7,10 @@ the built-in Gemma 4 turn format. `IncrementalDecoder` turns committed blocks of
 streaming and stop strings.
 
 v1 is text-only: a non-text content part (an image, audio, ...) raises NotImplementedError.
+
+Bounded work: `encode(text, max_tokens=n)` never tokenizes a text that cannot fit in full. A text whose byte length
+already exceeds n times the most bytes one token can cover (`max_token_bytes`) is rejected before any tokenizing;
+a long text that passes is first counted in bounded chunks, stopping as soon as the count is over n.
 """
 from __future__ import annotations
 
@@ -28,6 +32,15 @@ DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+COUNT_CHUNK_CHARS = 1 << 16        # texts longer than this are counted chunk by chunk before being encoded whole
+
+
+class PromptTooLongError(ValueError):
+    """The text has more than `limit` tokens; `at_least` is a lower bound on how many it has."""
+
+    def __init__(self, at_least: int, limit: int, how: str):
+        super().__init__(f"prompt: at least {at_least} tokens ({how}), more than the {limit} that fit")
+        self.at_least, self.limit = at_least, limit
 
 
 class Tokenizer:
@@ -59,6 +72,7 @@ class Tokenizer:
         self.add_bos_token = bool(add_bos_token)
         self.chat_template = chat_template
         self._template = None if chat_template is None else _compile_template(chat_template, template_source)
+        self.max_token_bytes = max_token_bytes(tokenizer)
 
     # ------------------------------------------------------------------ loading
 
@@ -112,19 +126,40 @@ class Tokenizer:
         """The id of token text `tok` (a vocabulary entry or an added token), or None."""
         return self._tok.token_to_id(tok)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`. Special-token texts in `text` (e.g. `<|turn>`) become their single ids.
 
         With `add_special_tokens`, BOS is prepended when the tokenizer has one and `add_bos_token` is set, unless
         the ids already start with it (no double BOS). The tokenizer's own post-processor is never applied.
+        With `max_tokens`, a text with more ids raises PromptTooLongError, with bounded work (module docstring).
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if max_tokens is not None:
+            self._check_bound(text, max_tokens)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLongError(len(ids), max_tokens, "counted")
         return ids
+
+    def _check_bound(self, text: str, limit: int) -> None:
+        """PromptTooLongError when `text` surely has more than `limit` tokens: by its byte length alone, else by
+        counting chunks of it (each chunk's tokens are bounded by its size, and the count stops once over)."""
+        k = self.max_token_bytes
+        n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if k is not None and n_bytes > limit * k:
+            raise PromptTooLongError(-(-n_bytes // k), limit, f"{n_bytes} bytes, a token covers at most {k}")
+        if len(text) <= COUNT_CHUNK_CHARS:
+            return
+        count = 0
+        for cuts, chunk in enumerate(_chunks(text, COUNT_CHUNK_CHARS)):
+            count += len(self._tok.encode(chunk, add_special_tokens=False).ids)
+            # a cut can split a token in two: allow one token per cut before concluding
+            if count - cuts > limit:
+                raise PromptTooLongError(count - cuts, limit, f"counted in the first {cuts + 1} chunks")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids (any iterable of ints, e.g. a list or a 1-D tensor). Incomplete or invalid UTF-8
@@ -162,11 +197,84 @@ class Tokenizer:
             raise ValueError(f"chat template: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> list[int]:
+                    enable_thinking: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
-        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does."""
+        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
+        `max_tokens`: as for `encode`, applied to the rendered text."""
         text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+
+
+# ---------------------------------------------------------------------- bounds
+
+
+def _chunks(text: str, size: int):
+    """Pieces of about `size` characters, cut before a space where one is near (a token boundary for the usual
+    pre-tokenizers, so the counts of the pieces add up to the count of the whole, or nearly)."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            space = text.rfind(" ", start + size // 2, end)
+            end = space if space > start else end
+        yield text[start:end]
+        start = end
+
+
+# how much each normalizer can shrink text, in bytes (None: without bound, e.g. by deleting characters)
+_UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+
+
+def _normalizer_shrink(spec: dict | None) -> float | None:
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Prepend":
+        return 1.0
+    if kind in _UNICODE_FORMS or kind == "Lowercase":
+        return 4.0           # a code point of up to 4 bytes becomes at least one byte (e.g. fullwidth forms)
+    if kind == "Replace" and "String" in spec.get("pattern", {}) and spec.get("content"):
+        return max(1.0, len(spec["pattern"]["String"].encode()) / len(spec["content"].encode()))
+    return None              # Strip, StripAccents, Bert's clean_text, regex replacements: may delete any amount
+
+
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _pre_tokenizer_keeps(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        return all(_pre_tokenizer_keeps(p) for p in spec.get("pretokenizers", []))
+    return spec.get("type") in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != "Removed"
+
+
+def max_token_bytes(tok: tokenizers.Tokenizer) -> int | None:
+    """The most bytes of input text one token can cover, or None when this tokenizer has no such bound.
+
+    A BPE token covers at most the bytes of its vocabulary entry (byte-level and SentencePiece entries spell one
+    input byte with one or more bytes, so the entry's UTF-8 length is an upper bound); an added token covers its
+    content; an unknown character is one token of at most 4 bytes. A normalizer may shrink text before that
+    (by the factor `_normalizer_shrink` allows); pre-tokenizers that drop text (whitespace splitting), fused
+    unknowns and the other models (a WordLevel [UNK] covers any word) have no bound, so they get None.
+    """
+    model = tok.model
+    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk):
+        return None
+    shrink = _normalizer_shrink(None if tok.normalizer is None else json.loads(tok.normalizer.__getstate__()))
+    keeps = _pre_tokenizer_keeps(None if tok.pre_tokenizer is None else json.loads(tok.pre_tokenizer.__getstate__()))
+    if shrink is None or not keeps:
+        return None
+    longest = max((len(t.encode()) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+    return int(max(longest, 4) * shrink + 0.999)
 
 
 # ---------------------------------------------------------------------- files
