@@ -1,6 +1,6 @@
 """The per-call wrapper for dgserve.v1 calls: bearer-token auth, identifiers, error mapping, access log, metrics.
 
-The wrapper is where ``errors.abort`` is applied: servicer methods just raise domain exceptions. Everything the
+The wrapper is where ``errors.set_status`` is applied: servicer methods just raise domain exceptions. Everything the
 wrapper needs from the call (peer, caller identity, deadline) is read once, when the call starts, into a
 ``CallInfo``: a call may end (client cancel, deadline) while the handler is suspended, and grpc.aio then finishes
 our generator later, after the core call is released — ``context.peer()`` at that point read freed memory and
@@ -101,7 +101,7 @@ def current_call() -> CallInfo | None:
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
     """For dgserve.v1 calls: authenticates (when ``auth`` is given), checks identifiers, sets the request id log
-    context, maps exceptions to statuses (errors.abort), logs one access line and counts the outcome
+    context, maps exceptions to statuses (errors.set_status), logs one access line and counts the outcome
     (``on_rpc(method, code_name, seconds)`` of the metrics object) — for denied calls too.
 
     ``peer_owner``: without ``auth``, use the client certificate's identity (mTLS) as the caller's identity.
@@ -132,7 +132,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 self._admit(call, request, metadata, context)
                 return await behavior(request, context)
             except BaseException as e:
-                await self._fail(e, context, call)
+                self._fail(e, context, call)
             finally:
                 self._exit(call)
         return wrapper
@@ -148,7 +148,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                     async for item in items:
                         yield item
             except BaseException as e:
-                await self._fail(e, context, call)
+                self._fail(e, context, call)
             finally:
                 self._exit(call)
         return wrapper
@@ -184,7 +184,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         request_id_var.set(rid)
 
     @staticmethod
-    async def _fail(e: BaseException, context, call: CallInfo) -> None:
+    def _fail(e: BaseException, context, call: CallInfo) -> None:
+        """Re-raise what ends the call under us; turn an Exception into the call's status (the handler returns)."""
         if isinstance(e, (asyncio.CancelledError, GeneratorExit)):   # the call ended under us
             call.outcome = "DEADLINE_EXCEEDED" if call.expired() else "CANCELLED"
             raise e
@@ -196,7 +197,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         call.outcome = errors.classify(e)[0].name
         if call.ended:                       # nobody to tell, and the call must not be touched
             raise e
-        await errors.abort(context, e)
+        errors.set_status(context, e)
 
     def _exit(self, call: CallInfo) -> None:
         dt = time.perf_counter() - call.t0
