@@ -172,3 +172,51 @@ def test_deadline_expiry_counts_as_deadline_exceeded(stub, server):
     wait_until(lambda: m.value("dgserve_rpc_total", expired) == before[0] + 1)
     assert m.value("dgserve_rpc_total", cancelled) == before[1]
     wait_until(lambda: not server.engine.engine.has_unfinished())
+
+
+@pytest.fixture(scope="module")
+def two_client_certs(tmp_path_factory):
+    """A CA, a server certificate and two client certificates (CN alice, CN bob) it signed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not found")
+    d = tmp_path_factory.mktemp("certs2")
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", "alice", "bob"):
+        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", *(["-extfile", "san.cnf"] if name == "server" else []))
+    return d
+
+
+def test_abort_is_scoped_to_the_client_certificate(model_dir, two_client_certs):
+    """mTLS without tokens: only the certificate that started a request may abort it."""
+    d = two_client_certs
+    s = ServerThread(base_config(model_dir, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
+                                 tls_client_ca=str(d / "ca.pem")))
+
+    def channel(name):
+        creds = grpc.ssl_channel_credentials((d / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(),
+                                             (d / f"{name}.pem").read_bytes())
+        return grpc.secure_channel(s.target, creds)
+
+    try:
+        with channel("alice") as ca, channel("bob") as cb:
+            alice, bob = pb_grpc.TextGenerationStub(ca), pb_grpc.TextGenerationStub(cb)
+            call = alice.Generate(pb.GenerateRequest(request_id="cert-job", prompt="a", params=long_params()))
+            assert next(call).HasField("started")
+            err = error_of(lambda: bob.Abort(pb.AbortRequest(request_id="cert-job"), timeout=10))
+            assert err.code() == grpc.StatusCode.NOT_FOUND and "is not known" in err.details()
+            assert alice.Abort(pb.AbortRequest(request_id="cert-job"), timeout=10).outcome == \
+                pb.ABORT_OUTCOME_CANCELLED
+            assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_CANCELLED
+    finally:
+        s.stop()
