@@ -11,8 +11,8 @@ Phases:
   deadline, Abort, or run to the end); then the same seeded request must give the same tokens as before.
 * ``fuzz``: ``--fuzz`` malformed calls (random bytes, hostile ids, odd metadata, absurd knobs).
 * ``big_prompt``: a 16-token Generate alone (baseline latency), then the same while 4 clients send
-  ``--big-prompts`` prompts of ``--big-mb`` MB each (Generate and Tokenize, text and chat): rejection time per big
-  prompt, the small stream's latency under that load, and the server's RSS (and peak RSS) before and after.
+  ``--big-prompts`` prompts of ``--big-mb`` MB each (Generate and Tokenize, text and chat; from other processes):
+  rejection time per big prompt as the sender sees it (building and sending 15 MB included), the small stream's latency under that load, and the server's RSS (and peak RSS) before and after.
 Default model: the shipped small one (dgserve.default_model_path()).
 """
 from __future__ import annotations
@@ -81,28 +81,36 @@ def _small_latency(stub, pb) -> float:
     return time.perf_counter() - t0
 
 
-def _big_call(stub, pb, grpc, kind: str, text: str) -> tuple[float, str]:
-    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=text)])
-    t0 = time.perf_counter()
-    try:
-        if kind == "tokenize":
-            stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=120)
-        elif kind == "chat":
-            list(stub.Generate(pb.GenerateRequest(chat=chat), timeout=120))
-        else:
-            list(stub.Generate(pb.GenerateRequest(prompt=text), timeout=120))
-        code = "OK"
-    except grpc.RpcError as e:
-        code = e.code().name
-    return time.perf_counter() - t0, code
-
-
-def run_big_prompt(srv, stub, args) -> None:
+def _big_call(target: str, kind: str, mb: int) -> tuple[float, str]:
+    """One huge prompt (its own process: the client's serialising must not slow the small stream's reader)."""
     import grpc
 
     from dgserve.v1 import text_generation_pb2 as pb
+    from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-    text = ("The quick brown fox jumps over the lazy dog. " * (args.big_mb * 30_000))[:args.big_mb * 1_000_000]
+    text = ("The quick brown fox jumps over the lazy dog. " * (mb * 30_000))[:mb * 1_000_000]
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=text)])
+    with grpc.insecure_channel(target, [("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        t0 = time.perf_counter()
+        try:
+            if kind == "tokenize":
+                stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=120)
+            elif kind == "chat":
+                list(stub.Generate(pb.GenerateRequest(chat=chat), timeout=120))
+            else:
+                list(stub.Generate(pb.GenerateRequest(prompt=text), timeout=120))
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        return time.perf_counter() - t0, code
+
+
+def run_big_prompt(srv, stub, args) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from dgserve.v1 import text_generation_pb2 as pb
+
     for _ in range(2):
         _small_latency(stub, pb)                                           # warm-up
     baseline = [_small_latency(stub, pb) for _ in range(5)]
@@ -114,10 +122,11 @@ def run_big_prompt(srv, stub, args) -> None:
         while not done.is_set():
             under.append(_small_latency(stub, pb))
 
-    loop = threading.Thread(target=small_loop)
-    loop.start()
-    with ThreadPoolExecutor(4) as pool:
-        big = list(pool.map(lambda k: _big_call(stub, pb, grpc, k, text), kinds))
+    with ProcessPoolExecutor(4) as pool:
+        list(pool.map(time.sleep, [0.1] * 4))                              # the workers are up before timing
+        loop = threading.Thread(target=small_loop)
+        loop.start()
+        big = list(pool.map(_big_call, [srv.target] * len(kinds), kinds, [args.big_mb] * len(kinds)))
     while len(under) < 3:
         time.sleep(0.05)
     done.set()
