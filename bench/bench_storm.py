@@ -12,7 +12,8 @@ Phases:
 * ``fuzz``: ``--fuzz`` malformed calls (random bytes, hostile ids, odd metadata, absurd knobs).
 * ``big_prompt``: a 16-token Generate alone (baseline latency), then the same while 4 clients send
   ``--big-prompts`` prompts of ``--big-mb`` MB each (Generate and Tokenize, text and chat; from other processes):
-  rejection time per big prompt as the sender sees it (building and sending 15 MB included), the small stream's latency under that load, and the server's RSS (and peak RSS) before and after.
+  rejection time per big prompt as the sender sees it (building and sending 15 MB included), the small stream's
+  latency under that load, and the server's RSS (and peak RSS) before and after.
 Default model: the shipped small one (dgserve.default_model_path()).
 """
 from __future__ import annotations

@@ -29,8 +29,8 @@ SERVER_COMMAND = [sys.executable, "-m", "service"]
 MODES = ("cancel_at_once", "cancel_after_started", "cancel_after_block", "cancel_at_random", "client_break",
          "deadline", "abort", "complete")
 STREAM_CODES = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
-FUZZ_CODES = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED",
-              "CANCELLED", "DEADLINE_EXCEEDED"}
+FUZZ_CODES = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED",
+              "UNAUTHENTICATED", "CANCELLED", "DEADLINE_EXCEEDED"}
 
 
 class ServerProcess:
