@@ -466,7 +466,7 @@ def test_no_byte_bound_where_text_can_vanish(tokenizer_json):
     have no bound per token."""
     from tokenizers import Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
 
-    from dgserve.tokenizer import max_token_bytes
+    from dgserve.token_bounds import max_token_bytes
 
     split = HFTokenizer.from_file(str(tokenizer_json))
     split.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -501,7 +501,7 @@ def test_huge_text_is_rejected_by_its_length_without_tokenizing(tok, monkeypatch
 def test_long_text_without_byte_bound_is_counted_in_bounded_chunks(tok, monkeypatch):
     """With no byte bound (here: forced), a text over the limit is counted chunk by chunk and rejected after the
     first chunks: the tokenizer never sees it whole."""
-    from dgserve.tokenizer import COUNT_CHUNK_CHARS
+    from dgserve.token_bounds import COUNT_CHUNK_CHARS
 
     calls = []
     monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))

@@ -29,7 +29,7 @@ from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, Generatio
 from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
-from dgserve.tokenizer import PromptTooLongError
+from dgserve.token_bounds import PromptTooLongError
 
 MAX_REQUEST_ID_LENGTH = 256
 
