@@ -27,6 +27,7 @@ log = logging.getLogger("dgserve.access")
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OUR_PREFIX = "/dgserve.v1."
 REQUEST_ID_HEADER = "x-request-id"
+DEADLINE_SLACK_S = 0.25     # a cancel this close to the deadline is the deadline (CallInfo.expired)
 
 
 def load_tokens(path: str) -> list[str]:
@@ -85,7 +86,9 @@ class CallInfo:
     ended: bool = False         # the call is over: its context must not be used any more
 
     def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+        """The deadline has passed, or nearly: the client's own deadline fires first (it started the clock
+        earlier) and its RST_STREAM reaches us as a plain cancel up to a network delay before ours."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
