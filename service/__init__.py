@@ -1,1 +1,2 @@
-"""dgserve's gRPC application (not an installed package): run it as ``python -m service``."""
+"""dgserve's server application, installed as ``dgserve.service``: run it as ``dgserve serve`` (or
+``python -m dgserve.service``)."""

@@ -31,6 +31,10 @@ class RequestNotFoundError(LookupError):
     """Abort of a request id this server has never seen (or long forgotten)."""
 
 
+class UnauthenticatedError(Exception):
+    """The call carries no accepted bearer token."""
+
+
 class NotReadyError(Exception):
     """The model is still loading or warming up."""
 
@@ -41,6 +45,7 @@ class DrainingError(Exception):
 
 # most specific first: DuplicateRequestError is a ValueError
 TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, "DUPLICATE_REQUEST_ID"),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND"),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, "REQUEST_NOT_FOUND"),
@@ -87,12 +92,18 @@ def to_status(exc: BaseException) -> grpc.Status:
     return _Status(rich.code, rich.details, tuple(rich.trailing_metadata) + tuple(trailers))
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """End the call with the status for ``exc`` (raises, as context.abort does)."""
+def set_status(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Give the call the status for ``exc``; the handler then returns and grpc.aio sends it.
+
+    Not ``context.abort``: grpc.aio keeps the AbortError it raises on the call, and its traceback holds the
+    handler frames, so every rejected call (the request in it: 15 MB for a huge prompt) stayed in a reference
+    cycle until the cycle collector ran; RSS grew by ~35 MB per rejected 15 MB prompt."""
     status = to_status(exc)
     if status.code is grpc.StatusCode.INTERNAL:
         log.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    await context.abort(status.code, status.details, status.trailing_metadata)
+    context.set_code(status.code)
+    context.set_details(status.details)
+    context.set_trailing_metadata(status.trailing_metadata)
 
 
 class _Status(grpc.Status):

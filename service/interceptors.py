@@ -1,16 +1,25 @@
-"""Server interceptors: bearer-token auth, and the per-call wrapper (request id, error mapping, access log).
+"""The per-call wrapper for dgserve.v1 calls: bearer-token auth, identifiers, error mapping, access log, metrics.
 
-The call wrapper is where ``errors.abort`` is applied: servicer methods just raise domain exceptions.
+The wrapper is where ``errors.set_status`` is applied: servicer methods just raise domain exceptions. Everything the
+wrapper needs from the call (peer, caller identity, deadline) is read once, when the call starts, into a
+``CallInfo``: a call may end (client cancel, deadline) while the handler is suspended, and grpc.aio then finishes
+our generator later, after the core call is released — ``context.peer()`` at that point read freed memory and
+crashed the server (SIGSEGV; grpc/grpc#29069). After a call ends nothing here touches its context again.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import hashlib
 import hmac
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
+
+from dgserve.engine import check_request_id
 
 from . import errors
 from .logs import request_id_var
@@ -18,6 +27,8 @@ from .logs import request_id_var
 log = logging.getLogger("dgserve.access")
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OUR_PREFIX = "/dgserve.v1."
+REQUEST_ID_HEADER = "x-request-id"
+DEADLINE_SLACK_S = 0.25     # a cancel this close to the deadline is the deadline (CallInfo.expired)
 
 
 def load_tokens(path: str) -> list[str]:
@@ -29,64 +40,82 @@ def load_tokens(path: str) -> list[str]:
     return tokens
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call except health and reflection.
+class BearerAuth:
+    """Checks ``authorization: Bearer <token>`` against the accepted tokens.
 
     Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every accepted token (constant
-    time in the token's content). A denied call gets a handler of the same kind that aborts UNAUTHENTICATED.
+    time in the token's content). The digest is also the caller's identity for Abort (never the raw token).
     """
 
     def __init__(self, tokens: list[str]):
         self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
 
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(EXEMPT_PREFIXES) or self._authorized(details.invocation_metadata or ()):
-            return await continuation(details)
-        handler = await continuation(details)
-        return None if handler is None else _deny(handler)
-
-    def _authorized(self, metadata) -> bool:
-        value = next((v for k, v in metadata if k == "authorization"), "")
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
-        digest = hashlib.sha256(token.strip().encode()).digest()
+    def owner(self, metadata: dict) -> str:
+        """The caller's identity (hex SHA-256 of its token); UnauthenticatedError when the token is not accepted."""
+        digest = _token_digest(metadata)
         ok = False
         for d in self._digests:
-            ok |= hmac.compare_digest(digest, d)
-        return ok
+            ok |= hmac.compare_digest(digest or b"", d)
+        if not ok:
+            raise errors.UnauthenticatedError(_DENIED)
+        return digest.hex()
 
 
 _DENIED = "missing or invalid bearer token (send metadata 'authorization: Bearer <token>')"
 
 
-async def _deny_unary(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+def _token_digest(metadata: dict) -> bytes | None:
+    value = metadata.get("authorization", "")
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return hashlib.sha256(token.strip().encode()).digest()
 
 
-async def _deny_stream(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-    yield  # pragma: no cover - makes this an async generator like the real handler
+@dataclass
+class CallInfo:
+    """What the wrapper and the servicer know about a call, read when it starts (see the module docstring)."""
+    method: str
+    peer: str
+    owner: str | None           # the caller's identity for Abort scoping; None when calls are not authenticated
+    deadline: float | None      # time.monotonic() seconds; None without a deadline
+    t0: float
+    request_id: str = ""        # for the access log (the request's own id, else a valid x-request-id header)
+    outcome: str = "OK"         # the status code name the call ended with
+    ended: bool = False         # the call is over: its context must not be used any more
+
+    def expired(self) -> bool:
+        """The deadline has passed, or nearly: the client's own deadline fires first (it started the clock
+        earlier) and its RST_STREAM reaches us as a plain cancel up to a network delay before ours."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-def _deny(handler):
-    if handler.unary_unary:
-        return handler._replace(unary_unary=_deny_unary)
-    if handler.unary_stream:
-        return handler._replace(unary_stream=_deny_stream)
-    if handler.stream_unary:
-        return handler._replace(stream_unary=_deny_unary)
-    return handler._replace(stream_stream=_deny_stream)
+_call_var: contextvars.ContextVar[CallInfo | None] = contextvars.ContextVar("dgserve_call", default=None)
+
+
+def current_call() -> CallInfo | None:
+    """The CallInfo of the dgserve.v1 call being handled (None outside one)."""
+    return _call_var.get()
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
-    """For dgserve.v1 calls: sets the request id log context, maps exceptions to statuses (errors.abort), logs
-    one access line and counts the outcome (``on_rpc(method, code_name, seconds)`` of the metrics object)."""
+    """For dgserve.v1 calls: authenticates (when ``auth`` is given), checks identifiers, sets the request id log
+    context, maps exceptions to statuses (errors.set_status), logs one access line and counts the outcome
+    (``on_rpc(method, code_name, seconds)`` of the metrics object) — for denied calls too.
 
-    def __init__(self, metrics=None):
+    ``peer_owner``: without ``auth``, use the client certificate's identity (mTLS) as the caller's identity.
+    Health and reflection are not wrapped (and need no token).
+    """
+
+    def __init__(self, metrics=None, *, auth: BearerAuth | None = None, peer_owner: bool = False):
         self.metrics = metrics
+        self.auth = auth
+        self.peer_owner = peer_owner
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -102,54 +131,95 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _unary(self, behavior, method, metadata):
         async def wrapper(request, context):
-            t0, outcome = self._enter(request, metadata), ["OK"]
+            call = self._enter(method, context)
             try:
-                _check_decoded(request)
+                self._admit(call, request, metadata, context)
                 return await behavior(request, context)
             except BaseException as e:
-                await self._fail(e, context, outcome)
+                self._fail(e, context, call)
             finally:
-                self._exit(method, context, outcome[0], t0)
+                self._exit(call)
         return wrapper
 
     def _stream(self, behavior, method, metadata):
         async def wrapper(request, context):
-            t0, outcome = self._enter(request, metadata), ["OK"]
+            call = self._enter(method, context)
             try:
-                _check_decoded(request)
-                async for item in behavior(request, context):
-                    yield item
+                self._admit(call, request, metadata, context)
+                # aclosing: when the call ends while we wait at a yield, the servicer's generator is closed now
+                # (its finally frees the engine slot), not whenever the garbage collector gets to it
+                async with contextlib.aclosing(behavior(request, context)) as items:
+                    async for item in items:
+                        yield item
             except BaseException as e:
-                await self._fail(e, context, outcome)
+                self._fail(e, context, call)
             finally:
-                self._exit(method, context, outcome[0], t0)
+                self._exit(call)
         return wrapper
 
-    @staticmethod
-    def _enter(request, metadata) -> float:
-        rid = getattr(request, "request_id", "") or metadata.get("x-request-id", "")
-        request_id_var.set(rid if isinstance(rid, str) else rid.decode())
-        return time.perf_counter()
+    # ---------------------------------------------------------------- steps of a call
 
     @staticmethod
-    async def _fail(e: BaseException, context, outcome: list) -> None:
-        if isinstance(e, asyncio.CancelledError):
-            outcome[0] = "CANCELLED"
+    def _enter(method: str, context) -> CallInfo:
+        """Read everything needed from the (still live) call; mark the CallInfo ended when the call is done."""
+        remaining = context.time_remaining()
+        call = CallInfo(method, context.peer(), None,
+                        None if remaining is None else time.monotonic() + remaining, time.perf_counter())
+        context.add_done_callback(lambda _ctx: setattr(call, "ended", True))
+        _call_var.set(call)
+        request_id_var.set("")
+        return call
+
+    def _admit(self, call: CallInfo, request, metadata: dict, context) -> None:
+        """Authenticate, then check the request decoded and its identifiers are clean (raises domain errors)."""
+        if self.auth is not None:
+            call.owner = self.auth.owner(metadata)
+        elif self.peer_owner:
+            call.owner = _peer_identity(context)
+        _check_decoded(request)
+        header = metadata.get(REQUEST_ID_HEADER, "")
+        header = header.decode("latin-1") if isinstance(header, bytes) else header
+        if header:
+            check_request_id(header, REQUEST_ID_HEADER)
+        rid = getattr(request, "request_id", "") or header
+        if rid:
+            check_request_id(rid, "request_id")
+        call.request_id = rid
+        request_id_var.set(rid)
+
+    @staticmethod
+    def _fail(e: BaseException, context, call: CallInfo) -> None:
+        """Re-raise what ends the call under us; turn an Exception into the call's status (the handler returns)."""
+        if isinstance(e, (asyncio.CancelledError, GeneratorExit)):   # the call ended under us
+            call.outcome = "DEADLINE_EXCEEDED" if call.expired() else "CANCELLED"
             raise e
         if isinstance(e, grpc.aio.AbortError):
-            outcome[0] = (context.code() or grpc.StatusCode.UNKNOWN).name
+            call.outcome = (context.code() or grpc.StatusCode.UNKNOWN).name
             raise e
         if not isinstance(e, Exception):
             raise e
-        outcome[0] = errors.classify(e)[0].name
-        await errors.abort(context, e)
+        call.outcome = errors.classify(e)[0].name
+        if call.ended:                       # nobody to tell, and the call must not be touched
+            raise e
+        errors.set_status(context, e)
 
-    def _exit(self, method: str, context, code: str, t0: float) -> None:
-        dt = time.perf_counter() - t0
-        log.info("%s %s %.1f ms", method, code, dt * 1e3,
-                 extra={"rpc": method, "code": code, "duration_ms": round(dt * 1e3, 3), "peer": context.peer()})
+    def _exit(self, call: CallInfo) -> None:
+        dt = time.perf_counter() - call.t0
+        code = call.outcome
+        # request_id explicitly: grpc.aio may finish a cancelled call's generator in another task's context
+        log.info("%s %s %.1f ms", call.method, code, dt * 1e3,
+                 extra={"rpc": call.method, "code": code, "duration_ms": round(dt * 1e3, 3), "peer": call.peer,
+                        "request_id": call.request_id})
         if self.metrics is not None:
-            self.metrics.on_rpc(method, code, dt)
+            self.metrics.on_rpc(call.method, code, dt)
+
+
+def _peer_identity(context) -> str | None:
+    """Hex SHA-256 of the client certificate's identities (mTLS), None without one."""
+    identities = context.peer_identities()
+    if not identities:
+        return None
+    return hashlib.sha256(b"\0".join(identities)).hexdigest()
 
 
 class _Undecodable:

@@ -1,5 +1,10 @@
 """Logging setup: plain text or JSON lines (NIM_JSONL_LOGGING), with the request id of the current call on
-every line logged inside it (a context variable set per RPC by the call interceptor)."""
+every line logged inside it (a context variable set per RPC by the call interceptor).
+
+Log lines carry text that clients chose (ids, prompts in error messages, peer strings): both formats escape it,
+so that no client can forge or split a line. JSON escapes control characters by itself; the text format writes
+each non-printable character of the message and the request id as its Python escape (``\n``, ``\x00``).
+Tracebacks are ours and keep their lines."""
 from __future__ import annotations
 
 import contextvars
@@ -32,12 +37,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def escape(text: str) -> str:
+    """``text`` with every non-printable character (newline, NUL, ESC, U+2028, ...) written as its repr escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger [request_id] message`` with the message and request id escaped (one line each)."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - the logging API
+        safe = logging.makeLogRecord(record.__dict__)
+        safe.message = escape(record.message)
+        safe.request_id = escape(str(getattr(record, "request_id", "")))
+        return super().formatMessage(safe)
+
+
 def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) -> None:
     """Configure the root logger once (replacing its handlers)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

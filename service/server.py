@@ -33,12 +33,13 @@ from . import convert
 from .config import ServiceConfig
 from .http.app import Gate
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
-from .interceptors import BearerAuthInterceptor, CallInterceptor, load_tokens
+from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
+MAX_METADATA_BYTES = 16 << 10
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -66,6 +67,8 @@ def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
+        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         # a block can take seconds with no DATA frames: let clients ping often without GOAWAY too_many_pings
         ("grpc.keepalive_time_ms", cfg.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -101,11 +104,11 @@ class Server:
         """Check the given files, bind both ports, serve health; the model loads in the background.
         StartupError (after releasing whatever was bound) when any of that cannot succeed."""
         cfg = self.config
-        auth = BearerAuthInterceptor(_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
+        auth = BearerAuth(_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
-        self._grpc = grpc.aio.server(interceptors=[i for i in (auth, CallInterceptor(self.metrics)) if i],
-                                     options=grpc_options(cfg))
+        interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
+        self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         try:
             await self._start_grpc(creds)
             if cfg.http_port is not None:
@@ -140,15 +143,15 @@ class Server:
             raise StartupError(f"gRPC port {address}: cannot bind {fix}") from None
         await self._grpc.start()
 
-    async def _start_http(self, auth: BearerAuthInterceptor | None) -> None:
+    async def _start_http(self, auth: BearerAuth | None) -> None:
         cfg = self.config
         try:
             sock = bind(cfg.host, cfg.http_port)
         except OSError as e:
             raise StartupError(f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
                                "with --http-port / env NIM_SERVER_PORT, or 'off')") from None
-        authorized = None if auth is None else (lambda value: auth._authorized((("authorization", value),)))
-        gate = Gate(self.state, self.metrics, live=lambda: self.live, authorized=authorized,
+        owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
+        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner,
                     max_body_bytes=cfg.max_message_bytes)
         self._http = HttpFrontDoor(gate, sock)
         await self._http.start()
@@ -204,8 +207,14 @@ class Server:
         log.info("draining: %d running, %d waiting; grace %.1f s", *self._load_counts(), grace)
         self.state.draining = True
         await self.health.enter_graceful_shutdown()
-        waits = [self._grpc.stop(grace)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
+        # The gRPC server keeps accepting calls until the engine is idle, so a new call is answered UNAVAILABLE by
+        # the servicer (DrainingError): grpc's own stop() would reject it in the core, as CANCELLED, racing the
+        # client. Then stop() gives the last streams what is left of the grace to send their Finished.
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        waits = [self._engine_idle(end)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
         await asyncio.gather(*waits)
+        await self._grpc.stop(max(0.0, end - loop.time()))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:
@@ -214,6 +223,12 @@ class Server:
             await self._http.stop()
         log.info("stopped")
         self._stopped.set()
+
+    async def _engine_idle(self, end: float) -> None:
+        """Until no request is running or waiting in the engine, or the loop's clock passes ``end``."""
+        loop = asyncio.get_running_loop()
+        while sum(self._load_counts()) and loop.time() < end:
+            await asyncio.sleep(0.05)
 
     def _load_counts(self) -> tuple[int, int]:
         e = self.state.engine

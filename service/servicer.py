@@ -5,6 +5,7 @@ Errors are raised as domain exceptions and mapped to status codes by the call in
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from dgserve.async_engine import ABORT_CANCELLED, AsyncEngine
@@ -12,6 +13,7 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 from . import convert
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
+from .interceptors import CallInfo, current_call
 
 
 @dataclass
@@ -45,18 +47,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         vocab = self.state.info.vocab_size
         prompt = convert.prompt(request, vocab)
         params = convert.sampling_params(request.params, engine.engine.default_params())
-        stream = await engine.submit(prompt, params, request.request_id or None, timeout_s=context.time_remaining(),
-                                     drafts=convert.draft_spec(request.drafts))
+        call = _call(context)
+        stream = await engine.submit(prompt, params, request.request_id or None, timeout_s=call.time_remaining(),
+                                     drafts=convert.draft_spec(request.drafts), owner=call.owner)
         try:
             async for event in stream:
                 yield convert.response(stream.request_id, event)
-        finally:
-            remaining = context.time_remaining()
-            stream.cancel("deadline" if remaining is not None and remaining <= 0 else "client_cancelled")
+        finally:   # the call may be over here: use what was read at its start, never the context
+            stream.cancel("deadline" if call.expired() else "client_cancelled")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        outcome = self.state.ready_engine().abort(request.request_id, reason="abort_rpc")
-        if outcome is None:
+        outcome = self.state.ready_engine().abort(request.request_id, owner=_call(context).owner, reason="abort_rpc")
+        if outcome is None:    # unknown, or another caller's: the same answer, so ids cannot be probed
             raise RequestNotFoundError(f"request_id: {request.request_id!r} is not known to this server")
         return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED
                                 else pb.ABORT_OUTCOME_ALREADY_FINISHED)
@@ -65,9 +67,21 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
         prompt = convert.prompt(request, self.state.info.vocab_size)
-        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt)
+        # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
+        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt,
+                                                               engine.engine.max_model_len)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.engine.max_model_len)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         self.state.ready_engine()
         return self.state.info
+
+
+def _call(context) -> CallInfo:
+    """The call's CallInfo (set by the call interceptor); built from the live context when there is none
+    (a servicer used without the interceptor, as in unit tests)."""
+    call = current_call()
+    if call is None:
+        remaining = context.time_remaining()
+        call = CallInfo("", "", None, None if remaining is None else time.monotonic() + remaining, 0.0)
+    return call

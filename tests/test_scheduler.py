@@ -193,3 +193,18 @@ def test_concurrent_add_and_abort_keep_counts_consistent():
     for t in threads:
         t.join()
     assert not errors and len(s) == 0 and s.num_running == 0 and s.num_waiting == 0
+
+
+def test_capacity_message_states_running_waiting_and_limits_exactly():
+    """Requests not yet moved into a free slot count as waiting, so "waiting" alone may exceed max_queue_len: the
+    message gives both counts and the limit of their sum."""
+    s = make(Clock(), max_num_seqs=1, max_queue_len=2)
+    for rid in "abc":
+        s.add(rid, 1)
+    with pytest.raises(QueueFullError) as e:
+        s.add("d", 1)
+    assert str(e.value) == ("server at capacity: 0 running + 3 waiting = 3 requests, the limit of max_num_seqs 1 + "
+                            "max_queue_len 2")
+    s.schedule()
+    with pytest.raises(QueueFullError, match=r": 1 running \+ 2 waiting = 3 requests"):
+        s.add("d", 1)

@@ -444,3 +444,87 @@ def test_output_tracker_windowed_text_equals_full_decode(tok, stop):
             assert fast.add_block(block) == ref.add_block(block)
             assert (fast.text, fast.token_ids, fast.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
         assert counting.longest <= 2 * max(sizes) + 2 * IncrementalDecoder.MAX_HOLD
+
+
+# ---------------------------------------------------------------------- bounded work (issue 19)
+
+
+def test_max_token_bytes_bounds_every_token(tok, tokenizer_json):
+    """The bound is the longest vocabulary entry (in UTF-8 bytes, at least 4), and no token of real text covers
+    more input bytes than it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = HFTokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    assert tok.max_token_bytes == max(4, max(len(t.encode()) for t in vocab))
+    text = " ".join(TEXTS + CORPUS)
+    enc = tok._tok.encode(text, add_special_tokens=False)
+    assert max(len(text[a:b].encode()) for a, b in enc.offsets) <= tok.max_token_bytes
+
+
+def test_no_byte_bound_where_text_can_vanish(tokenizer_json):
+    """Pipelines that may delete input (whitespace splitting, Strip) or fold any word into one token (WordLevel)
+    have no bound per token."""
+    from tokenizers import Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
+
+    from dgserve.token_bounds import max_token_bytes
+
+    split = HFTokenizer.from_file(str(tokenizer_json))
+    split.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    strip = HFTokenizer.from_file(str(tokenizer_json))
+    strip.normalizer = normalizers.Strip()
+    word = HFTokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    assert [max_token_bytes(t) for t in (split, strip, word)] == [None, None, None]
+    spaced = HFTokenizer.from_file(str(tokenizer_json))
+    spaced.normalizer = normalizers.Sequence([normalizers.Replace(" ", "\u2581"), normalizers.NFC()])
+    assert max_token_bytes(spaced) == 4 * max_token_bytes(HFTokenizer.from_file(str(tokenizer_json)))
+
+
+def test_encode_with_max_tokens_is_exact_at_the_limit(tok):
+    text = CORPUS[0]
+    n = len(tok.encode(text, add_special_tokens=True))
+    assert tok.encode(text, add_special_tokens=True, max_tokens=n) == tok.encode(text, add_special_tokens=True)
+    with pytest.raises(ValueError, match=rf"^prompt: at least {n} tokens \(counted\), more than the {n - 1}"):
+        tok.encode(text, add_special_tokens=True, max_tokens=n - 1)
+
+
+def test_huge_text_is_rejected_by_its_length_without_tokenizing(tok, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))
+    text = "word " * 3_000_000                     # 15 MB
+    with pytest.raises(ValueError, match=r"^prompt: at least \d+ tokens \(15000000 bytes, a token covers at most"):
+        tok.encode(text, max_tokens=4096)
+    with pytest.raises(ValueError, match=r"^prompt: at least \d+ tokens \(150000\d\d bytes"):
+        tok.encode_chat([{"role": "user", "content": text}], max_tokens=4096)
+    assert calls == []
+
+
+def test_long_text_without_byte_bound_is_counted_in_bounded_chunks(tok, monkeypatch):
+    """With no byte bound (here: forced), a text over the limit is counted chunk by chunk and rejected after the
+    first chunks: the tokenizer never sees it whole."""
+    from dgserve.token_bounds import COUNT_CHUNK_CHARS
+
+    calls = []
+    monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))
+    tok.max_token_bytes = None
+    text = " ".join(CORPUS) * 2000                   # ~1.5 MB
+    with pytest.raises(ValueError, match=r"counted in the first 1 chunks"):
+        tok.encode(text, max_tokens=1000)
+    assert len(calls) == 1 and max(calls) <= COUNT_CHUNK_CHARS
+    fits = " ".join(CORPUS) * 300                    # ~100 k characters: counted, then encoded whole
+    calls.clear()
+    assert tok.encode(fits, max_tokens=10**6) == tok._tok.encode(fits, add_special_tokens=False).ids
+    assert calls[-2:] == [len(fits)] * 2 and max(calls[:-2]) <= COUNT_CHUNK_CHARS   # chunks, whole, reference
+
+
+class _Spy:
+    """A tokenizers.Tokenizer stand-in recording the length of every text encoded."""
+
+    def __init__(self, tok, calls: list):
+        self._tok, self._calls = tok, calls
+
+    def encode(self, text, **kw):
+        self._calls.append(len(text))
+        return self._tok.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)

@@ -9,6 +9,8 @@ Slow readers: committed blocks are buffered without limit and never dropped; dra
 draft is replaced, and dropped once its block commits). A reader that takes nothing for ``stall_timeout_s`` while
 blocks wait is aborted, and its stream raises ``StreamStalledError`` after the buffered events.
 Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot before the engine's next step.
+Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a digest of its token) can only be
+aborted by the same owner; to anyone else it looks exactly like an id never seen.
 An exception in the step loop fails every in-flight stream with ``EngineFaultError`` and stops the engine.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dgserve.engine import DraftOutput, Engine, Prompt
+from dgserve.engine import DraftOutput, Engine, Prompt, check_request_id
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import DuplicateRequestError
@@ -94,8 +96,9 @@ class RequestStream:
     """Events of one request, in order (async iterator). Lives on the event loop."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompt_tokens: int, params: SamplingParams,
-                 drafts: DraftSpec | None):
+                 drafts: DraftSpec | None, owner: str | None = None):
         self.request_id, self.prompt_tokens, self.params, self.drafts = request_id, prompt_tokens, params, drafts
+        self.owner = owner
         self._engine = engine
         self._events: deque = deque()
         self._draft: Draft | None = None
@@ -138,7 +141,7 @@ class RequestStream:
     def cancel(self, reason: str = "client_cancelled") -> None:
         """Stop the request (client went away): frees its slot before the next step; no more events."""
         if not self.done:
-            self._engine.abort(self.request_id, reason=reason, notify=False)
+            self._engine._abort(self.request_id, reason, notify=False)
             self.done = True
             self._wake.set()
 
@@ -180,7 +183,7 @@ class AsyncEngine:
         self.observer = observer or EngineObserver()
         self.fault: Exception | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()    # recently finished id -> owner
         self._remember = remember_finished
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -212,7 +215,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         for stream in list(self._streams.values()):
-            self.abort(stream.request_id, reason="shutdown")
+            self._abort(stream.request_id, "shutdown")
 
     @property
     def num_running(self) -> int:
@@ -225,10 +228,13 @@ class AsyncEngine:
     # ---------------------------------------------------------------- requests
 
     async def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     *, timeout_s: float | None = None, drafts: DraftSpec | None = None) -> RequestStream:
+                     *, timeout_s: float | None = None, drafts: DraftSpec | None = None,
+                     owner: str | None = None) -> RequestStream:
         """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
         NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
-        queued after this long is dropped without model work."""
+        queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``)."""
+        if request_id is not None:
+            check_request_id(request_id)
         if not self.running:
             raise EngineUnavailableError("the engine is not running" if self.fault is None else
                                          f"the engine stopped after a fault: {self.fault}")
@@ -237,10 +243,11 @@ class AsyncEngine:
             params = dataclasses.replace(params, seed=secrets.randbits(64))
         rid = request_id or f"dg-{uuid.uuid4().hex}"
         if isinstance(prompt, (list, tuple)):
-            ids = self.engine.prompt_ids(prompt)
+            ids = self.engine.request_prompt_ids(prompt, params.max_new_tokens)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(None, self.engine.prompt_ids, prompt)
-        stream = RequestStream(self, rid, len(ids), params, drafts)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.request_prompt_ids, prompt, params.max_new_tokens)
+        stream = RequestStream(self, rid, len(ids), params, drafts, owner)
         with self._lock:
             if rid in self._streams:
                 raise DuplicateRequestError(f"request_id: {rid!r} is already in flight")
@@ -255,14 +262,30 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
-    def abort(self, request_id: str, *, reason: str = "abort", notify: bool = True) -> str | None:
-        """Cancel a request: "cancelled" when it was queued or running, "already_finished" when it had finished
-        recently, None when unknown. With ``notify`` its stream ends with Finished("cancelled")."""
+    def abort(self, request_id: str, *, owner: str | None = None, reason: str = "abort",
+              notify: bool = True) -> str | None:
+        """Cancel a request for the caller ``owner``: "cancelled" when it was queued or running, "already_finished"
+        when it had finished recently, None when unknown — or when it belongs to another owner, so that ids of
+        other callers can be neither stopped nor discovered. With ``notify`` its stream ends with
+        Finished("cancelled"). ValueError for an id that is not 1 to 256 printable characters."""
+        check_request_id(request_id)
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.owner != owner:
+                return None
+        if stream is not None and self._abort(request_id, reason, notify) is not None:
+            return ABORT_CANCELLED
+        with self._lock:       # finished (possibly just now, between the two locked sections)
+            known = request_id in self._finished_ids and self._finished_ids[request_id] == owner
+        return ABORT_ALREADY_FINISHED if known else None
+
+    def _abort(self, request_id: str, reason: str, notify: bool = False) -> str | None:
+        """Cancel a request whoever owns it (client gone, stalled reader, shutdown, or a checked ``abort``)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
             if stream is None:
-                return ABORT_ALREADY_FINISHED if request_id in self._finished_ids else None
-            self._remember_finished(request_id)
+                return None
+            self._remember_finished(request_id, stream.owner)
         self.engine.abort(request_id)
         self.engine.take_result(request_id)
         self.observer.on_abort(reason)
@@ -270,8 +293,8 @@ class AsyncEngine:
             stream._push(self._finished(stream, FINISH_CANCELLED, 0, 0, 0))
         return ABORT_CANCELLED
 
-    def _remember_finished(self, request_id: str) -> None:
-        self._finished_ids[request_id] = None
+    def _remember_finished(self, request_id: str, owner: str | None) -> None:
+        self._finished_ids[request_id] = owner
         while len(self._finished_ids) > self._remember:
             self._finished_ids.popitem(last=False)
 
@@ -366,13 +389,13 @@ class AsyncEngine:
         if result is not None:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
-                self._remember_finished(stream.request_id)
+                self._remember_finished(stream.request_id, stream.owner)
             fin = self._finished(stream, result.finish_reason, len(result.token_ids), len(result.blocks),
                                  result.denoising_steps)
             stream._push(fin)
             self.observer.on_finished(fin)
         elif not stream.reading and stream.buffered > 1 and now - stream.last_read > self.stall_timeout_s:
-            self.abort(stream.request_id, reason="stalled", notify=False)
+            self._abort(stream.request_id, "stalled")
             stream._fail(StreamStalledError(f"request {stream.request_id}: the reader took nothing for "
                                             f"{self.stall_timeout_s:g} s; aborted"))
 

@@ -29,6 +29,7 @@ from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, Generatio
 from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
+from dgserve.token_bounds import PromptTooLongError
 
 MAX_REQUEST_ID_LENGTH = 256
 
@@ -175,10 +176,9 @@ class Engine:
         request still waiting then is dropped before any model work (its last block: finish_reason "cancelled").
         """
         params = params or self.default_params()
-        prompt_ids = self.prompt_ids(prompt)
-        self.check_context(len(prompt_ids), params.max_new_tokens)
-        if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
-            raise ValueError(f"request_id must have 1 to {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
+        if request_id is not None:
+            check_request_id(request_id)
+        prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
@@ -282,18 +282,24 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe."""
+    def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
+        """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe.
+
+        ``max_tokens``: a prompt with more tokens raises PromptTooLongError (a ValueError naming ``prompt``) with
+        bounded work: text that cannot fit is rejected by its byte length or a bounded count, never tokenized
+        whole (``Tokenizer.encode``)."""
         if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
             raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; "
                              "pass token ids")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
         elif isinstance(prompt, ChatPrompt):
             ids = self.tokenizer.encode_chat(list(prompt.messages), prompt.add_generation_prompt,
-                                             prompt.enable_thinking)
+                                             prompt.enable_thinking, max_tokens=max_tokens)
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise PromptTooLongError(len(ids), max_tokens, "given")
         V = self.model.config.vocab_size
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -302,13 +308,39 @@ class Engine:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
         return ids
 
-    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def request_prompt_ids(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
+        """Token ids of a request's prompt, which must fit in the context window with the canvases generated
+        after it; ValueError with both numbers (``check_context``) as soon as that is known, with bounded work."""
+        C = self.model.config.canvas_length
+        room = self.max_model_len - -(-max_new_tokens // C) * C
+        try:
+            ids = self.prompt_ids(prompt, max_tokens=max(room, 0))
+        except PromptTooLongError as e:
+            self.check_context(e.at_least, max_new_tokens, at_least=True)
+            raise
+        self.check_context(len(ids), max_new_tokens)
+        return ids
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> None:
         """ValueError (with both numbers) when the prompt plus the canvases generated do not fit."""
         C = self.model.config.canvas_length
         n_blocks = -(-max_new_tokens // C)
         if prompt_tokens + n_blocks * C > self.max_model_len:
-            raise ValueError(f"prompt: {prompt_tokens} tokens + {n_blocks} canvases of {C} (max_new_tokens "
-                             f"{max_new_tokens}) exceed the context window of {self.max_model_len} positions")
+            raise ValueError(f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "
+                             f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
+                             f"{self.max_model_len} positions")
+
+
+def check_request_id(value: str, field: str = "request_id") -> None:
+    """ValueError naming ``field`` unless ``value`` is 1 to 256 printable characters. Ids end up in logs, metrics
+    and error messages: no control characters (forged log lines), no megabyte ids. The message does not echo it."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REQUEST_ID_LENGTH:
+        n = len(value) if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {n}")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {bad!r} at "
+                         f"index {value.index(bad)}")
 
 
 def _check_max_model_len(value: int | None, limit: int) -> int:

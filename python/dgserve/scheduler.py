@@ -137,13 +137,17 @@ class Scheduler:
                 raise DuplicateRequestError(f"request_id: {request_id!r} is already in flight")
             cap = self.capacity
             if cap is not None and len(self) >= cap:
-                raise QueueFullError(
-                    f"server at capacity: {self.num_running} running (max_num_seqs {self.config.max_num_seqs}), "
-                    f"{self.num_waiting} waiting (max_queue_len {self.config.max_queue_len})",
-                    self._retry_after_locked())
+                raise QueueFullError(self._capacity_message(), self._retry_after_locked())
             seq = Sequence(request_id, prompt_len, self.clock(), deadline)
             self._waiting[request_id] = seq
             return seq
+
+    def _capacity_message(self) -> str:
+        # requests not yet moved into a free slot count as waiting until the next schedule(), so "waiting" alone
+        # may exceed max_queue_len: the limit is on the sum, and the message says exactly that
+        c = self.config
+        return (f"server at capacity: {self.num_running} running + {self.num_waiting} waiting = {len(self)} "
+                f"requests, the limit of max_num_seqs {c.max_num_seqs} + max_queue_len {c.max_queue_len}")
 
     def abort(self, request_id: str) -> str | None:
         """Remove a request: returns "waiting" or "running" (where it was), or None if unknown."""

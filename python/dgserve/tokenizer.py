@@ -7,6 +7,10 @@ the built-in Gemma 4 turn format. `IncrementalDecoder` turns committed blocks of
 streaming and stop strings.
 
 v1 is text-only: a non-text content part (an image, audio, ...) raises NotImplementedError.
+
+Bounded work: `encode(text, max_tokens=n)` never tokenizes a text that cannot fit in full. A text whose byte length
+already exceeds n times the most bytes one token can cover (`max_token_bytes`) is rejected before any tokenizing;
+a long text that passes is first counted in bounded chunks, stopping as soon as the count is over n.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 import tokenizers
+
+from dgserve.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
 ROLES = ("system", "user", "assistant", "model")
 DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
@@ -59,6 +65,7 @@ class Tokenizer:
         self.add_bos_token = bool(add_bos_token)
         self.chat_template = chat_template
         self._template = None if chat_template is None else _compile_template(chat_template, template_source)
+        self.max_token_bytes = max_token_bytes(tokenizer)
 
     # ------------------------------------------------------------------ loading
 
@@ -112,19 +119,40 @@ class Tokenizer:
         """The id of token text `tok` (a vocabulary entry or an added token), or None."""
         return self._tok.token_to_id(tok)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`. Special-token texts in `text` (e.g. `<|turn>`) become their single ids.
 
         With `add_special_tokens`, BOS is prepended when the tokenizer has one and `add_bos_token` is set, unless
         the ids already start with it (no double BOS). The tokenizer's own post-processor is never applied.
+        With `max_tokens`, a text with more ids raises PromptTooLongError, with bounded work (module docstring).
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if max_tokens is not None:
+            self._check_bound(text, max_tokens)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLongError(len(ids), max_tokens, "counted")
         return ids
+
+    def _check_bound(self, text: str, limit: int) -> None:
+        """PromptTooLongError when `text` surely has more than `limit` tokens: by its byte length alone, else by
+        counting chunks of it (each chunk's tokens are bounded by its size, and the count stops once over)."""
+        k = self.max_token_bytes
+        n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if k is not None and n_bytes > limit * k:
+            raise PromptTooLongError(-(-n_bytes // k), limit, f"{n_bytes} bytes, a token covers at most {k}")
+        if len(text) <= COUNT_CHUNK_CHARS:
+            return
+        count = 0
+        for cuts, chunk in enumerate(chunks(text, COUNT_CHUNK_CHARS)):
+            count += len(self._tok.encode(chunk, add_special_tokens=False).ids)
+            # a cut can split a token in two: allow one token per cut before concluding
+            if count - cuts > limit:
+                raise PromptTooLongError(count - cuts, limit, f"counted in the first {cuts + 1} chunks")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids (any iterable of ints, e.g. a list or a 1-D tensor). Incomplete or invalid UTF-8
@@ -162,11 +190,12 @@ class Tokenizer:
             raise ValueError(f"chat template: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> list[int]:
+                    enable_thinking: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
-        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does."""
+        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
+        `max_tokens`: as for `encode`, applied to the rendered text."""
         text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
 
 
 # ---------------------------------------------------------------------- files

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgserve.async_engine import Draft, Finished, Started
 from dgserve.outputs import BlockOutput
 
+from .. import errors
 from ..logs import request_id_var
 from . import protocol
 from .errors import HttpError, error_body
@@ -43,9 +44,12 @@ _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_
 class Gate:
     """What the routes need from the server: its serving state, auth and limits (all owned by Server)."""
 
-    def __init__(self, state, metrics, *, live: Callable[[], bool], authorized: Callable[[str], bool] | None,
+    def __init__(self, state, metrics, *, live: Callable[[], bool], owner: Callable[[str], str] | None,
                  max_body_bytes: int):
-        self.state, self.metrics, self.live, self.authorized = state, metrics, live, authorized
+        # owner: the caller's identity from its Authorization header (errors.UnauthenticatedError when the token
+        # is not accepted); None when auth is off. The same BearerAuth.owner the gRPC door uses, so a request
+        # started over HTTP can be aborted over gRPC only with the same token.
+        self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
         self.max_body_bytes = max_body_bytes
         self.in_flight = 0                       # generation requests not yet finished (drain waits for 0)
         self.idle = asyncio.Event()
@@ -118,7 +122,7 @@ def build_app(gate: Gate) -> FastAPI:
 # ---------------------------------------------------------------------------------------------- generation
 
 async def _generate(gate: Gate, request: Request, chat: bool):
-    _authorize(gate, request)
+    owner = _authorize(gate, request)
     body = await _read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
     defaults = engine.engine.default_params()
@@ -126,7 +130,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
         protocol.completion_request(body, defaults, gate.state.info.vocab_size)
     gate.state.check_model(call.model)
     rid = request.state.request_id
-    stream = await engine.submit(call.prompt, call.params, rid, drafts=call.drafts)
+    stream = await engine.submit(call.prompt, call.params, rid, drafts=call.drafts, owner=owner)
     out = protocol.Output(stream.request_id, call.model or gate.state.names[0], stream.params.seed, chat)
     headers = {"X-Dgserve-Seed": str(out.seed)}
     gate.enter()
@@ -233,9 +237,15 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _authorize(gate: Gate, request: Request) -> None:
-    if gate.authorized is not None and not gate.authorized(request.headers.get("authorization", "")):
-        raise HttpError("UNAUTHENTICATED", "missing or invalid bearer token (send 'Authorization: Bearer <token>')")
+def _authorize(gate: Gate, request: Request) -> str | None:
+    """The caller's identity (None when auth is off); HttpError UNAUTHENTICATED without an accepted token."""
+    if gate.owner is None:
+        return None
+    try:
+        return gate.owner(request.headers.get("authorization", ""))
+    except errors.UnauthenticatedError:
+        raise HttpError("UNAUTHENTICATED",
+                        "missing or invalid bearer token (send 'Authorization: Bearer <token>')") from None
 
 
 async def _read_json(request: Request, limit: int):
