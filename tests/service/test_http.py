@@ -99,7 +99,9 @@ def test_stop_string_gives_stop_and_cuts_the_text(client):
 
 
 def test_raw_sse_frames_seed_header_and_drafts(server):
-    body = {"prompt": "raw", "max_tokens": 40, "stream": True, "drafts": {"every_n_steps": 1}, **SLOW_BLOCKS}
+    # ignore_eos: no seed is given, so the draw is random; without it an early EOS would end the stream "stop"
+    body = {"prompt": "raw", "max_tokens": 40, "stream": True, "drafts": {"every_n_steps": 1}, "ignore_eos": True,
+            **SLOW_BLOCKS}
     with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         seed = int(r.headers["x-dgserve-seed"])
@@ -118,7 +120,8 @@ def test_raw_sse_frames_seed_header_and_drafts(server):
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
     assert plain[-1]["dgserve"]["seed"] == seed                # no seed asked: the one used, in header and body
     again = httpx.post(base_url(server) + "/v1/completions", timeout=60,
-                       json={"prompt": "raw", "max_tokens": 40, "seed": seed, **SLOW_BLOCKS}).json()
+                       json={"prompt": "raw", "max_tokens": 40, "seed": seed, "ignore_eos": True,
+                             **SLOW_BLOCKS}).json()
     assert again["choices"][0]["text"] == "".join(d["choices"][0]["text"] for d in plain)
 
 
