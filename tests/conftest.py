@@ -41,10 +41,31 @@ def hf_model_loader():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`cuda`-marked tests need a CUDA device and a CUDA build of dgserve._C; skip them with a reason otherwise."""
+    """`cuda`-marked tests need a CUDA device: skipped with a reason on a machine without one."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (this machine has none)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def cuda_test_failure(marked: bool, device: bool, problem: str | None) -> str | None:
+    """The failure message of a `cuda` test on a machine with a CUDA device whose dgserve._C cannot run the
+    CUDA kernels (None: the test may run). Such a test would otherwise skip, or run the torch reference on the
+    device and pass without running a kernel."""
+    if not (marked and device and problem):
+        return None
+    return f"a CUDA device is present but {problem}: rebuild with a CUDA torch and nvcc"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_tests_need_the_cuda_build(request):
+    """Runs before every other fixture of a test (autouse), so a `cuda` test fails here rather than skipping."""
+    if request.node.get_closest_marker("cuda") is None:
+        return
+    from dgserve import ops
+
+    msg = cuda_test_failure(True, torch.cuda.is_available(), ops.cuda_build_problem())
+    if msg is not None:
+        pytest.fail(msg, pytrace=False)
