@@ -196,3 +196,17 @@ def test_bf16_moe_chain_graph_capture(monkeypatch):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+# ---- rms_norm (wired to its CUDA kernel by issue 20) ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-7), (torch.bfloat16, 2 ** -8)])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 300), (256, 2816), (3, 5, 1031)], ids=str)
+def test_rms_norm_kernel_close_to_reference(monkeypatch, shape, dtype, rtol):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    w = 1 + torch.randn(shape[-1], generator=g)
+    want = reference.rms_norm(x, w, 1e-6).float()
+    _no_fallback(monkeypatch, "rms_norm")
+    got = ops.rms_norm(x.cuda(), w.cuda(), 1e-6).float().cpu()
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0)

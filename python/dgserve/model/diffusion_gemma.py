@@ -49,10 +49,14 @@ class DiffusionGemma:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "DiffusionGemma":
-        """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors)."""
+                        dtype: torch.dtype = torch.float32, nvfp4_packed: bool | None = None) -> "DiffusionGemma":
+        """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors).
+
+        nvfp4_packed: serve ModelOpt NVFP4 experts in the packed W4A16 layout through ``ops.nvfp4_moe_experts``
+        (default: on CUDA) instead of dequantizing them to ``dtype`` at load."""
         config = ModelConfig.from_pretrained(path)
-        return cls(config, load_weights(path, config, dtype=dtype, device=device), dtype, device)
+        packed = torch.device(device).type == "cuda" if nvfp4_packed is None else nvfp4_packed
+        return cls(config, load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed), dtype, device)
 
     # ------------------------------------------------------------------ public passes
 
