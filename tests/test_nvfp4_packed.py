@@ -71,7 +71,7 @@ def test_feed_forward_runs_the_nvfp4_op(quantized, monkeypatch):
     assert len(calls) > 0
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
 def test_packed_path_gives_the_dequantized_paths_logits(quantized, dtype, tol):
     packed = DiffusionGemma.from_pretrained(quantized, dtype=dtype, nvfp4_packed=True)
     deq = DiffusionGemma.from_pretrained(quantized, dtype=dtype, nvfp4_packed=False)

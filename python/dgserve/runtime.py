@@ -117,6 +117,8 @@ def plan_runtime(path: str | pathlib.Path, device: str = "cpu", dtype: str | tor
 
     name, reason = resolve_dtype(device, dtype)
     kind = torch.device(device).type
+    if kind == "cuda" and name == "float32":
+        reason += "; the CUDA expert GEMMs take bf16: in float32 the experts run their torch reference (slow)"
     headers = _headers(pathlib.Path(path))
     nvfp4_ckpt = bool(headers) and has_nvfp4_experts(path)
     packed = (kind == "cuda") if packed_nvfp4 is None else packed_nvfp4
