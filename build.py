@@ -14,8 +14,8 @@ Steps (each prints one line):
    to ``python/dgserve/_C<EXT_SUFFIX>``, importable as ``dgserve._C`` from the editable install.
 
 Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c`` for every arch of the
-build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills registers to local
-memory (``ptxas -v``); the .cu files include no torch headers, so this works on any machine with nvcc. It prints
+build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills more than
+SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this works on any machine with nvcc. It prints
 the compile seconds per arch. ``--logf-accuracy`` builds and runs
 ``csrc/tools/dg_logf_accuracy.cpp`` (exhaustive ulp error of the contract's float32 log).
 Exit status is non-zero, with a one-line reason, when a step fails.
@@ -56,6 +56,10 @@ STANDALONE_STD = "-std=c++17"  # --check-cuda and the accuracy tool, which have 
 CUDA_ARCHES = [("sm_90a", "compute_90"), ("sm_80", "compute_80"), ("sm_100a", "compute_100"),
                ("sm_120", "compute_120"), ("sm_121", "compute_121")]
 PTX_ARCH = "compute_80"
+# --check-cuda fails when a kernel spills more than this to local memory (ptxas -v), and lists smaller spills.
+# A few bytes are tolerated: the NT=2 NVFP4 GEMMs, capped at 128 registers for 2 CTAs/SM, spill 4-16 B (as
+# they did before issue 20); the class of bug this catches is accept_kernel's former 5.4 KB spill.
+SPILL_BUDGET_BYTES = 64
 
 
 class BuildError(RuntimeError):
@@ -259,17 +263,20 @@ def check_cuda(args: argparse.Namespace) -> None:
         print(f"[build] {cu.name} ({arch}):\n" + r.stdout + r.stderr, file=sys.stderr)
     if failed:
         raise BuildError("--check-cuda: nvcc failed on " + ", ".join(f"{cu.name} ({a})" for cu, a, _ in failed))
-    spills = [(cu, arch, s) for cu, arch, r, _ in results for s in ptxas_spills(r.stdout + r.stderr)]
-    for cu, arch, (kernel, st, ld) in spills:
-        print(f"[build] {cu.name} ({arch}): {kernel} spills {st} B stores / {ld} B loads", file=sys.stderr)
-    if spills:
-        raise BuildError(f"--check-cuda: {len(spills)} kernel(s) spill registers to local memory (listed above)")
     per_arch = {arch: sum(dt for _, a, _, dt in results if a == arch) for arch in arches}
     log(f"check-cuda: {len(cus)} file(s) ({', '.join(cu.name for cu in cus)})")
     log("check-cuda: compile seconds per arch (summed over files): "
         + ", ".join(f"{a} {dt:.1f}" for a, dt in per_arch.items()))
-    log(f"check-cuda: {len(cus)} file(s) compile with nvcc for {', '.join(arches)}, no register spills, "
-        f"in {time.time() - t0:.1f} s")
+    spills = [(cu, arch, s) for cu, arch, r, _ in results for s in ptxas_spills(r.stdout + r.stderr)]
+    over = [x for x in spills if max(x[2][1], x[2][2]) > SPILL_BUDGET_BYTES]
+    for cu, arch, (kernel, st, ld) in spills:
+        log(f"check-cuda: {cu.name} ({arch}): {kernel} spills {st} B stores / {ld} B loads"
+            + (" -- over the budget" if max(st, ld) > SPILL_BUDGET_BYTES else ""))
+    if over:
+        raise BuildError(f"--check-cuda: {len(over)} kernel(s) spill more than {SPILL_BUDGET_BYTES} B of registers "
+                         "to local memory (listed above)")
+    log(f"check-cuda: {len(cus)} file(s) compile with nvcc for {', '.join(arches)}, no spill over "
+        f"{SPILL_BUDGET_BYTES} B ({len(spills)} smaller), in {time.time() - t0:.1f} s")
 
 
 def logf_accuracy(args: argparse.Namespace) -> None:
@@ -309,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's choice)")
     p.add_argument("--check-cuda", action="store_true", help="only compile each csrc/ops/*.cu with "
                    "`nvcc -c` for every arch (or --arch) into a temporary directory (no torch needed), fail on "
-                   "register spills, print the seconds per arch, then exit")
+                   "register spills over SPILL_BUDGET_BYTES, print the seconds per arch, then exit")
     p.add_argument("--logf-accuracy", action="store_true", help="only build and run the exhaustive accuracy "
                    "check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit")
     p.add_argument("--verbose", action="store_true", help="show compiler commands and output")
