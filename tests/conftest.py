@@ -9,6 +9,7 @@ import pathlib
 import pytest
 import torch
 
+from cuda_policy import cuda_test_failure
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model, tiny_config  # noqa: F401 (re-exported)
 
 _CACHE: dict[str, pathlib.Path] = {}
@@ -48,15 +49,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-def cuda_test_failure(marked: bool, device: bool, problem: str | None) -> str | None:
-    """The failure message of a `cuda` test on a machine with a CUDA device whose dgserve._C cannot run the
-    CUDA kernels (None: the test may run). Such a test would otherwise skip, or run the torch reference on the
-    device and pass without running a kernel."""
-    if not (marked and device and problem):
-        return None
-    return f"a CUDA device is present but {problem}: rebuild with a CUDA torch and nvcc"
 
 
 @pytest.fixture(autouse=True)

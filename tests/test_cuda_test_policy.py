@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from conftest import cuda_test_failure
+from cuda_policy import cuda_test_failure
 from dgserve import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

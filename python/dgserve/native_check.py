@@ -92,14 +92,17 @@ def _noise_args(device, B=2):
     return [t.to(device) for t in (seeds, blocks, steps)]
 
 
+# The references of the device-independent contracts (integer noise, the Gumbel noise, align, the acceptance)
+# run on the CPU: torch's CUDA log and scans have their own rounding, which the contracts do not promise.
+
 def check_canvas_noise(device) -> str | None:
     args = _noise_args(device)
-    return _exact("canvas", ops.canvas_noise(*args, 37, 1009), reference.canvas_noise(*args, 37, 1009))
+    return _exact("canvas", ops.canvas_noise(*args, 37, 1009), reference.canvas_noise(*_noise_args("cpu"), 37, 1009))
 
 
 def check_gumbel_noise(device) -> str | None:
     args = _noise_args(device)
-    got, want = ops.gumbel_noise(*args, 5, 211).cpu(), reference.gumbel_noise(*args, 5, 211).cpu()
+    got, want = ops.gumbel_noise(*args, 5, 211).cpu(), reference.gumbel_noise(*_noise_args("cpu"), 5, 211)
     ulp = torch.from_numpy(__import__("numpy").spacing(want.abs().clamp_min(1).numpy()))
     err = ((got - want).abs() / ulp).max().item()
     return None if err <= 2 else f"noise is {err:.1f} ulp of max(|g|, 1) from the reference (tolerance 2, spec §7.6)"
@@ -135,7 +138,7 @@ def check_diffusion_step(device) -> str | None:
             return bad
         if not bool(got.accepted[0].all()):
             return "a row with an unbounded entropy budget did not accept every position"
-        accepted = reference.entropy_bound_accept(got.entropy, args[5])
+        accepted = reference.entropy_bound_accept(got.entropy.cpu(), args[5].cpu())
         bad = _exact(f"accepted ({dtype})", got.accepted, accepted)
         if bad:
             return bad
@@ -170,7 +173,7 @@ def _ids(device, T=40, E=16, K=4):
 
 def check_moe_align(device) -> str | None:
     ids = _ids(device)
-    got, want = ops.moe_align(ids, 16, 8), reference.moe_align(ids, 16, 8)
+    got, want = ops.moe_align(ids, 16, 8), reference.moe_align(ids.cpu(), 16, 8)
     for name in ("counts", "offsets", "sorted_pairs", "block_expert"):
         bad = _exact(name, getattr(got, name), getattr(want, name))
         if bad:
