@@ -40,7 +40,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kAcceptThreads = 256;
 constexpr int kMaxCanvas = (int)kDiffusionStepMaxCanvasCuda;  // accept_kernel: 16 B of shared memory each
-static_assert(kMaxCanvas * (3 * sizeof(float) + sizeof(int)) <= 48 * 1024, "accept_kernel: 48 KB of smem");
+constexpr int kLaneSlots = 16;  // torch_sum lanes (at most 16) summed by warp 1
+static_assert(kMaxCanvas * (3 * sizeof(float) + sizeof(int)) + kLaneSlots * sizeof(float) <= 48 * 1024,
+              "accept_kernel: dynamic + static shared memory within the default 48 KB");
 
 // ---- argmax pairs -----------------------------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kAcceptThreads) accept_kernel(DiffusionStepPar
     order[rank] = i;
   }
   __syncthreads();
-  __shared__ float lane_sum[16];
+  __shared__ float lane_sum[kLaneSlots];
   const auto hk = [&](int64_t k) { return h[k]; };
   const int lane_thread = (int)threadIdx.x - 32;  // warp 1 sums torch's vector lanes while thread 0 runs the prefix
   if (threadIdx.x == 0) {

@@ -63,8 +63,9 @@ struct DiffusionStepParams {
   int sum_lanes;                 // 8 or 16: torch's Vectorized<float>::size() (common/torch_sum.h)
 };
 
-// The CUDA accept kernel keeps 16 bytes per position in shared memory (48 KB default limit).
-constexpr int64_t kDiffusionStepMaxCanvasCuda = 3072;
+// The CUDA accept kernel keeps 16 bytes per position in shared memory, plus 64 static bytes, within the 48 KB
+// a block gets without an opt-in.
+constexpr int64_t kDiffusionStepMaxCanvasCuda = 3056;
 
 Status diffusion_step_cpu(const DiffusionStepParams& p);
 Status diffusion_step_cuda(const DiffusionStepParams& p, void* stream);  // compiled only with CUDA

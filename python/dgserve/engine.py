@@ -258,13 +258,13 @@ class Engine:
                 self._start_block(req)
         t0 = time.perf_counter()
         states = [r.state for r in active]
-        hidden = self.model.denoise_hidden(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
-                                           self_cond_logits=[s.self_cond for s in states])
+        tiles = self.model.denoise(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
+                                   self_cond_logits=[s.self_cond for s in states], tiled=True)
         for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
             s.self_cond = None
-        for rows, logits in self.model.logits_tiles(hidden):  # LM head + sampler a tile of canvases at a time
+        for rows, logits in tiles:  # LM head + sampler a tile of canvases at a time
             self.sampler.step(states[rows], logits)
-        del hidden
+        del tiles
         dt = time.perf_counter() - t0
         with self._lock:
             for req in active:

@@ -80,14 +80,18 @@ class DiffusionGemma:
 
     @torch.inference_mode()
     def denoise(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits: torch.Tensor | None = None,
-                self_cond_probs: torch.Tensor | None = None) -> torch.Tensor:
+                self_cond_probs: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
         feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute). Give at most one.
         Either may also be a sequence of B per-row tensors [C, V] or None (rows at a block's first step).
+        tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
+        (``logits_tiles``), so the whole [B, C, V] never exists (the engine's step).
         """
         hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs)
+        if tiled:
+            return self.logits_tiles(hidden)
         B, C = hidden.shape[:2]
         out = torch.empty(B, C, self.config.vocab_size, dtype=torch.float32, device=self.device)
         for rows, logits in self.logits_tiles(hidden):
