@@ -8,12 +8,15 @@ Steps (each prints one line):
    files protoc does not write. Skipped, with a message, when there are no protos or grpc_tools is missing.
 2. ``dgserve._C`` with ``torch.utils.cpp_extension.load`` (ninja) against the installed torch:
    ``csrc/bindings.cpp`` + ``csrc/ops/*_cpu.cpp`` always; ``csrc/ops/*.cu`` only when torch is a CUDA build
-   AND nvcc is found (sm_90a, plus sm_80 and sm_100a when this nvcc knows them). ``-O3``, no fast-math,
+   AND nvcc is found (SASS for sm_90a, sm_80, sm_100a, sm_120, sm_121, each when this nvcc knows it, plus
+   PTX for compute_80 that newer parts JIT-compile). ``-O3``, no fast-math,
    ``-ffp-contract=off`` / ``--fmad=false`` (the ops are bit-exact contracts), OpenMP. The library is copied
    to ``python/dgserve/_C<EXT_SUFFIX>``, importable as ``dgserve._C`` from the editable install.
 
-Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c -arch=sm_90a`` (the .cu
-files include no torch headers, so this works on any machine with nvcc); ``--logf-accuracy`` builds and runs
+Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c`` for every arch of the
+build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills more than
+SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this works on any machine with nvcc. It prints
+the compile seconds per arch. ``--logf-accuracy`` builds and runs
 ``csrc/tools/dg_logf_accuracy.cpp`` (exhaustive ulp error of the contract's float32 log).
 Exit status is non-zero, with a one-line reason, when a step fails.
 """
@@ -23,6 +26,7 @@ import argparse
 import concurrent.futures
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -43,8 +47,19 @@ BUILD = ROOT / "build"
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo"]
 STANDALONE_STD = "-std=c++17"  # --check-cuda and the accuracy tool, which have no torch to pick one
-# (arch name, required `compute_XX` in `nvcc --list-gpu-arch`); sm_90a is the target, the others are extras.
-CUDA_ARCHES = [("sm_90a", "compute_90"), ("sm_80", "compute_80"), ("sm_100a", "compute_100")]
+# (arch name, required `compute_XX` in `nvcc --list-gpu-arch`); sm_90a is the target (H100/H200), the others
+# are the seeds' hardware: A100 (sm_80 SASS also runs on sm_86/89 parts), B200 (sm_100a), RTX 5090 / RTX PRO 6000
+# (sm_120) and DGX Spark (sm_121). PTX_ARCH: PTX embedded for any newer part without SASS here (sm_103, sm_110,
+# later majors), JIT-compiled by the driver at first load. compute_80 because the kernels use nothing newer
+# (mma.sync, cp.async) and PTX only runs on parts at least as new as its target: compute_120 PTX would leave
+# sm_103 and sm_110 with no code at all ('a' SASS such as sm_100a runs on its own part only).
+CUDA_ARCHES = [("sm_90a", "compute_90"), ("sm_80", "compute_80"), ("sm_100a", "compute_100"),
+               ("sm_120", "compute_120"), ("sm_121", "compute_121")]
+PTX_ARCH = "compute_80"
+# --check-cuda fails when a kernel spills more than this to local memory (ptxas -v), and lists smaller spills.
+# A few bytes are tolerated: the NT=2 NVFP4 GEMMs, capped at 128 registers for 2 CTAs/SM, spill 4-16 B (as
+# they did before issue 20); the class of bug this catches is accept_kernel's former 5.4 KB spill.
+SPILL_BUDGET_BYTES = 64
 
 
 class BuildError(RuntimeError):
@@ -101,21 +116,32 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def nvcc_arch_flags(nvcc: str, requested: list[str] | None) -> tuple[list[str], list[str]]:
-    """-gencode flags for the arches this nvcc supports → (flags, arch names)."""
-    out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
-    known = set(out)
-    flags, names = [], []
-    for name, compute in CUDA_ARCHES:
-        if requested is not None and name not in requested:
-            continue
-        if compute in known or (requested is not None):
-            num = name[3:]
-            flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-            names.append(name)
+def gencode(name: str) -> str:
+    """-gencode flag of one arch name: ``sm_90a`` → SASS for sm_90a, ``compute_80`` → PTX for compute_80."""
+    if name.startswith("compute_"):
+        return f"-gencode=arch={name},code={name}"
+    num = name[3:]
+    return f"-gencode=arch=compute_{num},code=sm_{num}"
+
+
+def cuda_arches(nvcc: str, requested: list[str] | None) -> list[str]:
+    """Arch names to build: those of CUDA_ARCHES (+ PTX_ARCH) this nvcc knows, or exactly ``requested``
+    (names from CUDA_ARCHES, PTX_ARCH or any ``sm_XX`` / ``compute_XX`` the caller asks for)."""
+    if requested is not None:
+        return list(requested)
+    known = set(subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split())
+    names = [name for name, compute in CUDA_ARCHES if compute in known]
+    if PTX_ARCH in known:
+        names.append(PTX_ARCH)
     if not names:
         raise BuildError(f"nvcc {nvcc} supports none of {[a for a, _ in CUDA_ARCHES]}")
-    return flags, names
+    return names
+
+
+def nvcc_arch_flags(nvcc: str, requested: list[str] | None) -> tuple[list[str], list[str]]:
+    """-gencode flags for the arches this nvcc supports → (flags, arch names)."""
+    names = cuda_arches(nvcc, requested)
+    return [gencode(n) for n in names], names
 
 
 def ensure_ninja_on_path() -> None:
@@ -188,33 +214,69 @@ def build_extension(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_FUNCTION = re.compile(r"Function properties for (\S+)")
+
+
+def ptxas_spills(output: str) -> list[tuple[str, int, int]]:
+    """(kernel, spill store bytes, spill load bytes) of every kernel that spills, from ``ptxas -v`` output."""
+    spills, kernel = [], None
+    for line in output.splitlines():
+        m = _FUNCTION.search(line)
+        if m:
+            kernel = m.group(1)
+            continue
+        m = _SPILL.search(line)
+        if m and kernel is not None and (int(m.group(1)) or int(m.group(2))):
+            spills.append((kernel, int(m.group(1)), int(m.group(2))))
+    return spills
+
+
 def check_cuda(args: argparse.Namespace) -> None:
-    """nvcc -c -arch=sm_90a on every csrc/ops/*.cu, alone (no torch), into a temporary directory."""
+    """nvcc -c on every csrc/ops/*.cu × every arch, alone (no torch), into a temporary directory; no spills."""
     nvcc = shutil.which("nvcc") or (find_nvcc() if _torch_importable() else None)
     if nvcc is None:
         raise BuildError("--check-cuda: nvcc not found")
     cus = sorted((CSRC / "ops").glob("*.cu"))
     if not cus:
         raise BuildError("--check-cuda: no csrc/ops/*.cu files")
-    arch = args.arch.split(",")[0] if args.arch else "sm_90a"
+    arches = cuda_arches(nvcc, args.arch.split(",") if args.arch else None)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="dg-check-cuda-") as tmp:
-        def compile_one(cu: pathlib.Path):
-            cmd = [nvcc, "-c", f"-arch={arch}", STANDALONE_STD, *NVCC_FLAGS, "-I", str(CSRC), str(cu), "-o",
-                   str(pathlib.Path(tmp) / (cu.stem + ".o"))]
+        def compile_one(job: tuple[pathlib.Path, str]):
+            cu, arch = job
+            cmd = [nvcc, "-c", gencode(arch), STANDALONE_STD, *NVCC_FLAGS, "-I", str(CSRC), str(cu), "-o",
+                   str(pathlib.Path(tmp) / f"{cu.stem}.{arch}.o")]
+            if not arch.startswith("compute_"):
+                cmd[2:2] = ["-Xptxas", "-v"]  # resource usage: registers, stack, spills
             if args.verbose:
                 log("check-cuda: " + " ".join(cmd))
-            return cu, subprocess.run(cmd, capture_output=True, text=True)
+            t = time.time()
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            return cu, arch, r, time.time() - t
 
+        jobs = [(cu, arch) for arch in arches for cu in cus]
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs or os.cpu_count() or 2) as pool:
-            results = list(pool.map(compile_one, cus))
-    failed = [(cu, r) for cu, r in results if r.returncode != 0]
-    for cu, r in failed:
-        print(r.stdout + r.stderr, file=sys.stderr)
+            results = list(pool.map(compile_one, jobs))
+    failed = [(cu, arch, r) for cu, arch, r, _ in results if r.returncode != 0]
+    for cu, arch, r in failed:
+        print(f"[build] {cu.name} ({arch}):\n" + r.stdout + r.stderr, file=sys.stderr)
     if failed:
-        raise BuildError(f"--check-cuda: nvcc failed on {', '.join(cu.name for cu, _ in failed)}")
-    log(f"check-cuda: {len(cus)} file(s) compile with nvcc -arch={arch} "
-        f"({', '.join(cu.name for cu in cus)}) in {time.time() - t0:.1f} s")
+        raise BuildError("--check-cuda: nvcc failed on " + ", ".join(f"{cu.name} ({a})" for cu, a, _ in failed))
+    per_arch = {arch: sum(dt for _, a, _, dt in results if a == arch) for arch in arches}
+    log(f"check-cuda: {len(cus)} file(s) ({', '.join(cu.name for cu in cus)})")
+    log("check-cuda: compile seconds per arch (summed over files): "
+        + ", ".join(f"{a} {dt:.1f}" for a, dt in per_arch.items()))
+    spills = [(cu, arch, s) for cu, arch, r, _ in results for s in ptxas_spills(r.stdout + r.stderr)]
+    over = [x for x in spills if max(x[2][1], x[2][2]) > SPILL_BUDGET_BYTES]
+    for cu, arch, (kernel, st, ld) in spills:
+        log(f"check-cuda: {cu.name} ({arch}): {kernel} spills {st} B stores / {ld} B loads"
+            + (" -- over the budget" if max(st, ld) > SPILL_BUDGET_BYTES else ""))
+    if over:
+        raise BuildError(f"--check-cuda: {len(over)} kernel(s) spill more than {SPILL_BUDGET_BYTES} B of registers "
+                         "to local memory (listed above)")
+    log(f"check-cuda: {len(cus)} file(s) compile with nvcc for {', '.join(arches)}, no spill over "
+        f"{SPILL_BUDGET_BYTES} B ({len(spills)} smaller), in {time.time() - t0:.1f} s")
 
 
 def logf_accuracy(args: argparse.Namespace) -> None:
@@ -248,11 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ext", action="store_true", help="skip the native extension dgserve._C")
     p.add_argument("--cpu-only", action="store_true", help="build the extension without CUDA sources even when "
                    "torch is a CUDA build and nvcc is found")
-    p.add_argument("--arch", default=None, help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a "
-                   "(default: sm_90a plus sm_80 and sm_100a when nvcc supports them)")
+    p.add_argument("--arch", default=None, help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; "
+                   "compute_XX for PTX (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
+                   "each when nvcc supports it)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's choice)")
     p.add_argument("--check-cuda", action="store_true", help="only compile each csrc/ops/*.cu with "
-                   "`nvcc -c -arch=sm_90a` into a temporary directory (no torch needed), then exit")
+                   "`nvcc -c` for every arch (or --arch) into a temporary directory (no torch needed), fail on "
+                   "register spills over SPILL_BUDGET_BYTES, print the seconds per arch, then exit")
     p.add_argument("--logf-accuracy", action="store_true", help="only build and run the exhaustive accuracy "
                    "check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit")
     p.add_argument("--verbose", action="store_true", help="show compiler commands and output")

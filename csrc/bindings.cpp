@@ -522,6 +522,8 @@ py::dict build_info() {
 #else
   d["cuda"] = false;
 #endif
+  d["gumbel_max"] = dg::kGumbelMax;
+  d["diffusion_step_max_canvas_cuda"] = dg::kDiffusionStepMaxCanvasCuda;
 #if defined(_OPENMP)
   d["openmp"] = true;
 #else
@@ -584,7 +586,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("s13"), py::arg("w2"), py::arg("s2"), py::arg("gs"),
         py::arg("weights"), py::arg("offsets"), py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
   m.def("build_info", &build_info,
-        "what this build contains: {'cuda': bool, 'openmp': bool, 'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512}");
+        "what this build contains: {'cuda': bool, 'openmp': bool, 'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512, "
+        "'gumbel_max': float, 'diffusion_step_max_canvas_cuda': int}");
   m.def("_set_cpu_level", &dg::set_cpu_level,
         "test hook: force the CPU code path (0 baseline, 1 AVX2+FMA, 2 AVX-512; -1 automatic); returns the level "
         "in use",

@@ -44,7 +44,11 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--tls-key", "DGSERVE_TLS_KEY", "tls_key", str, "server private key (PEM)"),
     ("--tls-client-ca", "DGSERVE_TLS_CLIENT_CA", "tls_client_ca", str, "CA for client certificates: enables mTLS"),
     ("--device", "DGSERVE_DEVICE", "device", str, "torch device (default cpu)"),
-    ("--dtype", "DGSERVE_DTYPE", "dtype", str, f"{' | '.join(DTYPES)} (default float32)"),
+    ("--dtype", "DGSERVE_DTYPE", "dtype", str, f"{' | '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 "
+     "on the CPU; float32 on a GPU only when the weights fit)"),
+    ("--native-ops", "DGSERVE_NATIVE_OPS", "native_ops", str, "auto | off | strict: self-check the native ops at "
+     "start and switch off those that disagree with their reference (auto), use none (off), or refuse to start "
+     "(strict)"),
     ("--prefill-chunk", "DGSERVE_PREFILL_CHUNK", "prefill_chunk", int,
      "prompt tokens encoded per chunk and per engine iteration (default 512)"),
     ("--stall-timeout", "DGSERVE_STALL_TIMEOUT", "stall_timeout", float,
@@ -109,6 +113,18 @@ def _convert(field: str, raw: str, parse):
         raise ValueError(f"{field}: cannot parse {raw!r} as {parse.__name__}") from None
 
 
+def _runtime(config: ServiceConfig) -> dict:
+    """The resolved device, dtype, expert format and native ops (dgserve.runtime), for --dry-run."""
+    from dgserve.default_model import default_model_path
+    from dgserve.runtime import describe, plan_runtime
+
+    try:
+        return describe(plan_runtime(config.model or default_model_path(), config.device, config.dtype,
+                                     config.native_ops))
+    except Exception as e:  # noqa: BLE001 - a dry run reports, it does not fail
+        return {"problem": f"{type(e).__name__}: {e}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config, dry_run = build_config(argv)
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgserve serve: error: {e}", file=sys.stderr)
         return 2
     if dry_run:
-        print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        print(json.dumps({**config.to_dict(), "runtime": _runtime(config)}, indent=2, sort_keys=True))
         return 0
     from .logs import setup_logging
     from .server import Server, StartupError

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")   # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.runtime)
+NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.native_check
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -17,7 +18,8 @@ class ServiceConfig:
     port: int = 50051                        # gRPC; 0 = ephemeral
     http_port: int | None = 8000             # OpenAI-compatible API + health + metrics; 0 = ephemeral; None = off
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    native_ops: str = "auto"                 # auto: self-check, failing ops off; off: none; strict: refuse to start
     max_model_len: int | None = None         # None = the model's max_position_embeddings
     max_num_seqs: int = 32                   # running requests
     max_queue_len: int = 256                 # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
@@ -51,6 +53,8 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.native_ops not in NATIVE_OPS_MODES:
+            raise ValueError(f"native_ops must be one of {', '.join(NATIVE_OPS_MODES)}, got {self.native_ops!r}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -150,7 +150,16 @@ def model_info(engine: Engine, names: tuple[str, ...], sched: SchedulerConfig) -
         defaults=params_message(d), bounds=bounds(d), max_stop_strings=sp.MAX_STOP_STRINGS,
         max_stop_length=sp.MAX_STOP_LENGTH, max_num_seqs=sched.max_num_seqs,
         max_queue_len=sched.max_queue_len if sched.max_queue_len is not None else 0,
-        deterministic=engine.model.dtype == torch.float32, version=dgserve.__version__)
+        deterministic=engine.model.dtype == torch.float32, version=dgserve.__version__, **runtime_fields(engine))
+
+
+def runtime_fields(engine: Engine) -> dict:
+    """GetModelInfoResponse's runtime section (device, dtype's expert format, native ops) from the engine."""
+    rt = engine.runtime_info()
+    return dict(device=rt["device"], expert_format=rt["expert_format"], native_ops=rt["native_ops"],
+                native_ops_mode=rt["native_ops_mode"],
+                native_ops_disabled=[pb.NativeOpStatus(op=op, reason=why)
+                                     for op, why in sorted(rt["native_ops_disabled"].items())])
 
 
 def bounds(d: SamplingParams) -> list[pb.KnobBounds]:

@@ -47,6 +47,7 @@ class Metrics(EngineObserver):
         self.step_time = Histogram(p + "engine_step_seconds", "Engine iteration time", buckets=_LATENCY, registry=r)
         self.rpcs = Counter(p + "rpc", "Finished RPCs by method and status code", ["method", "code"], registry=r)
         r.register(NvmlCollector())
+        r.register(NativeOpsCollector())
 
     def track_engine(self, num_running: Callable[[], int], num_waiting: Callable[[], int], max_num_seqs: int):
         self.running.set_function(num_running)
@@ -85,6 +86,20 @@ class Metrics(EngineObserver):
         """A sample's current value (tests, debugging); 0 when absent."""
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else v
+
+
+class NativeOpsCollector:
+    """dgserve_native_op_disabled{op}: 1 for each native op switched off in this process (a failed start-up
+    self-check or --native-ops off, dgserve.native_check), read at scrape time."""
+
+    def collect(self):
+        from dgserve import ops
+
+        g = GaugeMetricFamily("dgserve_native_op_disabled", "Native op switched off (its torch reference runs)",
+                              labels=["op"])
+        for op in sorted(ops.switched_off()):
+            g.add_metric([op], 1)
+        yield g
 
 
 class NvmlCollector:

@@ -54,12 +54,10 @@ def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
 
 def load_engine(cfg: ServiceConfig) -> Engine:
     """The engine for ``cfg`` (the default model when cfg.model is None)."""
-    import torch
-
     from dgserve.default_model import default_model_path
 
     path = cfg.model or default_model_path()
-    return Engine.from_pretrained(path, device=cfg.device, dtype=getattr(torch, cfg.dtype),
+    return Engine.from_pretrained(path, device=cfg.device, dtype=cfg.dtype, native_ops=cfg.native_ops,
                                   scheduler_config=scheduler_config(cfg), max_model_len=cfg.max_model_len)
 
 

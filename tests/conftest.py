@@ -9,6 +9,7 @@ import pathlib
 import pytest
 import torch
 
+from cuda_policy import cuda_test_failure
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model, tiny_config  # noqa: F401 (re-exported)
 
 _CACHE: dict[str, pathlib.Path] = {}
@@ -41,10 +42,22 @@ def hf_model_loader():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`cuda`-marked tests need a CUDA device and a CUDA build of dgserve._C; skip them with a reason otherwise."""
+    """`cuda`-marked tests need a CUDA device: skipped with a reason on a machine without one."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (this machine has none)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_tests_need_the_cuda_build(request):
+    """Runs before every other fixture of a test (autouse), so a `cuda` test fails here rather than skipping."""
+    if request.node.get_closest_marker("cuda") is None:
+        return
+    from dgserve import ops
+
+    msg = cuda_test_failure(True, torch.cuda.is_available(), ops.cuda_build_problem())
+    if msg is not None:
+        pytest.fail(msg, pytrace=False)

@@ -178,4 +178,9 @@ DG_HD float gumbel_from_bits(uint32_t r) {
   return -dg_logf_reduced(-dg_logf_reduced(uniform_from_bits(r), 0.0f), 0.0f);
 }
 
+// The largest value gumbel_from_bits returns (u = 1 - 2^-24; tests/ops check it over every u). An upper bound
+// of the noise: f32(y + kGumbelMax) < best means f32(y + g) < best for every draw g (rounding is monotone),
+// which lets diffusion_step skip the draw of entries that cannot win the Gumbel race.
+constexpr float kGumbelMax = 16.635532f;
+
 }  // namespace dg

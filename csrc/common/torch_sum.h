@@ -115,4 +115,35 @@ DG_HD float torch_sum(const Elem& elem, int64_t n, int lanes) {
   return lanes == 16 ? torch_sum_detail::inner_sum<16>(elem, n) : torch_sum_detail::inner_sum<8>(elem, n);
 }
 
+// The same sum split by lanes, for a GPU block: every operation on torch's Vectorized accumulator is
+// lane-wise and the cascade's shape depends on sizes only, so lane l of it is the scalar cascade of
+// elem(l), elem(W + l), elem(2W + l), ... Thread l < torch_sum_width(lanes) computes torch_sum_lane(.., l),
+// one thread combines them with torch_sum_from_lanes: bit-identical to torch_sum, with 16 accumulators per
+// thread instead of 16 × 16 (which spill in one GPU thread). torch_sum_split runs the same pieces serially.
+DG_HD int torch_sum_width(int lanes) { return lanes == 16 ? 16 : 8; }
+
+template <class Elem>
+DG_HD float torch_sum_lane(const Elem& elem, int64_t n, int lanes, int l) {
+  const int W = torch_sum_width(lanes);
+  if (n < W) return 0.0f;  // the scalar path: no vector lanes
+  return torch_sum_detail::row_sum<float>([&](int64_t i) { return elem(i * W + l); }, n / W);
+}
+
+template <class Elem, class Partial>
+DG_HD float torch_sum_from_lanes(const Elem& elem, int64_t n, int lanes, const Partial& partial) {
+  const int W = torch_sum_width(lanes);
+  if (n < W) return 0.0f + torch_sum_detail::row_sum<float>(elem, n);  // scalar_inner_sum
+  float acc = 0.0f;
+  for (int64_t k = n / W * W; k < n; ++k) acc += elem(k);
+  for (int l = 0; l < W; ++l) acc += partial(l);
+  return 0.0f + acc;
+}
+
+template <class Elem>
+DG_HD float torch_sum_split(const Elem& elem, int64_t n, int lanes) {
+  float part[16];
+  for (int l = 0; l < torch_sum_width(lanes); ++l) part[l] = torch_sum_lane(elem, n, lanes, l);
+  return torch_sum_from_lanes(elem, n, lanes, [&](int l) { return part[l]; });
+}
+
 }  // namespace dg

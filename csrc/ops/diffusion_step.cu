@@ -11,10 +11,18 @@
 // memory bound (one read of logits, one write of processed); the Philox + 2 logs per element are hidden
 // behind the loads on Hopper.
 //
-// Kernel 2, accept_kernel: one block per canvas (C <= 1024 threads). Stable rank sort of the C entropies in
-// shared memory (O(C^2) compares, trivial at C = 256; NaN last, ties by position), a sequential fp64 prefix
-// sum by one thread (the contract's order: each prefix rounded to fp32), then each thread decides its rank's
-// acceptance and renoises its position; thread 0 writes the mean entropy in torch's CPU sum order.
+// The exact Gumbel skip: a group's Philox call and logs are skipped when every y of the group satisfies
+// f32(y + kGumbelMax) < the thread's running best z. Gumbel noise is <= kGumbelMax and rounding is monotone,
+// so z = f32(y + g) <= f32(y + kGumbelMax) < best: such an element can never win (nor tie) the race, and the
+// sample is bit-identical to computing every z (a NaN y or best makes the comparison false: computed).
+//
+// Kernel 2, accept_kernel: one 256-thread block per canvas, positions strided over the threads (any C whose
+// 16·C bytes of shared memory fit the 48 KB default, kDiffusionStepMaxCanvasCuda; ops.diffusion_step falls
+// back to the reference beyond). Stable rank sort of the C entropies in shared memory (O(C^2 / 256) compares
+// per thread; NaN last, ties by position), a sequential fp64 prefix sum by one thread (the contract's order:
+// each prefix rounded to fp32), then each rank's acceptance and renoise; thread 0 writes the mean entropy in
+// torch's CPU sum order, its vector lanes summed by one thread each (torch_sum_lane; at __launch_bounds__(1024)
+// one thread held all 16 × 16 lane accumulators in 64 registers: a 5.4 KB spill; now nothing spills).
 //
 // No host synchronisation and no allocation: both kernels are queued on the caller's stream.
 #include <cuda_runtime.h>
@@ -30,7 +38,11 @@ namespace dg {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxCanvas = 1024;  // accept_kernel: one thread per position
+constexpr int kAcceptThreads = 256;
+constexpr int kMaxCanvas = (int)kDiffusionStepMaxCanvasCuda;  // accept_kernel: 16 B of shared memory each
+constexpr int kLaneSlots = 16;  // torch_sum lanes (at most 16) summed by warp 1
+static_assert(kMaxCanvas * (3 * sizeof(float) + sizeof(int)) + kLaneSlots * sizeof(float) <= 48 * 1024,
+              "accept_kernel: dynamic + static shared memory within the default 48 KB");
 
 // ---- argmax pairs -----------------------------------------------------------------------------------------
 
@@ -149,10 +161,14 @@ __global__ void __launch_bounds__(kThreads) position_kernel(DiffusionStepParams 
 #pragma unroll
       for (int j = 0; j < 4; ++j) x[j] = v0 + j < V ? to_float(row[v0 + j]) : 0.0f;
     }
-    const Philox4 r = philox4x32_10((uint32_t)q, (uint32_t)c, block, ctr3, k0, k1);
     float y[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) y[j] = __fdiv_rn(x[j], temp);  // IEEE division, as the reference
+    bool may_win = false;  // the exact Gumbel skip (see the file comment)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) may_win |= v0 + j < V && !(__fadd_rn(y[j], kGumbelMax) < best_z.value);
+    Philox4 r{};
+    if (may_win) r = philox4x32_10((uint32_t)q, (uint32_t)c, block, ctr3, k0, k1);
     if (full && vec_out) {
       *reinterpret_cast<float4*>(out + v0) = make_float4(y[0], y[1], y[2], y[3]);
     }
@@ -160,9 +176,8 @@ __global__ void __launch_bounds__(kThreads) position_kernel(DiffusionStepParams 
     for (int j = 0; j < 4; ++j) {
       if (v0 + j >= V) break;
       if (!(full && vec_out)) out[v0 + j] = y[j];
-      const float z = __fadd_rn(y[j], gumbel_from_bits(r.v[j]));
       best_y = better(best_y, ArgMax{y[j], v0 + j});
-      best_z = better(best_z, ArgMax{z, v0 + j});
+      if (may_win) best_z = better(best_z, ArgMax{__fadd_rn(y[j], gumbel_from_bits(r.v[j])), v0 + j});
       if (y[j] != y[j]) {
         saw_nan = true;
       } else {
@@ -219,8 +234,7 @@ __device__ __forceinline__ bool sorts_before(float hi, int i, float hj, int j) {
   return hi < hj || (hi == hj && i < j);
 }
 
-// Up to 1024 threads: __launch_bounds__ caps registers at 64 (thread 0 spills the torch_sum lanes to local memory).
-__global__ void __launch_bounds__(kMaxCanvas) accept_kernel(DiffusionStepParams p) {
+__global__ void __launch_bounds__(kAcceptThreads) accept_kernel(DiffusionStepParams p) {
   extern __shared__ unsigned char smem[];
   const int C = (int)p.canvas_length;
   float* h = reinterpret_cast<float*>(smem);  // [C] entropies by position
@@ -228,10 +242,9 @@ __global__ void __launch_bounds__(kMaxCanvas) accept_kernel(DiffusionStepParams 
   float* prefix = sorted + C;                 // [C] f32(running fp64 sum) by rank
   int* order = reinterpret_cast<int*>(prefix + C);  // [C] position of each rank
   const int64_t b = blockIdx.x;
-  const int i = threadIdx.x;
-  if (i < C) h[i] = p.entropy[b * C + i];
+  for (int i = threadIdx.x; i < C; i += kAcceptThreads) h[i] = p.entropy[b * C + i];
   __syncthreads();
-  if (i < C) {
+  for (int i = threadIdx.x; i < C; i += kAcceptThreads) {
     const float hi = h[i];
     int rank = 0;
     for (int j = 0; j < C; ++j) rank += sorts_before(h[j], j, hi, i) ? 1 : 0;
@@ -239,17 +252,25 @@ __global__ void __launch_bounds__(kMaxCanvas) accept_kernel(DiffusionStepParams 
     order[rank] = i;
   }
   __syncthreads();
-  if (i == 0) {
+  __shared__ float lane_sum[kLaneSlots];
+  const auto hk = [&](int64_t k) { return h[k]; };
+  const int lane_thread = (int)threadIdx.x - 32;  // warp 1 sums torch's vector lanes while thread 0 runs the prefix
+  if (threadIdx.x == 0) {
     double cum = 0.0;
     for (int r = 0; r < C; ++r) {
       cum += (double)sorted[r];
       prefix[r] = (float)cum;
     }
-    p.mean_entropy[b] = __fdiv_rn(torch_sum([&](int64_t k) { return h[k]; }, C, p.sum_lanes), (float)C);
+  } else if (lane_thread >= 0 && lane_thread < torch_sum_width(p.sum_lanes)) {
+    lane_sum[lane_thread] = torch_sum_lane(hk, C, p.sum_lanes, lane_thread);
   }
   __syncthreads();
-  if (i < C) {
-    const int pos = order[i];  // this thread handles rank i
+  if (threadIdx.x == 0) {
+    const float sum = torch_sum_from_lanes(hk, C, p.sum_lanes, [&](int l) { return lane_sum[l]; });
+    p.mean_entropy[b] = __fdiv_rn(sum, (float)C);
+  }
+  for (int i = threadIdx.x; i < C; i += kAcceptThreads) {
+    const int pos = order[i];  // rank i
     const bool keep = __fsub_rn(prefix[i], sorted[i]) <= p.entropy_bound[b];
     p.accepted[b * C + pos] = keep ? 1 : 0;
     if (!keep) p.canvas[b * C + pos] = canvas_token(p.seeds[b], p.blocks[b], p.steps[b], pos, p.vocab_size);
@@ -273,9 +294,8 @@ Status diffusion_step_cuda(const DiffusionStepParams& p, void* stream) {
     position_kernel<bf16><<<positions, kThreads, 0, s>>>(p);
   }
   DG_CUDA_CHECK(cudaGetLastError());
-  const int threads = (int)((p.canvas_length + 31) / 32 * 32);
   const size_t smem = (size_t)p.canvas_length * (3 * sizeof(float) + sizeof(int));
-  accept_kernel<<<(unsigned)p.batch, threads, smem, s>>>(p);
+  accept_kernel<<<(unsigned)p.batch, kAcceptThreads, smem, s>>>(p);
   DG_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -23,7 +23,10 @@
 //
 // CPU: positions in parallel (OpenMP), then canvases in parallel; results do not depend on the thread count.
 // CUDA: one block per position (online max / log-sum-exp / entropy, warp-level argmaxes), then one block per
-// canvas (rank sort, sequential fp64 prefix sum, acceptance, renoise, mean); no host sync, no allocation.
+// canvas (rank sort, sequential fp64 prefix sum, acceptance, renoise, mean); no host sync, no allocation;
+// canvas_length <= kDiffusionStepMaxCanvasCuda (ops.diffusion_step uses the reference beyond).
+// Both paths skip the Philox draw and logs of entries that cannot win the Gumbel race (f32(y + kGumbelMax) <
+// the running best z, common/philox.h): exact, since g <= kGumbelMax and rounding is monotone.
 // CUDA entropy is accumulated in a different order (tree), so it may differ from the CPU op's in the last
 // bits; processed, argmax, the Gumbel noise and the sampled tokens are bit-identical to the CPU op.
 #pragma once
@@ -59,6 +62,10 @@ struct DiffusionStepParams {
   int64_t vocab_size;
   int sum_lanes;                 // 8 or 16: torch's Vectorized<float>::size() (common/torch_sum.h)
 };
+
+// The CUDA accept kernel keeps 16 bytes per position in shared memory, plus 64 static bytes, within the 48 KB
+// a block gets without an opt-in.
+constexpr int64_t kDiffusionStepMaxCanvasCuda = 3056;
 
 Status diffusion_step_cpu(const DiffusionStepParams& p);
 Status diffusion_step_cuda(const DiffusionStepParams& p, void* stream);  // compiled only with CUDA

@@ -54,6 +54,15 @@ DG_HD bool chunk_may_win(const float* a, int64_t n, float best) {
   return hit != 0 && best == best;
 }
 
+// Whether some element of y[0..n) could beat `best` after adding Gumbel noise: not f32(y + kGumbelMax) < best
+// (NaN y or best: true). When false, the chunk's draw is skipped: g <= kGumbelMax and rounding is monotone, so
+// no z of the chunk can beat (or tie) best. Branch-free, so it vectorises.
+DG_HD bool chunk_may_beat(const float* y, int64_t n, float best) {
+  int hit = 0;
+  for (int64_t i = 0; i < n; ++i) hit |= (int)!((y[i] + kGumbelMax) < best);
+  return hit != 0;
+}
+
 // Entropy of softmax(y[0..V)) around its maximum m (not NaN): H = log(s) - t / s, s = sum e, t = sum e (y - m),
 // e = exp(y - m) in fp32, the sums in double over kLanes interleaved partial sums (lane = v % kLanes), then
 // lanes 0..kLanes-1 in order: a fixed order for every V.
@@ -102,15 +111,16 @@ DG_HD PositionResult position_impl(const PositionArgs& a) {
       yc[i] = to_float(x[v0 + i]) / a.temperature;  // IEEE division, as the reference
       y[v0 + i] = yc[i];
     }
+    // The running argmaxes change rarely: scan a chunk only when some element could win (vectorised test).
+    if (chunk_may_win(yc, n, best_y)) {
+      for (int64_t i = 0; i < n; ++i) argmax_update(yc[i], v0 + i, best_y, arg_y);
+    }
+    if (arg_z >= 0 && !chunk_may_beat(yc, n, best_z)) continue;  // the exact Gumbel skip: no draw needed
     gumbel_x64((uint32_t)(v0 / kChunk), a.pos, a.block, a.ctr3, a.k0, a.k1, g);
     for (int64_t i = 0; i < n; ++i) zc[i] = yc[i] + g[i];
     if (arg_z < 0) {
       best_z = zc[0];
       arg_z = 0;
-    }
-    // The running argmaxes change rarely: scan a chunk only when some element could win (vectorised test).
-    if (chunk_may_win(yc, n, best_y)) {
-      for (int64_t i = 0; i < n; ++i) argmax_update(yc[i], v0 + i, best_y, arg_y);
     }
     if (chunk_may_win(zc, n, best_z)) {
       for (int64_t i = 0; i < n; ++i) argmax_update(zc[i], v0 + i, best_z, arg_z);
@@ -168,7 +178,8 @@ void accept_canvas(const DiffusionStepParams& p, int64_t b, std::vector<int64_t>
       p.canvas[b * C + c] = canvas_token(p.seeds[b], p.blocks[b], p.steps[b], c, p.vocab_size);
     }
   }
-  p.mean_entropy[b] = torch_sum([h](int64_t c) { return h[c]; }, C, p.sum_lanes) / (float)C;
+  // the lane-split form the CUDA accept kernel runs in parallel (bit-identical to torch_sum; tested here)
+  p.mean_entropy[b] = torch_sum_split([h](int64_t c) { return h[c]; }, C, p.sum_lanes) / (float)C;
 }
 
 }  // namespace

@@ -86,8 +86,10 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(MoeAlignParams p) {
     for (int i = tid; i < kWarps * kMaxE; i += kThreads) (&warp_count[0][0])[i] = 0;
     __syncthreads();
     const int64_t pair = base + tid;
-    int e = pair < P ? (int)p.ids[pair] : -1;
-    if (e >= E) e = -1;
+    // range check on the int64 id BEFORE narrowing: an id >= 2^31 (or < 0) whose low 32 bits fall in [0, E)
+    // must not alias a real expert and overrun its segment
+    const int64_t id = pair < P ? p.ids[pair] : -1;
+    const int e = (id >= 0 && id < E) ? (int)id : -1;
     const unsigned peers = __match_any_sync(kFull, e);
     const int rank = __popc(peers & ((1u << lane) - 1u));
     if (e >= 0 && rank == 0) warp_count[warp][e] = __popc(peers);

@@ -1,9 +1,10 @@
 // moe_experts on the GPU, bf16 (contract: moe_experts.h; design: kernels.md §9.4, swap-AB).
 //
-// Both GEMMs are expert-major: grid (row tiles, experts), 4 warps per block, each block reads counts[e] and
-// offsets[e] from device memory and leaves when the expert has no pairs (no host sync, static grid for CUDA
-// graphs). A warp owns 32 weight rows (two m16 tiles) and loops over its expert's pairs in chunks of 32 tokens
-// (four n8 tiles; a partial chunk issues only the tiles it needs), streaming the K dimension in slabs of 32:
+// Both GEMMs are expert-major: grid (row tiles × chunk splits, experts), 4 warps per block, each block reads
+// counts[e] and offsets[e] from device memory and leaves when the expert has no pairs, or none in its chunks
+// (no host sync, static grid for CUDA graphs: the split count Z depends on the token count only). A warp owns
+// 32 weight rows (two m16 tiles) and takes its expert's 32-token chunks z, z + Z, z + 2Z, ... (four n8 tiles;
+// a partial chunk issues only the tiles it needs), streaming the K dimension in slabs of 32:
 //   weights (A, row-major [rows, K]): lane (g = lane/4, t = lane%4) loads 16 bytes of rows g and g+8 at
 //     k = 8t..8t+7 (a warp reads 8 rows × 64 contiguous bytes per tile: full 32-byte sectors);
 //   tokens  (B, row-major [tokens, K]): the same lane loads 16 bytes of token g at k = 8t..8t+7.
@@ -17,7 +18,10 @@
 // GEMM2 (grid ceil(hidden/128) × experts): warp rows = 32 output features of down[e]; tokens are act rows
 //   (contiguous); epilogue y[pair, h] = f32(rnd(acc)) · weights[pair].
 // Each weight byte is read once per 32-pair chunk: once in total for experts with <= 32 pairs (one canvas:
-// 16 on average); hotter experts re-read their slice per chunk (mostly from L2).
+// 16 on average, read with evict-first loads). Hotter experts (16 canvases: 256 pairs on average) re-read
+// their slice once per chunk; the Z splits of a row tile are adjacent in blockIdx.x, so those re-reads run
+// concurrently on neighbouring SMs and hit L2 (normal-priority loads), instead of one block walking the
+// chunks one after another and streaming the slice from HBM each time.
 // Tunables: rows per warp (32), warps per block (4), chunk (32), slab (32), prefetch depth (1).
 #include <cuda_runtime.h>
 #include <math.h>
@@ -38,9 +42,11 @@ constexpr int kNT = kChunk / 8;       // n8 tiles per pass
 constexpr int kSlab = 32;             // K per iteration (two k16 steps)
 constexpr int kGemm1Features = 16 * kWarps;   // gate/up features per block
 constexpr int kGemm2Rows = 32 * kWarps;       // output rows per block
+constexpr int kMaxSplits = 8;                 // chunk splits per (row tile, expert): 8 × 32 = 256 pairs at once
 
-__device__ __forceinline__ uint4 load_weights(const uint16_t* p) {  // streamed once: evict-first
-  return __ldcs(reinterpret_cast<const uint4*>(p));
+// read once (the expert's pairs fit one chunk): evict-first; re-read by the sibling blocks: normal, to hit L2
+__device__ __forceinline__ uint4 load_weights(const uint16_t* p, bool once) {
+  return once ? __ldcs(reinterpret_cast<const uint4*>(p)) : __ldg(reinterpret_cast<const uint4*>(p));
 }
 __device__ __forceinline__ uint4 load_tokens(const uint16_t* p) {   // reused by the block's warps: via L1
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -73,6 +79,7 @@ struct Pass {
   const uint16_t* b_row[kNT];  // nullptr: no token (past the expert's count)
   int ntiles;
   int64_t K;
+  bool once;  // the expert's weights are read by this pass only (count <= kChunk)
 };
 
 __device__ __forceinline__ void load_slab(const Pass& ps, int64_t k0, int t, Slab& s) {
@@ -82,7 +89,7 @@ __device__ __forceinline__ void load_slab(const Pass& ps, int64_t k0, int t, Sla
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) s.a[m][h] = kv ? load_weights(ps.a_row[m][h] + k) : zero;
+    for (int h = 0; h < 2; ++h) s.a[m][h] = kv ? load_weights(ps.a_row[m][h] + k, ps.once) : zero;
   }
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
@@ -131,25 +138,27 @@ __device__ __forceinline__ void run_pass(const Pass& ps, int t, float acc[2][kNT
 
 __device__ __forceinline__ float round_bf16(float v) { return to_float(float_to_bf16(v)); }
 
-__global__ void __launch_bounds__(kThreads) moe_gemm1_kernel(MoeExpertsParams p) {
+__global__ void __launch_bounds__(kThreads) moe_gemm1_kernel(MoeExpertsParams p, int nsplits) {
   const int e = blockIdx.y;
   const int count = p.counts[e];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t H = p.hidden, I = p.inter;
-  const int64_t f0 = (int64_t)blockIdx.x * kGemm1Features + warp * 16;
-  if (count == 0 || f0 >= I) return;  // whole warps leave; no block barriers below
+  const int splits = nsplits, split = (int)(blockIdx.x % nsplits);  // the splits of a tile are adjacent
+  const int64_t f0 = (int64_t)(blockIdx.x / splits) * kGemm1Features + warp * 16;
+  if (count <= split * kChunk || f0 >= I) return;  // whole warps leave; no block barriers below
   const int64_t base = p.offsets[e];
   const uint16_t* W = static_cast<const uint16_t*>(p.gate_up) + (int64_t)e * 2 * I * H;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
   uint16_t* act = static_cast<uint16_t*>(p.act);
   Pass ps;
   ps.K = H;
+  ps.once = count <= kChunk;
   for (int h = 0; h < 2; ++h) {  // rows past inter read a valid row; their results are never stored
     const int64_t f = f0 + g + 8 * h < I ? f0 + g + 8 * h : I - 1;
     ps.a_row[0][h] = W + f * H;          // gate
     ps.a_row[1][h] = W + (I + f) * H;    // up
   }
-  for (int c0 = 0; c0 < count; c0 += kChunk) {
+  for (int c0 = split * kChunk; c0 < count; c0 += splits * kChunk) {
     ps.ntiles = (min(kChunk, count - c0) + 7) / 8;
 #pragma unroll
     for (int j = 0; j < kNT; ++j) {
@@ -173,24 +182,26 @@ __global__ void __launch_bounds__(kThreads) moe_gemm1_kernel(MoeExpertsParams p)
   }
 }
 
-__global__ void __launch_bounds__(kThreads) moe_gemm2_kernel(MoeExpertsParams p) {
+__global__ void __launch_bounds__(kThreads) moe_gemm2_kernel(MoeExpertsParams p, int nsplits) {
   const int e = blockIdx.y;
   const int count = p.counts[e];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t H = p.hidden, I = p.inter;
-  const int64_t h0 = (int64_t)blockIdx.x * kGemm2Rows + warp * 32;
-  if (count == 0 || h0 >= H) return;
+  const int splits = nsplits, split = (int)(blockIdx.x % nsplits);
+  const int64_t h0 = (int64_t)(blockIdx.x / splits) * kGemm2Rows + warp * 32;
+  if (count <= split * kChunk || h0 >= H) return;
   const int64_t base = p.offsets[e];
   const uint16_t* W = static_cast<const uint16_t*>(p.down) + (int64_t)e * H * I;
   const uint16_t* act = static_cast<const uint16_t*>(p.act);
   Pass ps;
   ps.K = I;
+  ps.once = count <= kChunk;
   for (int m = 0; m < 2; ++m)
     for (int h = 0; h < 2; ++h) {
       const int64_t row = h0 + 16 * m + g + 8 * h;
       ps.a_row[m][h] = W + (row < H ? row : H - 1) * I;
     }
-  for (int c0 = 0; c0 < count; c0 += kChunk) {
+  for (int c0 = split * kChunk; c0 < count; c0 += splits * kChunk) {
     ps.ntiles = (min(kChunk, count - c0) + 7) / 8;
 #pragma unroll
     for (int j = 0; j < kNT; ++j) {
@@ -232,11 +243,14 @@ Status moe_experts_cuda(const MoeExpertsParams& p, void* stream) {
   DG_CHECK_ARG(p.experts <= 65535, "moe_experts: experts=%lld exceeds the CUDA grid", (long long)p.experts);
   if (p.tokens == 0) return Status::Ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const dim3 grid1((unsigned)((p.inter + kGemm1Features - 1) / kGemm1Features), (unsigned)p.experts);
-  moe_gemm1_kernel<<<grid1, kThreads, 0, s>>>(p);
+  // An expert gets at most `tokens` pairs from a top-k without repeats; more (repeated ids) are still
+  // covered: each block strides over the chunks.
+  const unsigned splits = (unsigned)moe_chunk_splits(p.tokens, kChunk, kMaxSplits);
+  const dim3 grid1((unsigned)((p.inter + kGemm1Features - 1) / kGemm1Features) * splits, (unsigned)p.experts);
+  moe_gemm1_kernel<<<grid1, kThreads, 0, s>>>(p, (int)splits);
   DG_CUDA_CHECK(cudaGetLastError());
-  const dim3 grid2((unsigned)((p.hidden + kGemm2Rows - 1) / kGemm2Rows), (unsigned)p.experts);
-  moe_gemm2_kernel<<<grid2, kThreads, 0, s>>>(p);
+  const dim3 grid2((unsigned)((p.hidden + kGemm2Rows - 1) / kGemm2Rows) * splits, (unsigned)p.experts);
+  moe_gemm2_kernel<<<grid2, kThreads, 0, s>>>(p, (int)splits);
   DG_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

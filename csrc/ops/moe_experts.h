@@ -56,6 +56,14 @@ struct MoeExpertsParams {
   int64_t capacity;
 };
 
+// Grid splits of an expert's token chunks (the CUDA kernels of moe_experts and nvfp4_moe_experts): enough for
+// `tokens` pairs (an expert's most from a top-k without repeats), at most max_splits, at least 1. Static per
+// shape (CUDA graphs); a block takes chunks split, split + splits, ... so any count is covered.
+inline int64_t moe_chunk_splits(int64_t tokens, int64_t chunk, int64_t max_splits) {
+  const int64_t n = (tokens + chunk - 1) / chunk;
+  return n < 1 ? 1 : n > max_splits ? max_splits : n;
+}
+
 Status check_moe_experts_params(const MoeExpertsParams& p);
 Status moe_experts_cpu(const MoeExpertsParams& p);
 Status moe_experts_cuda(const MoeExpertsParams& p, void* stream);  // compiled only with CUDA

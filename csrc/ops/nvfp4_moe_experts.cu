@@ -2,8 +2,10 @@
 // output features are M, an expert's tokens are N), exact in-register FP4→bf16 decode (nvfp4_layout.h),
 // mma.sync.m16n8k16 bf16 with fp32 accumulation. Contract in nvfp4_moe_experts.h; design in kernels.md §9.4.
 //
-// Grid (static, graph-capturable): (row slabs of 128 rows, experts). A CTA whose expert has no slots exits at
-// once; otherwise it loops over the expert's token chunks (NT·8 tokens each) and, per chunk, streams its 128-row
+// Grid (static, graph-capturable): (row slabs of 128 rows × chunk splits Z, experts). A CTA whose expert has no
+// slots in its chunks exits at once; otherwise it takes the expert's token chunks (NT·8 tokens each) z, z + Z,
+// ... (the Z CTAs of a slab are adjacent in blockIdx.x: they run together, and the re-reads of the slab by hot
+// experts' chunks hit L2 instead of HBM; Z depends on the token count only) and, per chunk, streams its 128-row
 // weight slab through a kStages-deep cp.async pipeline of K-blocks (256 K): weights, scales and the gathered
 // activation rows (GEMM1: x[pair / K], GEMM2: act[slot]) land in shared memory; each of the 8 warps owns 4 row
 // tiles (64 rows) × one 64-K chunk of every K-block (2 row groups × 4 K-slices), decodes its fragments once per
@@ -16,6 +18,9 @@
 
 #include "../common/check.h"
 #include "../common/activation.h"
+#include <atomic>
+
+#include "moe_experts.h"  // moe_chunk_splits
 #include "nvfp4_layout.h"
 #include "nvfp4_moe_experts.h"
 
@@ -30,6 +35,7 @@ constexpr int kStages = 3;
 constexpr int kXStride = kBlockK + 8;      // bf16 per token row in shared memory (+16 B: conflict-free B loads)
 constexpr int kWBytes = kTilesPerCta * 4 * 512;  // weights of one stage: 8 row tiles × 4 chunks × 512 B
 constexpr int kSBytes = kTilesPerCta * 4 * 64;   // their scale bytes
+constexpr int kMaxSplits = 8;                    // chunk splits per (slab, expert)
 
 template <int NT>
 struct Layout {
@@ -66,24 +72,25 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
 __device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 template <int NT, bool kGemm1>
-__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams p) {
+__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams p, int nsplits) {
   using L = Layout<NT>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t e = blockIdx.y, pairs = p.tokens * p.top_k;
   const int64_t begin = clamp64(p.offsets[e], 0, p.slots);
   const int64_t end = clamp64(p.offsets[e + 1], begin, p.slots);
-  if (begin >= end) return;
+  const int split = (int)(blockIdx.x % nsplits);
+  if (begin + (int64_t)split * L::kTokens >= end) return;
   const int64_t K = kGemm1 ? p.hidden : p.inter;
   const int64_t rt_n = (kGemm1 ? 2 * p.inter : p.hidden) / 16, kc_n = nvfp4_chunks(K);
   const uint32_t* W = (kGemm1 ? p.w13 : p.w2) + e * rt_n * kc_n * nvfp4::kWordsPerChunk;
   const uint8_t* S = (kGemm1 ? p.s13 : p.s2) + e * rt_n * kc_n * nvfp4::kScalesPerChunk;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rg = warp >> 2, ks = warp & 3;
-  const int64_t cta_rt = (int64_t)blockIdx.x * kTilesPerCta;
+  const int64_t cta_rt = (int64_t)(blockIdx.x / nsplits) * kTilesPerCta;
   const int nkb = (int)((kc_n + 3) / 4);
   const uint16_t* xbase = kGemm1 ? static_cast<const uint16_t*>(p.x) : reinterpret_cast<const uint16_t*>(p.act);
 
-  for (int64_t chunk = begin; chunk < end; chunk += L::kTokens) {
+  for (int64_t chunk = begin + (int64_t)split * L::kTokens; chunk < end; chunk += (int64_t)nsplits * L::kTokens) {
     const uint16_t* src[NT];  // this thread's token rows (its 16-byte column c16 of every K-block), or null
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -220,16 +227,31 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
   }
 }
 
+// The dynamic shared memory opt-in of both kernels of one NT, set once per device (a function attribute holds
+// for the device's context; setting it on every call cost a driver call per layer). Devices >= 64 set it always.
+template <int NT>
+Status set_smem_attribute_once(int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d
+  int dev = 0;
+  DG_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return Status::Ok();
+  DG_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<NT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  DG_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<NT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_release);  // two threads racing here both set it: harmless
+  return Status::Ok();
+}
+
 template <int NT>
 Status launch(const Nvfp4MoeParams& p, cudaStream_t stream) {
   const int bytes = Layout<NT>::kBytes;
-  const dim3 grid1((unsigned)((2 * p.inter / 16 + kTilesPerCta - 1) / kTilesPerCta), (unsigned)p.experts);
-  const dim3 grid2((unsigned)((p.hidden / 16 + kTilesPerCta - 1) / kTilesPerCta), (unsigned)p.experts);
-  DG_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<NT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  DG_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<NT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  gemm_kernel<NT, true><<<grid1, kThreads, bytes, stream>>>(p);
+  const unsigned splits = (unsigned)moe_chunk_splits(p.tokens, Layout<NT>::kTokens, kMaxSplits);
+  const dim3 grid1((unsigned)((2 * p.inter / 16 + kTilesPerCta - 1) / kTilesPerCta) * splits, (unsigned)p.experts);
+  const dim3 grid2((unsigned)((p.hidden / 16 + kTilesPerCta - 1) / kTilesPerCta) * splits, (unsigned)p.experts);
+  DG_RETURN_IF_ERROR(set_smem_attribute_once<NT>(bytes));
+  gemm_kernel<NT, true><<<grid1, kThreads, bytes, stream>>>(p, (int)splits);
   DG_CUDA_CHECK(cudaGetLastError());
-  gemm_kernel<NT, false><<<grid2, kThreads, bytes, stream>>>(p);
+  gemm_kernel<NT, false><<<grid2, kThreads, bytes, stream>>>(p, (int)splits);
   DG_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -5,8 +5,11 @@ Canonical names drop the HF prefix: `embed_tokens.weight`, `norm.weight`, `self_
 (the encoder's own, untied buffer) and `lm_head.weight` only when it is stored and differs from the embedding.
 Shared weights may be stored under `model.decoder.` or `model.encoder.language_model.` (decoder preferred);
 vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-expert `experts.{e}.{gate,up,down}_proj`
-with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`) are dequantized exactly into the fused expert
-layout at load (spec §2.4): the CPU path runs on the dequantized weights.
+with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`) are either dequantized exactly into the fused
+expert layout at load (spec §2.4), or, with ``nvfp4_packed=True`` (the default on CUDA), stacked per layer and
+repacked on the device into the W4A16 kernel layout (`layers.{i}.experts.packed`, an ``nvfp4.PackedExperts``)
+that ``ops.nvfp4_moe_experts`` runs on: no dequantized copy is ever made. Either way a layer's expert tensors
+are read with one open per shard, not one per matrix.
 """
 from __future__ import annotations
 
@@ -278,14 +281,18 @@ def _read(plan: dict[str, str], stored: dict[str, _Stored], dtype: torch.dtype,
     return weights
 
 
+PACKED = "experts.packed"  # layers.{i}.experts.packed: nvfp4.PackedExperts (replaces gate_up_proj / down_proj)
+
+
 def load_weights(path: str | pathlib.Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                 device: torch.device | str = "cpu", nvfp4_packed: bool = False) -> dict[str, torch.Tensor]:
     """Load a Hugging Face DiffusionGemma checkpoint directory into canonical names (see `expected_shapes`).
 
     `path` holds config.json and model.safetensors (or shards listed in model.safetensors.index.json).
     Floating tensors are converted to `dtype` and moved to `device` one at a time, so peak memory is the
     result plus one tensor. `lm_head.weight` is returned only when stored and different from the embedding.
-    NVFP4 experts are dequantized exactly (fp32 bracket, one rounding to `dtype`) into the fused layout.
+    NVFP4 experts are dequantized exactly (fp32 bracket, one rounding to `dtype`) into the fused layout, or with
+    `nvfp4_packed` kept as NVFP4 in the W4A16 kernel layout under `layers.{i}.experts.packed`.
     Raises CheckpointError naming the file or tensor: missing config.json / safetensors / shard, unreadable
     file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, bad NVFP4 tensors.
     """
@@ -299,7 +306,12 @@ def load_weights(path: str | pathlib.Path, config: ModelConfig, dtype: torch.dty
         _check_quant_config(path)
     weights = _read(_plan(stored, config, frozenset(quantized)), stored, dtype, device)
     for layer, names in sorted(quantized.items()):
-        weights.update(_read_nvfp4(layer, names, full, config, dtype, device))
+        gate, up, down = _read_nvfp4_stacked(layer, names, full, config)
+        if nvfp4_packed:  # the raw tensors go to the device, the repack runs there (native on CUDA)
+            on = [tuple(t.to(device) for t in proj) for proj in (gate, up, down)]
+            weights[f"layers.{layer}.{PACKED}"] = nvfp4.pack_experts(*on)
+        else:
+            weights.update(_dequantize_layer(layer, (gate, up, down), config, dtype, device))
     if LM_HEAD in weights and torch.equal(weights[LM_HEAD], weights["embed_tokens.weight"]):
         del weights[LM_HEAD]  # stored but identical: tied, as transformers does (spec §2.2)
     return weights
@@ -311,38 +323,68 @@ def _nvfp4_tensor(f, name: str, s: _Stored, shape: tuple[int, ...], dtype: str) 
     return f.get_tensor(name)
 
 
-def _read_nvfp4(layer: int, names: dict[tuple[int, str, str], str], stored: dict[str, _Stored], config: ModelConfig,
-                dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Dequantize layer `layer`'s NVFP4 experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I] (`dtype`).
+_PARTS = (("weight", "U8"), ("weight_scale", "F8_E4M3"), ("weight_scale_2", "F32"))
+
+
+def _read_nvfp4_stacked(layer: int, names: dict[tuple[int, str, str], str], stored: dict[str, _Stored],
+                        config: ModelConfig) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Layer `layer`'s ModelOpt tensors stacked over experts, on the CPU, as ``nvfp4.pack_experts`` takes them:
+    per projection (gate, up, down) a tuple (weight uint8 [E, N, Kp/2], weight_scale e4m3 [E, N, Kp/16],
+    weight_scale_2 fp32 [E]). Each shard is opened once; shapes, dtypes and scales are checked (CheckpointError
+    naming the tensor)."""
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    shapes = {proj: ((n, nvfp4.padded(k) // 2), (n, nvfp4.padded(k) // nvfp4.GROUP), ()) for proj, (n, k) in dims.items()}
+    out = {(proj, part): [None] * E for proj in nvfp4.PROJECTIONS for part, _ in _PARTS}
+    by_file: dict[pathlib.Path, list[tuple[int, str, int]]] = defaultdict(list)
+    for e in range(E):
+        for proj in nvfp4.PROJECTIONS:
+            for j, (part, _) in enumerate(_PARTS):
+                by_file[stored[names[(e, proj, part)]].file].append((e, proj, j))
+    for file, items in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for e, proj, j in items:
+                part, code = _PARTS[j]
+                name = names[(e, proj, part)]
+                out[(proj, part)][e] = _nvfp4_tensor(f, name, stored[name], shapes[proj][j], code).reshape(shapes[proj][j])
+    result = []
+    for proj in nvfp4.PROJECTIONS:
+        w, sc, s2 = (torch.stack(out[(proj, part)]) for part, _ in _PARTS)
+        try:
+            nvfp4.check_scales(sc, f"{DECODER}layers.{layer}.experts.*.{proj}.weight_scale")
+        except ValueError as err:
+            bad = next(e for e in range(E) if _bad_scales(sc[e]))   # name the first bad expert's tensor
+            raise CheckpointError(f"{names[(bad, proj, 'weight_scale')]}: {str(err).split(': ', 1)[-1]}") from None
+        if not torch.isfinite(s2).all() or bool((s2 < 0).any()):
+            bad = int((~torch.isfinite(s2) | (s2 < 0)).nonzero()[0])
+            raise CheckpointError(f"{names[(bad, proj, 'weight_scale_2')]}: global scale must be finite and >= 0, "
+                                  f"got {s2[bad].item()}")
+        result.append((w, sc, s2))
+    return tuple(result)
+
+
+def _bad_scales(scale: torch.Tensor) -> bool:
+    try:
+        nvfp4.check_scales(scale, "")
+    except ValueError:
+        return True
+    return False
+
+
+def _dequantize_layer(layer: int, stacked: tuple[tuple[torch.Tensor, ...], ...], config: ModelConfig,
+                      dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Dequantize one layer's stacked NVFP4 experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I] (`dtype`).
 
     gate_up[e, :I] = deq(gate_proj), gate_up[e, I:] = deq(up_proj) (each with its own weight_scale_2),
-    down[e] = deq(down_proj); one expert projection in memory at a time."""
+    down[e] = deq(down_proj); one expert projection in fp32 at a time."""
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=device)
     down = torch.empty(E, H, I, dtype=dtype, device=device)
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = stacked
     for e in range(E):
-        for proj in nvfp4.PROJECTIONS:
-            n, k = dims[proj]
-            kp = nvfp4.padded(k)
-            w_name, s_name, s2_name = (names[(e, proj, p)] for p in ("weight", "weight_scale", "weight_scale_2"))
-            with safe_open(stored[w_name].file, framework="pt") as f:
-                w = _nvfp4_tensor(f, w_name, stored[w_name], (n, kp // 2), "U8")
-            with safe_open(stored[s_name].file, framework="pt") as f:
-                sc = _nvfp4_tensor(f, s_name, stored[s_name], (n, kp // nvfp4.GROUP), "F8_E4M3")
-            with safe_open(stored[s2_name].file, framework="pt") as f:
-                s2 = _nvfp4_tensor(f, s2_name, stored[s2_name], (), "F32")
-            try:
-                nvfp4.check_scales(sc, s_name)
-            except ValueError as err:
-                raise CheckpointError(str(err)) from None
-            if not torch.isfinite(s2).all() or bool((s2 < 0).any()):
-                raise CheckpointError(f"{s2_name}: global scale must be finite and >= 0, got {s2.tolist()}")
-            deq = nvfp4.dequantize(w, sc, s2, k).to(device=device, dtype=dtype)
-            if proj == "down_proj":
-                down[e] = deq
-            else:
-                gate_up[e, (0 if proj == "gate_proj" else I):(I if proj == "gate_proj" else 2 * I)] = deq
+        gate_up[e, :I] = nvfp4.dequantize(gw[e], gs[e], g2[e], H).to(device=device, dtype=dtype)
+        gate_up[e, I:] = nvfp4.dequantize(uw[e], us[e], u2[e], H).to(device=device, dtype=dtype)
+        down[e] = nvfp4.dequantize(dw[e], ds[e], d2[e], I).to(device=device, dtype=dtype)
     return {f"layers.{layer}.experts.gate_up_proj": gate_up, f"layers.{layer}.experts.down_proj": down}
 
 

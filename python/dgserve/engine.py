@@ -14,6 +14,7 @@ abort takes effect before the next step (the current one's result for that reque
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -32,6 +33,7 @@ from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
 from dgserve.token_bounds import PromptTooLongError
 
 MAX_REQUEST_ID_LENGTH = 256
+log = logging.getLogger("dgserve.engine")
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,17 @@ class Engine:
     """
 
     def __init__(self, model: DiffusionGemma, tokenizer=None, defaults: GenerationDefaults | None = None,
-                 scheduler_config: SchedulerConfig | None = None, max_model_len: int | None = None):
+                 scheduler_config: SchedulerConfig | None = None, max_model_len: int | None = None,
+                 native_ops: str = "auto"):
+        from dgserve.native_check import run_self_check
+
         self.model = model
+        self.native_ops_mode = native_ops
+        # the self-check of the native ops (dgserve.native_check): on CUDA, or whenever asked for (strict/off);
+        # strict raises NativeOpsError here, before the engine serves anything
+        self.native_report = (run_self_check(model.device, native_ops)
+                              if native_ops != "auto" or model.device.type == "cuda" else None)
+        self.runtime = None  # the RuntimePlan when built by from_pretrained
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         try:  # a checkpoint default outside the request limits fails here, at load, not on the first request
@@ -106,14 +117,36 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32, **kwargs) -> "Engine":
+                        dtype: torch.dtype | str | None = None, **kwargs) -> "Engine":
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
-        to ``Engine.__init__`` (scheduler_config, max_model_len)."""
+        to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
+
+        dtype None or "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.runtime``). A dtype whose weights do
+        not fit the GPU raises ConfigError before anything is loaded."""
+        from dgserve.runtime import check_plan, plan_runtime
         from dgserve.tokenizer import Tokenizer
 
-        model = DiffusionGemma.from_pretrained(path, device=device, dtype=dtype)
+        plan = plan_runtime(path, str(device), dtype, kwargs.get("native_ops", "auto"))
+        check_plan(plan)
+        model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype)
         tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-        return cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
+        engine = cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
+        engine.runtime = plan
+        log.info("serving %s on %s: dtype %s (%s), experts %s, native ops %s", path, plan.device, plan.dtype,
+                 plan.dtype_reason, plan.expert_format, engine.runtime_info()["native_ops"] or "none")
+        return engine
+
+    def runtime_info(self) -> dict:
+        """device, dtype, expert format, native-ops mode, the native ops active on the device (after the
+        self-check) and those switched off with why: for the start-up log and GetModelInfo."""
+        from dgserve import ops
+
+        off = ops.switched_off()
+        active = [op for op in ops.active_native_ops(self.model.device)]
+        fmt = self.runtime.expert_format if self.runtime is not None else f"dense {str(self.model.dtype)[6:]}"
+        return {"device": str(self.model.device), "dtype": str(self.model.dtype).removeprefix("torch."),
+                "expert_format": fmt, "native_ops_mode": self.native_ops_mode, "native_ops": active,
+                "native_ops_disabled": {op: why for op, why in off.items() if op in ops.NATIVE_OPS}}
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
@@ -225,9 +258,13 @@ class Engine:
                 self._start_block(req)
         t0 = time.perf_counter()
         states = [r.state for r in active]
-        logits = self.model.denoise(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
-                                    self_cond_logits=[s.self_cond for s in states])
-        self.sampler.step(states, logits)
+        tiles = self.model.denoise(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
+                                   self_cond_logits=[s.self_cond for s in states], tiled=True)
+        for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
+            s.self_cond = None
+        for rows, logits in tiles:  # LM head + sampler a tile of canvases at a time
+            self.sampler.step(states[rows], logits)
+        del tiles
         dt = time.perf_counter() - t0
         with self._lock:
             for req in active:

@@ -41,16 +41,19 @@ def attend_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, va
 
 
 def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits: list, sc_probs: list) -> torch.Tensor:
-    """canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None → fp32 logits [B, C, V]."""
+    """canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None → final hidden states [B, C, H] (the LM head
+    runs in tiles: ``DiffusionGemma.logits_tiles``)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     B, C = canvas.shape
     pos = torch.cat([torch.arange(r.length, r.length + C, device=model.device) for r in rows])   # [B·C]
     x = model.embed_tokens(canvas.reshape(-1)).view(B, C, -1)
     with_sc = [b for b in range(B) if sc_logits[b] is not None or sc_probs[b] is not None]
-    if with_sc:
-        lg = None if sc_logits[with_sc[0]] is None else torch.cat([sc_logits[b] for b in with_sc])
-        pr = None if lg is not None else torch.cat([sc_probs[b] for b in with_sc])
-        x[with_sc] = x[with_sc] + model.self_conditioning(lg, pr).view(len(with_sc), C, -1)
+    tile = model.canvas_tile   # the self-conditioning softmax over [n·C, V] in tiles of canvases
+    for t0 in range(0, len(with_sc), tile):
+        part = with_sc[t0:t0 + tile]
+        lg = None if sc_logits[part[0]] is None else torch.cat([sc_logits[b] for b in part])
+        pr = None if lg is not None else torch.cat([sc_probs[b] for b in part])
+        x[part] = x[part] + model.self_conditioning(lg, pr).view(len(part), C, -1)
     x = ops.rms_norm(x.view(B * C, -1), None, eps)
     valid_canvas = torch.ones(B, C, dtype=torch.bool, device=model.device)
     for i, lw in enumerate(model.layers):
@@ -70,4 +73,4 @@ def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits:
             valid = valid_canvas
         attn = attend_batched(q, k, v, valid)
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
-    return model.output_logits(x).view(B, C, -1)
+    return x.view(B, C, -1)

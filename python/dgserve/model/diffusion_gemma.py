@@ -34,6 +34,10 @@ class DiffusionGemma:
         # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
         # GEMM row results may depend on the row count and batch invariance must be bitwise (Decision 3)
         self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
+        # canvases per tile of the LM head, the self-conditioning softmax and the sampler: their [n, C, V] fp32
+        # temporaries are bounded by a tile, not by the batch (issue 20). 1 on CPU: every GEMM keeps a fixed
+        # shape per canvas (Decision 3); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
+        self.canvas_tile = 1 if self.device.type == "cpu" else 4
         self.embed = weights["embed_tokens.weight"]                        # [V, H]
         self.lm_head = weights.get("lm_head.weight", self.embed)            # tied unless stored and different
         self.final_norm = weights["norm.weight"]
@@ -49,10 +53,14 @@ class DiffusionGemma:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "DiffusionGemma":
-        """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors)."""
+                        dtype: torch.dtype = torch.float32, nvfp4_packed: bool | None = None) -> "DiffusionGemma":
+        """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors).
+
+        nvfp4_packed: serve ModelOpt NVFP4 experts in the packed W4A16 layout through ``ops.nvfp4_moe_experts``
+        (default: on CUDA) instead of dequantizing them to ``dtype`` at load."""
         config = ModelConfig.from_pretrained(path)
-        return cls(config, load_weights(path, config, dtype=dtype, device=device), dtype, device)
+        packed = torch.device(device).type == "cuda" if nvfp4_packed is None else nvfp4_packed
+        return cls(config, load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed), dtype, device)
 
     # ------------------------------------------------------------------ public passes
 
@@ -72,13 +80,29 @@ class DiffusionGemma:
 
     @torch.inference_mode()
     def denoise(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits: torch.Tensor | None = None,
-                self_cond_probs: torch.Tensor | None = None) -> torch.Tensor:
+                self_cond_probs: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
         feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute). Give at most one.
         Either may also be a sequence of B per-row tensors [C, V] or None (rows at a block's first step).
+        tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
+        (``logits_tiles``), so the whole [B, C, V] never exists (the engine's step).
         """
+        hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs)
+        if tiled:
+            return self.logits_tiles(hidden)
+        B, C = hidden.shape[:2]
+        out = torch.empty(B, C, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        for rows, logits in self.logits_tiles(hidden):
+            out[rows] = logits
+        return out
+
+    @torch.inference_mode()
+    def denoise_hidden(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits=None,
+                       self_cond_probs=None) -> torch.Tensor:
+        """The decoder pass of ``denoise`` up to the final hidden states [B, C, H] (before the final norm and
+        the LM head): ``logits_tiles`` turns them into logits a tile of canvases at a time."""
         if self_cond_logits is not None and self_cond_probs is not None:
             raise ValueError("give at most one of self_cond_logits and self_cond_probs")
         canvas_ids = torch.as_tensor(canvas_ids).to(self.device)
@@ -89,7 +113,18 @@ class DiffusionGemma:
         sc_p = [None if self_cond_probs is None else self_cond_probs[b] for b in range(B)]
         if self.batch_rows and B > 1 and self._uniform_sc(sc_l, sc_p):
             return decode_batched(self, cache.rows, canvas_ids, sc_l, sc_p)
-        return torch.stack([self.decode_row(row, canvas_ids[b], sc_l[b], sc_p[b]) for b, row in enumerate(cache.rows)])
+        return torch.stack([self.decode_row_hidden(row, canvas_ids[b], sc_l[b], sc_p[b])
+                            for b, row in enumerate(cache.rows)])
+
+    def logits_tiles(self, hidden: torch.Tensor):
+        """hidden [B, C, H] → yields (rows: slice of B, fp32 logits [n, C, V]) for tiles of ``canvas_tile``
+        canvases: only one tile's logits and temporaries exist at a time."""
+        B, C, H = hidden.shape
+        for b0 in range(0, B, self.canvas_tile):
+            n = min(self.canvas_tile, B - b0)
+            with torch.inference_mode():
+                logits = self.output_logits(hidden[b0:b0 + n].reshape(n * C, H)).view(n, C, -1)
+            yield slice(b0, b0 + n), logits
 
     @staticmethod
     def _uniform_sc(sc_l: list, sc_p: list) -> bool:
@@ -141,6 +176,11 @@ class DiffusionGemma:
     def decode_row(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
                    sc_probs: torch.Tensor | None) -> torch.Tensor:
         """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
+        return self.output_logits(self.decode_row_hidden(row, canvas, sc_logits, sc_probs))
+
+    def decode_row_hidden(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
+                          sc_probs: torch.Tensor | None) -> torch.Tensor:
+        """``decode_row`` up to the final hidden states [C, H]."""
         cfg, eps = self.config, self.config.rms_norm_eps
         C, P = canvas.shape[0], row.length
         pos = torch.arange(P, P + C, device=self.device)
@@ -157,7 +197,7 @@ class DiffusionGemma:
                 k, v = torch.cat([row.keys[i], k], dim=1), torch.cat([row.values[i], v], dim=1)
             attn = attend(project_q(h, lw, hd, eps, cos, sin), k, v, None)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
-        return self.output_logits(x)
+        return x
 
     def self_conditioning(self, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None) -> torch.Tensor:
         """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (spec §3.7)."""
@@ -171,6 +211,6 @@ class DiffusionGemma:
         """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32."""
         z = F.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
         cap = self.config.final_logit_softcapping
-        if cap:
-            z = torch.tanh(z / cap) * cap
+        if cap:  # tanh(z / cap) * cap in place: the same values, no extra [T, V] temporaries
+            z.div_(cap).tanh_().mul_(cap)
         return z

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dgserve import ops
+from dgserve import nvfp4, ops
 from dgserve.config import ModelConfig
 
 
@@ -35,12 +35,13 @@ class LayerWeights:
     router_scale: torch.Tensor           # [H]
     per_expert_scale: torch.Tensor       # [E]
     pre_feedforward_layernorm_2: torch.Tensor
-    experts_gate_up: torch.Tensor        # [E, 2I, H]; rows 0..I-1 gate, I..2I-1 up
-    experts_down: torch.Tensor           # [E, H, I]
+    experts_gate_up: torch.Tensor | None  # [E, 2I, H]; rows 0..I-1 gate, I..2I-1 up (None when packed)
+    experts_down: torch.Tensor | None     # [E, H, I]
     post_feedforward_layernorm_2: torch.Tensor
     post_feedforward_layernorm: torch.Tensor
     layer_scalar: torch.Tensor           # [1] decoder pass
     encoder_layer_scalar: torch.Tensor   # [1] encoder pass (a separate, untied buffer: spec §2.2)
+    experts_packed: "nvfp4.PackedExperts | None" = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
 
     @classmethod
     def from_state(cls, w: dict[str, torch.Tensor], i: int) -> "LayerWeights":
@@ -58,10 +59,11 @@ class LayerWeights:
             router_proj=g("router.proj.weight"), router_scale=g("router.scale"),
             per_expert_scale=g("router.per_expert_scale"),
             pre_feedforward_layernorm_2=g("pre_feedforward_layernorm_2.weight"),
-            experts_gate_up=g("experts.gate_up_proj"), experts_down=g("experts.down_proj"),
+            experts_gate_up=w.get(p + "experts.gate_up_proj"), experts_down=w.get(p + "experts.down_proj"),
             post_feedforward_layernorm_2=g("post_feedforward_layernorm_2.weight"),
             post_feedforward_layernorm=g("post_feedforward_layernorm.weight"),
             layer_scalar=g("layer_scalar"), encoder_layer_scalar=g("encoder_layer_scalar"),
+            experts_packed=w.get(p + "experts.packed"),
         )
 
 
@@ -156,7 +158,10 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     weights, ids = ops.moe_route(r, lw.router_scale, lw.router_proj, lw.per_expert_scale,
                                  config.top_k_experts, eps)
     xe = ops.rms_norm(r, lw.pre_feedforward_layernorm_2, eps)
-    moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)
+    if lw.experts_packed is not None:   # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
+        moe = ops.nvfp4_moe_experts(xe, lw.experts_packed, weights, ids)
+    else:
+        moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)
     h2 = ops.rms_norm(moe, lw.post_feedforward_layernorm_2, eps)
     x = r + ops.rms_norm(h1 + h2, lw.post_feedforward_layernorm, eps)
     return x * scalar

@@ -7,8 +7,9 @@ Layers call these functions, never ``_C`` directly (one name per op, end to end)
 Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h``):
 
 - ``rms_norm``: CPU, fp32/bf16, last dim contiguous → bit-identical to the reference (torch's CPU sum
-  order is reproduced; verified once per process, else the reference is used). CUDA tensors use the
-  reference (the CUDA kernel is not bit-identical to torch's reductions).
+  order is reproduced; verified once per process, else the reference is used). CUDA: one fused kernel per
+  row (a block-wide tree sum: within an ulp or so of the reference, not bit-identical; the start-up
+  self-check holds it to its tolerance) instead of torch's five kernels.
 - ``canvas_noise``: bit-identical everywhere (integer only).
 - ``gumbel_noise`` and the Gumbel draw inside ``diffusion_step``: the contract's float32 log ``dg_logf``
   shared by the CPU and CUDA code, within 1 ulp of max(|g|, 1) of the reference's ``torch.log`` noise
@@ -23,7 +24,9 @@ Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h`
   in-register decode, grouped GEMMs on CUDA; CPU: torch GEMMs on exactly decoded weights).
 
 ``native_disabled()`` forces the reference path (tests); ``native_enabled()`` says whether native
-dispatch is on.
+dispatch is on. ``switch_off_native(op, reason)`` turns one op's native path off for the process (the start-up
+self-check, ``dgserve.native_check``, does it for an op that disagrees with its reference); ``active_native_ops``
+lists what runs natively on a device.
 """
 from __future__ import annotations
 
@@ -45,14 +48,16 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "DiffusionStepOut", "canvas_noise", "diffusion_step", "entropy_bound_accept", "gated_mlp",
-    "gumbel_noise", "has_native", "MoeAlignOut", "moe_align", "moe_combine", "moe_experts", "moe_route",
+    "active_native_ops", "cuda_build_problem", "gumbel_noise", "has_native", "NATIVE_OPS", "MoeAlignOut", "moe_align", "moe_combine", "moe_experts", "moe_route",
     "native_disabled", "native_enabled", "nvfp4_decode", "nvfp4_moe_experts", "nvfp4_repack",
-    "rms_norm", "step_temperature",
+    "rms_norm", "step_temperature", "switch_off_native", "switch_on_native", "switched_off",
 ]
 
 _lock = threading.Lock()
 _disabled_depth = 0  # > 0 inside native_disabled(); process-wide, always restored by the context manager
 _lanes: list[int | None] = []  # memo of _sum_lanes(): [] = not probed yet
+_info: list[dict] = []  # memo of _build_info()
+_switched_off: dict[str, str] = {}  # op -> why its native path is off for this process (switch_off_native)
 
 # torch splits a single-output CPU reduction across threads (a different sum order) from this many elements.
 _TORCH_TWO_PASS_NUMEL = 32768
@@ -77,12 +82,77 @@ def native_enabled() -> bool:
 
 
 def has_native(op: str) -> bool:
-    """True when ``dgserve._C`` is importable, provides ``op`` and native dispatch is enabled."""
-    return native_enabled() and hasattr(_C, op)
+    """True when ``dgserve._C`` is importable, provides ``op``, native dispatch is enabled and ``op`` was not
+    switched off (``switch_off_native``)."""
+    return native_enabled() and hasattr(_C, op) and op not in _switched_off
+
+
+def switch_off_native(op: str, reason: str) -> None:
+    """Use the reference for ``op`` for the rest of the process (``reason`` is reported by ``switched_off``)."""
+    with _lock:
+        _switched_off[op] = reason
+
+
+def switched_off() -> dict[str, str]:
+    """Ops whose native path was switched off in this process → why."""
+    with _lock:
+        return dict(_switched_off)
+
+
+def switch_on_native(op: str | None = None) -> None:
+    """Undo ``switch_off_native`` for ``op`` (all ops when None): tests only."""
+    with _lock:
+        if op is None:
+            _switched_off.clear()
+        else:
+            _switched_off.pop(op, None)
+
+
+# op -> devices its native path serves (dtype limits in each op's docstring). The GEMMs of moe_experts on CPU
+# stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe).
+NATIVE_OPS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("cpu", "cuda"), "canvas_noise": ("cpu", "cuda"), "gumbel_noise": ("cpu", "cuda"),
+    "diffusion_step": ("cpu", "cuda"), "moe_route": ("cpu", "cuda"), "moe_align": ("cpu", "cuda"),
+    "moe_experts": ("cuda",), "moe_combine": ("cpu", "cuda"), "nvfp4_repack": ("cpu", "cuda"),
+    "nvfp4_moe_experts": ("cpu", "cuda"),
+}
+
+
+def active_native_ops(device: torch.device | str) -> list[str]:
+    """The ops of NATIVE_OPS whose native path serves ``device`` in this process (built, not switched off)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not _cuda_built():
+        return []
+    return [op for op, kinds in NATIVE_OPS.items() if kind in kinds and has_native(op)]
+
+
+def cuda_build_problem() -> str | None:
+    """Why this process cannot run the CUDA kernels of ``dgserve._C`` (None when it can): the extension is not
+    importable, or was built without CUDA (build.py falls back to a CPU-only build when torch is a CPU build or
+    nvcc is missing). On a machine with a CUDA device such a build silently runs the references instead."""
+    if _C is None:
+        return "dgserve._C is not built (run `python build.py`)"
+    if not _cuda_built():
+        return ("dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python "
+                "build.py` ran)")
+    return None
 
 
 def _cuda_built() -> bool:
-    return _C is not None and bool(_C.build_info().get("cuda", False))
+    return _C is not None and bool(_build_info().get("cuda", False))
+
+
+def _build_info() -> dict:
+    """``_C.build_info()``, memoised (it does not change within a process); {} without the extension."""
+    if not _info:
+        _info.append(dict(_C.build_info()) if _C is not None else {})
+    return _info[0]
+
+
+# The CUDA diffusion_step's accept kernel keeps the canvas in shared memory (csrc/ops/diffusion_step.h);
+# longer canvases use the reference on CUDA. Older builds without the entry: their 1024-thread limit.
+def _diffusion_step_max_canvas_cuda() -> int:
+    return int(_build_info().get("diffusion_step_max_canvas_cuda", 1024))
 
 
 def _native_device(device: torch.device) -> bool:
@@ -118,7 +188,7 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] with optional scale weight [D]; see reference.rms_norm."""
     if _rms_norm_native_ok(x, weight):
-        lanes = _sum_lanes()
+        lanes = _sum_lanes() if x.device.type == "cpu" else 8   # the lanes only order the CPU sum
         if lanes is not None:
             D = x.shape[-1]
             x2 = x.reshape(-1, D)                                     # [rows, D]
@@ -130,7 +200,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    if not (has_native("rms_norm") and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)):
+    if not (has_native("rms_norm") and _native_device(x.device) and x.dtype in (torch.float32, torch.bfloat16)):
         return False
     if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0 or x.stride(-1) != 1 or _wants_grad(x, weight):
         return False  # a strided last dim changes torch's sum order; autograd needs the reference
@@ -226,6 +296,8 @@ def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy
         return False
     if not _native_device(logits.device) or _wants_grad(logits):
         return False
+    if logits.device.type == "cuda" and C > _diffusion_step_max_canvas_cuda():
+        return False  # a long canvas falls back instead of raising
     if _noise_inputs(seeds, blocks, steps) is None or seeds.shape != (B,) or seeds.device != logits.device:
         return False
     for t in (temperature, entropy_bound):

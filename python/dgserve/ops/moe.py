@@ -157,7 +157,7 @@ def moe_experts(x, gate_up, down, weights, ids):
     if not ok:
         return reference.moe_experts(x, gate_up, down, weights, ids)
     (T, K), E, H = ids.shape, gate_up.shape[0], x.shape[-1]
-    if x.device.type == "cuda" and _experts_cuda_ok(x, gate_up, down, weights, ids):
+    if x.device.type == "cuda" and _ops.has_native("moe_experts") and _experts_cuda_ok(x, gate_up, down, weights, ids):
         align = moe_align(ids, E, CUDA_ALIGN_BLOCK)
         act = torch.empty(align.sorted_pairs.numel(), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)

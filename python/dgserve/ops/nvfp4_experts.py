@@ -94,7 +94,7 @@ def nvfp4_moe_experts(x: torch.Tensor, experts: nvfp4.PackedExperts, weights: to
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
         _ops._C.nvfp4_moe_experts(x, *experts[:5], weights, align.offsets, align.sorted_pairs, act, y)
         return moe_combine(y.view(T, K, H), None, x.dtype)
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and _ops.has_native("nvfp4_moe_experts"):
         align = moe_align(ids, experts.gs.shape[0], 1)
         decode = _native_decode if _ops.has_native("nvfp4_decode") else nvfp4.decode_repacked
         y = nvfp4.expert_outputs(x, experts, weights, align.offsets, align.sorted_pairs, decode)

@@ -1,0 +1,91 @@
+"""The LM head, self-conditioning and sampler in tiles of canvases (issue 20, item 5): the step's [B, C, V]
+temporaries are bounded by a tile, and tiling changes no result the engine returns."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pathlib
+
+import torch
+
+from dgserve import DiffusionGemma, SamplingParams
+from dgserve.model import KVCache, RowCache
+from dgserve.sampler import BlockState, Sampler
+from dgserve.tiny import preset, random_weights
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "bench_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_step_peak_memory_is_bounded_by_the_tile():
+    bench = _bench()
+    args = ["--canvases", "8", "--vocab", "8192", "--canvas-length", "16"]
+    untiled = bench.main(args + ["--tile", "8"])
+    one = bench.main(args + ["--tile", "1"])
+    two = bench.main(args + ["--tile", "2"])
+    # in units of one fp32 [B, C, V] tensor: the untiled step holds two (logits + sampler output) at once
+    assert untiled["peak_in_fp32_logits"] >= 1.9
+    assert one["peak_in_fp32_logits"] <= 0.3 and two["peak_in_fp32_logits"] <= 0.55
+    for r in (untiled, one, two):
+        assert r["kept_after_step_gb"] == 0.0
+
+
+def _model(batch_rows, tile):
+    cfg = preset("tiny")
+    m = DiffusionGemma(cfg, random_weights(cfg, seed=6), torch.float32, batch_rows=batch_rows)
+    m.canvas_tile = tile
+    return m
+
+
+def _rows(m, B):
+    rows = [RowCache() for _ in range(B)]
+    for b, row in enumerate(rows):
+        m.encode_row(torch.arange(3, 8 + b), row)
+    return rows
+
+
+def test_logits_tiles_cover_every_row_and_denoise_is_unchanged_per_row():
+    m = _model(False, 1)
+    B, C = 5, m.config.canvas_length
+    rows = _rows(m, B)
+    canvas = torch.randint(0, m.config.vocab_size, (B, C), generator=torch.Generator().manual_seed(1))
+    sc = [torch.randn(C, m.config.vocab_size) for _ in range(B)]
+    logits = m.denoise(KVCache(rows), canvas, self_cond_logits=sc)
+    want = torch.stack([m.decode_row(r, canvas[b], sc[b], None) for b, r in enumerate(rows)])
+    assert torch.equal(logits, want)                          # CPU: one canvas per tile, bit for bit
+    hidden = m.denoise_hidden(KVCache(rows), canvas, self_cond_logits=sc)
+    m.canvas_tile = 2
+    tiles = list(m.logits_tiles(hidden))
+    assert [t[0] for t in tiles] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    torch.testing.assert_close(torch.cat([t[1] for t in tiles]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_self_conditioning_in_tiles_matches_untiled():
+    B = 5
+    a, b = _model(True, 5), _model(True, 2)
+    C, V = a.config.canvas_length, a.config.vocab_size
+    canvas = torch.randint(0, V, (B, C), generator=torch.Generator().manual_seed(2))
+    sc = [torch.randn(C, V) for _ in range(B)]
+    la = a.denoise(KVCache(_rows(a, B)), canvas, self_cond_logits=sc)
+    lb = b.denoise(KVCache(_rows(b, B)), canvas, self_cond_logits=sc)
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)   # only GEMM row counts differ
+
+
+def test_sampler_in_tiles_equals_one_call():
+    V, C = 300, 16
+    params = [SamplingParams(max_denoising_steps=6, seed=s) for s in range(5)]
+    states = [BlockState.start(100 + i, i, p, C, V, torch.device("cpu")) for i, p in enumerate(params)]
+    logits = 4 * torch.randn(5, C, V, generator=torch.Generator().manual_seed(3))
+    whole, tiled = copy.deepcopy(states), copy.deepcopy(states)
+    Sampler(torch.float32).step(whole, logits)
+    for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
+        Sampler(torch.float32).step(tiled[rows], logits[rows])
+    for x, y in zip(whole, tiled):
+        assert torch.equal(x.canvas, y.canvas) and torch.equal(x.argmax, y.argmax)
+        assert torch.equal(x.self_cond, y.self_cond) and x.mean_entropy == y.mean_entropy and x.done == y.done
