@@ -129,7 +129,7 @@ def test_model_info_and_metric_show_the_switched_off_op(wrong_step):
 
     from dgserve.scheduler import SchedulerConfig
     from service import convert
-    from service.metrics import Metrics
+    from dgserve.service.metrics import Metrics
 
     engine = Engine(_model())
     nc.run_self_check("cpu", "auto")

@@ -80,7 +80,7 @@ def test_engine_from_pretrained_defaults_and_runtime_info(tiny):
 def test_dry_run_shows_the_resolved_runtime(tiny):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
     env.update(NIM_MODEL_PATH=str(tiny), DGSERVE_DEVICE="cuda")
-    out = subprocess.run([sys.executable, "-m", "service", "--dry-run", "--native-ops", "strict"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "dgserve.service", "--dry-run", "--native-ops", "strict"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
@@ -92,7 +92,7 @@ def test_dry_run_shows_the_resolved_runtime(tiny):
 
 
 def test_service_config_validates_native_ops():
-    from service.config import ServiceConfig
+    from dgserve.service.config import ServiceConfig
 
     assert ServiceConfig().dtype == "auto" and ServiceConfig().native_ops == "auto"
     with pytest.raises(ValueError, match="native_ops"):
