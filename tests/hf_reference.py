@@ -4,10 +4,15 @@ Three swaps, nothing else changed: the sampler's canvas init and renoise return 
 (spec §7.4); a last logits processor records the processed logits; and ``torch.multinomial`` returns
 ``argmax(recorded processed fp32 + Gumbel)`` with the contract's Gumbel noise (spec §7.5).
 Batch size 1 (per-request semantics, spec §4.5).
+
+`hf_generate` also measures how far every decision of the run is from a tie (`Margins`): a fixture whose tokens
+are compared exactly with another implementation must not sit on a near-tie (DESIGN Decision 2, spec §6.5).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from unittest import mock
 
 import torch
@@ -16,6 +21,59 @@ from transformers.models.diffusion_gemma import generation_diffusion_gemma as ge
 
 from dgserve.ops import reference
 from dgserve.sampler import to_signed64
+
+
+# What another implementation may differ by, per decision of a denoising step (the bounds the margins are
+# measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):
+# 1e-5 leaves 10x headroom (the contract's bar is 1e-4, spec §6.5). The Gumbel noise of the native op and the
+# torch reference differ by <= 2 ulp of max(|g|, 1) (spec §7.6). Entropy sums and means: spec §6.5 says the
+# acceptance and stop decisions may differ where cum - H is within ~1e-6 relative of beta, or mean(H) within ~1e-6
+# of tau (the entropies are fp32 reductions whose rounding is the machine's).
+LOGIT_TOL = 1e-5
+ENTROPY_REL_TOL = 1e-6
+
+
+@dataclasses.dataclass
+class Margins:
+    """The smallest distance to a tie over a run, each as a multiple of the discrepancy allowed for it (so > 1
+    means no implementation within the tolerances above can decide differently):
+    sample  top-2 gap of processed + Gumbel at accepted positions / (2·LOGIT_TOL/T + 2·2 ulp(max(|g|, 1)))
+    argmax  top-2 gap of the processed logits / (2·LOGIT_TOL/T), at the steps whose argmax canvas counts: a
+            block's last step (it is committed) and the stability window of every step that passed the confidence
+            test (stability compares whole argmax canvases)
+    accept  entropy-bound slack |cum - H - beta| / (ENTROPY_REL_TOL·max(1, beta)), and the entropy gap between
+            neighbours across the accepted/rejected boundary / (ENTROPY_REL_TOL·max(1, H))
+    stop    |mean(H) - tau| / (ENTROPY_REL_TOL·max(1, tau)), at every step"""
+    sample: float = math.inf
+    argmax: float = math.inf
+    accept: float = math.inf
+    stop: float = math.inf
+    _block: list = dataclasses.field(default_factory=list, repr=False)   # [(argmax ratio, confident)] per step
+
+    def end_block(self, window: int) -> None:
+        """Fold the finished block's argmax margins at the steps that count (see `argmax`)."""
+        steps, self._block = self._block, []
+        count = {len(steps) - 1} if steps else set()
+        for j, (_, confident) in enumerate(steps):
+            if confident:
+                count.update(range(max(0, j - window), j + 1))
+        for j in count:
+            self.argmax = min(self.argmax, steps[j][0])
+
+    def worst(self) -> float:
+        return min(self.sample, self.argmax, self.accept, self.stop)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    x = x.abs().clamp_min(1.0).float()
+    return torch.nextafter(x, torch.full_like(x, math.inf)) - x
+
+
+def _top2_gap(z: torch.Tensor) -> torch.Tensor:
+    if z.shape[-1] < 2:
+        return torch.full(z.shape[:-1], math.inf, dtype=torch.float64)
+    top = torch.topk(z.double(), 2, dim=-1).values
+    return top[..., 0] - top[..., 1]
 
 
 class _Recorder(LogitsProcessor):
@@ -29,11 +87,14 @@ class _Recorder(LogitsProcessor):
 
 
 @contextlib.contextmanager
-def contract_noise(model, seed: int):
-    """Patch `model.generate` (transformers) so its randomness is the dgserve contract for `seed`."""
+def contract_noise(model, seed: int, margins: Margins | None = None, temperature=None, bound=None, tau=None,
+                   window: int = 1):
+    """Patch `model.generate` (transformers) so its randomness is the dgserve contract for `seed`. With
+    `margins`, also record the run's distances to a tie into it; `temperature(k)` gives step k's temperature,
+    `bound` and `tau` the entropy bound and confidence threshold, `window` the stability threshold."""
     seeds = torch.tensor([to_signed64(seed)])
     rec = _Recorder()
-    state = {"block": -1}
+    state = {"block": -1, "gap": None}
     orig_prepare = model._prepare_logits_processor
 
     def prepare(generation_config, logits_processor=None):
@@ -41,6 +102,8 @@ def contract_noise(model, seed: int):
         return LogitsProcessorList([*procs, rec])
 
     def init_canvas(self, batch_size, device):
+        if margins is not None:
+            margins.end_block(window)
         state["block"] += 1
         b = torch.tensor([state["block"]])
         return reference.canvas_noise(seeds, b, torch.tensor([0]), self.canvas_length,
@@ -49,6 +112,9 @@ def contract_noise(model, seed: int):
     def renoise(self, accepted_canvas, cur_step):
         b, k = torch.tensor([state["block"]]), torch.tensor([int(cur_step)])
         noise = reference.canvas_noise(seeds, b, k, self.canvas_length, self.vocab_size)
+        if margins is not None:
+            _measure(margins, rec.processed.float(), state.pop("z"), self.accepted_token_mask,
+                     temperature(int(cur_step)), bound, tau)
         return torch.where(~self.accepted_token_mask, noise.to(accepted_canvas.device), accepted_canvas)
 
     def multinomial(probs, num_samples, *args, **kwargs):
@@ -56,6 +122,7 @@ def contract_noise(model, seed: int):
         B, C, V = proc.shape
         g = reference.gumbel_noise(seeds.expand(B), torch.tensor([state["block"]] * B),
                                    torch.tensor([rec.step] * B), C, V)
+        state["z"] = (proc + g, g)
         return torch.argmax(proc + g, dim=-1).view(B * C, 1)
 
     with mock.patch.object(model, "_prepare_logits_processor", prepare), \
@@ -65,16 +132,48 @@ def contract_noise(model, seed: int):
         yield
 
 
+def _measure(m: Margins, proc: torch.Tensor, zg, accepted: torch.Tensor, T: float, beta: float, tau: float):
+    """Fold one denoising step (proc [1, C, V] processed logits, z = proc + g, accepted [1, C]) into `m`."""
+    z, g = zg
+    dy = LOGIT_TOL / T                                          # a logit error, in processed units
+    top = torch.topk(z.double(), 1, dim=-1).indices
+    g_top = torch.maximum(_ulp(g.gather(-1, top)[..., 0]), _ulp(g.max(-1).values)).double()
+    sample = _top2_gap(z) / (2 * dy + 4 * g_top)
+    if accepted.any():
+        m.sample = min(m.sample, sample[accepted].min().item())
+    h = reference.entropy(proc).double()[0]                     # [C]
+    confident = tau is not None and h.mean().item() < tau * (1 + ENTROPY_REL_TOL) + ENTROPY_REL_TOL
+    m._block.append(((_top2_gap(proc) / (2 * dy)).min().item(), confident))
+    s, order = torch.sort(h, stable=True)
+    slack = (torch.cumsum(s, 0) - s - beta).abs() / (ENTROPY_REL_TOL * max(1.0, abs(beta)))
+    m.accept = min(m.accept, slack.min().item())
+    keep = accepted[0][order]
+    edge = (keep[:-1] != keep[1:]).nonzero()[:, 0]              # neighbours on either side of the boundary
+    if len(edge):
+        gap = (s[edge + 1] - s[edge]) / (ENTROPY_REL_TOL * s[edge + 1].clamp_min(1.0))
+        m.accept = min(m.accept, gap.min().item())
+    if tau is not None:
+        m.stop = min(m.stop, abs(h.mean().item() - tau) / (ENTROPY_REL_TOL * max(1.0, tau)))
+
+
 def hf_generate(model, prompt_ids, seed: int, *, max_new_tokens, steps, t_min=0.4, t_max=0.8, entropy_bound=0.1,
-                stability_threshold=1, confidence_threshold=0.005, eos_ids=(1,), pad_id=0):
-    """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward)."""
+                stability_threshold=1, confidence_threshold=0.005, eos_ids=(1,), pad_id=0,
+                margins: Margins | None = None):
+    """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward).
+    With `margins`, the run's distances to a tie are recorded into it (see `Margins`)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     prompt = torch.tensor([list(prompt_ids)])
-    with torch.no_grad(), contract_noise(model, seed):
+
+    def temperature(k):                                          # spec §4.2: t at remaining-steps counter k
+        return t_min + (t_max - t_min) * (k / steps)
+    with torch.no_grad(), contract_noise(model, seed, margins, temperature, float(entropy_bound),
+                                         float(confidence_threshold), stability_threshold):
         out = model.generate(
             prompt, max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_min=t_min, t_max=t_max,
             sampler_config=EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound)),
             stability_threshold=stability_threshold, confidence_threshold=confidence_threshold,
             eos_token_id=list(eos_ids) if eos_ids else None, pad_token_id=pad_id)
+    if margins is not None:
+        margins.end_block(stability_threshold)
     return out.sequences[0, prompt.shape[1]:].tolist(), float(out.tokens_per_forward[0])

@@ -1,10 +1,15 @@
 """Seeded generation parity: our Engine vs transformers' generate() with the noise contract patched in
-(DESIGN Decision 5, tests/hf_reference.py). fp32 checkpoints, tokens compared exactly."""
+(DESIGN Decision 5, tests/hf_reference.py). fp32 checkpoints, tokens compared exactly (DESIGN Decision 2).
+
+Exact tokens hold only away from near-ties (spec §6.5, §7.6): every run also measures, on transformers' side, how
+far each decision (Gumbel race at accepted positions, committed argmax, entropy-bound acceptance, stop test) is
+from a tie, and the test asserts it is beyond what the implementations may differ by (hf_reference.Margins). A
+fixture that lands on a near-tie fails on that assertion, not by a flaky token mismatch on some machine."""
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_generate
+from hf_reference import Margins, hf_generate
 
 from dgserve import Engine, SamplingParams
 
@@ -21,6 +26,9 @@ CASES = [
     (48, 12, 0.01, 0.02, 2.0, 1, 0.05),
 ]
 EARLY = {3, 4, 5}   # indices of CASES where some block must stop before its step budget
+# Offsets of the prompt generator's seed, per case index, chosen so every run stays clear of near-ties (the
+# margins asserted in _check are >= 1.7x the spec's near-tie bounds here; case 0's first prompts gave 1.09x).
+PROMPT_SALT = {0: 4}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +42,13 @@ def models(tiny_checkpoint, hf_model_loader):
 
 def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
     max_new, steps, t_min, t_max, beta, S, tau = case
+    margins = Margins()
     ref, ref_tpf = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=t_min, t_max=t_max,
                                entropy_bound=beta, stability_threshold=S, confidence_threshold=tau,
-                               eos_ids=None if ignore_eos else eos_ids, pad_id=None if ignore_eos else 0)
+                               eos_ids=None if ignore_eos else eos_ids, pad_id=None if ignore_eos else 0,
+                               margins=margins)
+    # the fixture must stay clear of near-ties, or exact tokens are not promised (DESIGN Decision 2, spec §6.5)
+    assert margins.worst() > 1, f"seed {seed} case {case} prompt {prompt}: near-tie {margins}"
     params = SamplingParams(max_new_tokens=max_new, max_denoising_steps=steps, t_min=t_min, t_max=t_max,
                             entropy_bound=beta, stability_threshold=S, confidence_threshold=tau, seed=seed,
                             ignore_eos=ignore_eos)
@@ -63,7 +75,7 @@ def test_engine_matches_transformers_generate(models, variant, ci):
     case = CASES[ci]
     hf, engine = models[variant]
     V = engine.model.config.vocab_size
-    g = torch.Generator().manual_seed(hash(case) % 1000)
+    g = torch.Generator().manual_seed(hash(case) % 1000 + PROMPT_SALT.get(ci, 0))
     early = 0
     for seed in (0, 1, 2**40 + 3, 2**64 - 5):
         prompt = torch.randint(3, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()

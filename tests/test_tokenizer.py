@@ -46,8 +46,11 @@ SYSTEM_CHAT = [
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> pathlib.Path:
-    """A trained byte-level BPE tokenizer (~400 ids; specials get ids 0..7 in SPECIALS order)."""
+    """A trained byte-level BPE tokenizer (~400 ids; specials get ids 0..7 in SPECIALS order) whose post-processor
+    prepends <bos>, as the shipped model's does."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dgserve.default_model import add_bos_post_processor
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,6 +58,7 @@ def tokenizer_json(tmp_path_factory) -> pathlib.Path:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer=trainer)
+    add_bos_post_processor(tok)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
@@ -99,10 +103,38 @@ def test_special_ids_and_vocab(tok, tokenizer_json):
 
 def test_config_special_tokens_as_dicts(make_dir):
     tok = Tokenizer.from_pretrained(make_dir({"bos_token": {"content": "<bos>"}, "eos_token": "<turn|>",
-                                              "pad_token": {"content": "<pad>", "lstrip": False},
-                                              "add_bos_token": False}))
+                                              "pad_token": {"content": "<pad>", "lstrip": False}}))
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 4, 0)
-    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")  # add_bos_token False
+
+
+@pytest.mark.parametrize("post_bos", [True, False])
+@pytest.mark.parametrize("config_bos", [True, False, None])
+def test_post_processor_decides_bos_and_disagreement_warns_once(tmp_path, tokenizer_json, caplog, post_bos,
+                                                                config_bos):
+    """transformers 5.23 ignores tokenizer_config.json's add_bos_token when tokenizer.json exists: the
+    post-processor alone adds BOS. dgserve does the same, and warns once at load when the two files disagree."""
+    data = json.loads(tokenizer_json.read_text())
+    if not post_bos:
+        data["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    if config_bos is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": config_bos}))
+    with caplog.at_level("WARNING", logger="dgserve"):
+        tok = Tokenizer.from_pretrained(tmp_path)
+        tok.encode("hi", add_special_tokens=True)
+    assert tok.add_bos_token is post_bos
+    assert tok.encode("hi", add_special_tokens=True) == [2] * post_bos + tok.encode("hi")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if config_bos is None or config_bos == post_bos:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "tokenizer_config.json" in warnings[0] and "tokenizer.json" in warnings[0]
+        assert f"add_bos_token is {str(config_bos).lower()}" in warnings[0]
+
+
+def test_bad_add_bos_token_is_an_error(make_dir):
+    with pytest.raises(ValueError, match="add_bos_token must be a boolean"):
+        Tokenizer.from_pretrained(make_dir({"add_bos_token": "yes"}))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -116,7 +148,8 @@ def test_bos_handling(tok):
     ids = tok.encode("the model")
     assert ids[0] != tok.bos_token_id
     assert tok.encode("the model", add_special_tokens=True) == [tok.bos_token_id] + ids
-    assert tok.encode("<bos>the model", add_special_tokens=True) == [tok.bos_token_id] + ids  # no double BOS
+    # as transformers and tokenizers do: the post-processor adds BOS even before a literal "<bos>"
+    assert tok.encode("<bos>the model", add_special_tokens=True) == [tok.bos_token_id] * 2 + ids
     assert tok.decode([tok.bos_token_id] + ids) == "the model"
     assert tok.decode([tok.bos_token_id] + ids, skip_special_tokens=False) == "<bos>the model"
 

@@ -117,6 +117,8 @@ def build_corpus(work: pathlib.Path, seed: int) -> dict:
 def train_tokenizer(work: pathlib.Path, corpus: dict, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from dgserve.default_model import add_bos_post_processor
+
     path = work / "tokenizer.json"
     if path.exists():
         return Tokenizer.from_file(str(path))
@@ -127,6 +129,7 @@ def train_tokenizer(work: pathlib.Path, corpus: dict, vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus["train_plain"], trainer=trainer)
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))
+    add_bos_post_processor(tok)   # text encodes as <bos> + text everywhere (transformers, tokenizers, dgserve)
     tok.save(str(path))
     return tok
 
@@ -134,8 +137,8 @@ def train_tokenizer(work: pathlib.Path, corpus: dict, vocab_size: int):
 def encode_stream(tok, plain: list[str], chat: list[str], seed: int) -> np.ndarray:
     """One token stream: documents (a chapter, or one chat exchange) each starting with <bos>; chapters end with
     <eos>, chat exchanges with <turn|>\\n. Documents are shuffled (seeded) so chat examples are spread out."""
-    docs = [[BOS] + tok.encode(t).ids + [EOS] for t in plain]
-    docs += [[BOS] + tok.encode(t).ids for t in chat]
+    docs = [[BOS] + tok.encode(t, add_special_tokens=False).ids + [EOS] for t in plain]
+    docs += [[BOS] + tok.encode(t, add_special_tokens=False).ids for t in chat]
     random.Random(seed).shuffle(docs)
     return np.array([i for d in docs for i in d], dtype=np.int16)
 

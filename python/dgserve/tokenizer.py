@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,8 @@ import jinja2.utils
 import tokenizers
 
 from dgserve.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
+
+log = logging.getLogger("dgserve")
 
 ROLES = ("system", "user", "assistant", "model")
 DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
@@ -42,27 +45,28 @@ class Tokenizer:
     Parameters
     ----------
     tokenizer : tokenizers.Tokenizer
-        The underlying tokenizer (its post-processor is never applied: BOS is handled here).
+        The underlying tokenizer. Its post-processor (tokenizer.json's ``post_processor``) is what
+        ``encode(..., add_special_tokens=True)`` applies, as transformers 5.23's ``AutoTokenizer`` does: it alone
+        decides whether BOS (or anything else) is added.
     bos_token, eos_token, pad_token : str or None
         Special token texts; each one given must be in the vocabulary (ValueError naming it otherwise).
     chat_template : str or None
         A jinja2 chat template (None: the built-in Gemma 4 format). Compiled here: a syntax error is a ValueError
         naming `template_source`.
-    add_bos_token : bool
-        Whether `encode(..., add_special_tokens=True)` prepends BOS.
     template_source : str
         Where the template came from, for error messages.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None, chat_template: str | None = None,
-                 add_bos_token: bool = True, template_source: str = "chat_template"):
+                 template_source: str = "chat_template"):
         self._tok = tokenizer
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.bos_token_id = self._special_id("bos_token", bos_token)
         self.eos_token_id = self._special_id("eos_token", eos_token)
         self.pad_token_id = self._special_id("pad_token", pad_token)
-        self.add_bos_token = bool(add_bos_token)
+        self.add_bos_token = adds_token(tokenizer, self.bos_token_id, first=True)
+        self.add_eos_token = adds_token(tokenizer, self.eos_token_id, first=False)
         self.chat_template = chat_template
         self._template = None if chat_template is None else _compile_template(chat_template, template_source)
         self.max_token_bytes = max_token_bytes(tokenizer)
@@ -74,9 +78,14 @@ class Tokenizer:
         """Load a checkpoint directory's tokenizer.
 
         Reads `tokenizer.json` (required), `tokenizer_config.json` (optional: `chat_template`, `bos_token`,
-        `eos_token`, `pad_token` as strings or `{"content": ...}` dicts, `add_bos_token`) and `chat_template.jinja`
+        `eos_token`, `pad_token` as strings or `{"content": ...}` dicts) and `chat_template.jinja`
         (optional; takes precedence over the config's `chat_template`). A special token the config does not name
         defaults to the Gemma name (`<bos>`, `<eos>`, `<pad>`) when the vocabulary has it, else None.
+
+        BOS/EOS: as transformers 5.23 does when a checkpoint has a `tokenizer.json`, the config's `add_bos_token`
+        and `add_eos_token` are ignored and `tokenizer.json`'s post-processor decides what `encode(...,
+        add_special_tokens=True)` adds. Where the config states one that the post-processor does not do (or the
+        reverse), one warning naming the files and the disagreement is logged, and the post-processor wins.
 
         Raises FileNotFoundError naming the missing directory or `tokenizer.json`, and ValueError naming the file
         (and field) when a file is unreadable or a field has a bad value.
@@ -94,11 +103,13 @@ class Tokenizer:
         config = _read_config(root / CONFIG_FILE)
         specials = {name: _special_from_config(config, name, root / CONFIG_FILE, tok)
                     for name in DEFAULT_SPECIAL_TOKENS}
-        add_bos = config.get("add_bos_token", True)
-        if not isinstance(add_bos, bool):
-            raise ValueError(f"{root / CONFIG_FILE}: add_bos_token must be a boolean, got {add_bos!r}")
+        for key in ("add_bos_token", "add_eos_token"):
+            if key in config and not isinstance(config[key], bool):
+                raise ValueError(f"{root / CONFIG_FILE}: {key} must be a boolean, got {config[key]!r}")
         template, source = _template_from_files(root, config)
-        return cls(tok, **specials, chat_template=template, add_bos_token=add_bos, template_source=source)
+        out = cls(tok, **specials, chat_template=template, template_source=source)
+        _warn_if_files_disagree(out, config, root)
+        return out
 
     def _special_id(self, name: str, text: str | None) -> int | None:
         if text is None:
@@ -122,18 +133,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`. Special-token texts in `text` (e.g. `<|turn>`) become their single ids.
 
-        With `add_special_tokens`, BOS is prepended when the tokenizer has one and `add_bos_token` is set, unless
-        the ids already start with it (no double BOS). The tokenizer's own post-processor is never applied.
+        With `add_special_tokens`, the tokenizer's post-processor adds its special tokens (e.g. BOS), exactly as
+        transformers' `AutoTokenizer` and `tokenizers` do: the same ids on every path, even for text that itself
+        starts with `<bos>` (then there are two, as there are in transformers).
         With `max_tokens`, a text with more ids raises PromptTooLongError, with bounded work (module docstring).
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         if max_tokens is not None:
             self._check_bound(text, max_tokens)
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
-            ids.insert(0, bos)
+        ids = self._tok.encode(text, add_special_tokens=bool(add_special_tokens)).ids
         if max_tokens is not None and len(ids) > max_tokens:
             raise PromptTooLongError(len(ids), max_tokens, "counted")
         return ids
@@ -199,6 +208,27 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------- files
+
+
+def adds_token(tok: tokenizers.Tokenizer, token_id: int | None, first: bool) -> bool:
+    """Whether `tok`'s post-processor puts `token_id` first (`first`) or last in an encoded single sequence."""
+    if token_id is None or tok.post_processor is None:
+        return False
+    ids = tok.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0 if first else -1] == token_id and ids != tok.encode("a", add_special_tokens=False).ids
+
+
+def _warn_if_files_disagree(tok: Tokenizer, config: dict, root: pathlib.Path) -> None:
+    """One warning when tokenizer_config.json's add_bos_token / add_eos_token disagree with what tokenizer.json's
+    post-processor does (transformers 5.23 ignores the config's flags; so does dgserve)."""
+    issues = []
+    for key, does in (("add_bos_token", tok.add_bos_token), ("add_eos_token", tok.add_eos_token)):
+        if key in config and config[key] != does:
+            issues.append(f"{key} is {str(config[key]).lower()} but the post-processor "
+                          f"{'adds' if does else 'does not add'} {'BOS' if 'bos' in key else 'EOS'}")
+    if issues:
+        log.warning("%s disagrees with %s: %s; following %s, as transformers does", root / CONFIG_FILE,
+                    root / TOKENIZER_FILE, "; ".join(issues), TOKENIZER_FILE)
 
 
 def _read_config(file: pathlib.Path) -> dict:

@@ -3,7 +3,7 @@
 What is exact and what has a tolerance, and why:
   processed, argmax, renoise tokens     bit-exact (IEEE division; integer Philox)
   sampled tokens                        exact except at near-ties of the Gumbel race: the native noise uses
-                                        dg_logf, the reference torch.log (they differ by <= 1 ulp of
+                                        dg_logf, the reference torch.log (they differ by <= 2 ulp of
                                         max(|g|, 1), spec §7.6); the native sample is exactly
                                         argmax(processed + ops.gumbel_noise) (the native noise)
   entropy                               the native value is the entropy accumulated in double and rounded

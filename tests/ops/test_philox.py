@@ -131,9 +131,11 @@ def test_gumbel_over_every_u(C):
     ref = -torch.log(-torch.log(u))
     exact = -torch.log(-torch.log(u.double()))
     assert (native.double() - exact).abs().max().item() < 5.2e-7
-    # within 1 ulp of max(|g|, 1) of the reference's torch.log noise (spec §7.6: "<= 2 ulp")
+    # vs the torch reference: torch.log's last bits depend on the machine (libm/Sleef build, CPU), so only the
+    # contract's bound holds everywhere: within 2 ulp of max(|g|, 1) (spec §7.6, DESIGN Decision 2). On an AMD
+    # EPYC (AVX-512) 2 of the 2^23 inputs are 2 ulp apart (u ≈ 0.71154: native 1.0778480, torch 1.0778482).
     scale = torch.from_numpy(np.spacing(np.maximum(np.abs(ref.numpy()), 1).astype(np.float32)))
-    assert ((native - ref).abs() / scale).max().item() <= 1.0
+    assert ((native - ref).abs() / scale).max().item() <= 2.0
 
 
 def test_cpu_code_paths_give_identical_noise(C, cpu_levels):
