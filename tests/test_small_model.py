@@ -17,17 +17,18 @@ from dgserve import DiffusionGemma, Engine, SamplingParams, Tokenizer
 from dgserve.engine import ChatPrompt
 
 SMALL = pathlib.Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
-LEXICON = pathlib.Path(__file__).resolve().parent / "data" / "kjv_train_words.txt"
-# Half verses from held-out chapters (never trained on), as tools/eval_small_model.py draws them.
+LEXICON = pathlib.Path(__file__).resolve().parent / "data" / "modern_train_words.txt"
+# Unpicked prompts, as tools/eval_small_model.py draws them: the first half (at most 12 words) of the first paragraph
+# of each of the first 8 held-out documents (whole documents never trained on, in the corpus's sorted order).
 HELD_OUT_PROMPTS = (
-    "All this was done, that it might be",
-    "And Jonathan climbed up upon his hands and upon his feet, and his",
-    "And Saul said, Cast lots between me",
-    "But he that doeth truth cometh to the light, that his",
-    "And forty days were fulfilled for him; for so are fulfilled the days of",
-    "Wherefore the LORD brought upon them the captains of the host of the king of Assyria,",
-    "Lo, I will bring a nation upon you from far, O house of Israel, saith the LORD: it is",
-    "Mine eye trickleth down, and",
+    "Coroutine objects are what functions",
+    "Return 1 if the object provides the mapping protocol or supports slicing,",
+    "The C structure of the",
+    "The setup script is the centre of all activity in building, distributing,",
+    "The default Python prompt of the interactive shell. Often seen",
+    "There is a French translation of an earlier revision",
+    "A deprecated alias of TimeoutError, raised when",
+    "The modules described in this chapter provide some basic services operations for",
 )
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "README.md")
@@ -88,23 +89,37 @@ def test_dgserve_loads_the_same_weights(hf_small):
 def test_tokenizer_round_trips_and_chat_template():
     tok = Tokenizer.from_pretrained(SMALL)
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
-    for text in ["In the beginning God created the heaven and the earth.",
+    for text in ["Return a new list containing all items from the iterable in ascending order.",
                  "Hello, world! 123 — naïve café\n\ttabs", ""]:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
-    ids = tok.encode("And God said", add_special_tokens=True)
-    assert ids[0] == 2
+    ids = tok.encode("The pathspec syntax", add_special_tokens=True)
+    assert ids[0] == 2 and ids.count(2) == 1
     chat = tok.apply_chat_template([{"role": "user", "content": "Who is the king of glory?"}])
     assert chat == "<bos><|turn>user\nWho is the king of glory?<turn|>\n<|turn>model\n"
     chat_ids = tok.encode_chat([{"role": "user", "content": "Who is the king of glory?"}])
     assert chat_ids[:2] == [2, 3] and chat_ids.count(4) == 1
 
 
+def test_tokenizer_json_adds_one_bos_like_the_config_says():
+    """tokenizer.json's post-processor prepends <bos> (`<bos> $A`) and tokenizer_config.json says add_bos_token, so
+    `tokenizers` and dgserve agree on plain text (issue 16: one tokenization of a checkpoint); the training documents
+    were `<bos>...<eos>` the same way."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    assert json.loads((SMALL / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    raw = RawTokenizer.from_file(str(SMALL / "tokenizer.json"))
+    text = "Return the number of items in a container."
+    ids = raw.encode(text).ids
+    assert ids[0] == 2 and ids.count(2) == 1
+    assert ids == Tokenizer.from_pretrained(SMALL).encode(text, add_special_tokens=True)
+
+
 @pytest.mark.parametrize("seed", [0, 7])
 def test_engine_matches_transformers_generate(hf_small, engine, seed):
     """Same tokens as transformers' generate() under the seeded noise contract (fp32, DESIGN Decision 5)."""
     hf = hf_small[0]
-    prompt = engine.tokenizer.encode("And the LORD spake unto Moses, saying,", add_special_tokens=True)
+    prompt = engine.tokenizer.encode("This function returns a new object, and the caller", add_special_tokens=True)
     steps, max_new = 12, 32
     margins = Margins()
     ref, _ = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=0.4, t_max=0.8,
@@ -118,9 +133,9 @@ def test_engine_matches_transformers_generate(hf_small, engine, seed):
 
 
 def test_generation_returns_text(engine):
-    res = engine.generate("In the beginning", engine.default_params(max_new_tokens=32, seed=1))
+    res = engine.generate("The default value is", engine.default_params(max_new_tokens=32, seed=1))
     assert res.text.strip()
-    res = engine.generate(ChatPrompt(({"role": "user", "content": "Who is the king of glory?"},)),
+    res = engine.generate(ChatPrompt(({"role": "user", "content": "What does this function return?"},)),
                           engine.default_params(max_new_tokens=32, seed=2))
     assert res.token_ids and res.finish_reason in ("eos", "length")
 
@@ -128,11 +143,10 @@ def test_generation_returns_text(engine):
 def test_writes_mostly_real_words(engine):
     """Recognisably English: most words the model writes are words of its training text.
 
-    The word list is the train split's vocabulary (written by `tools/eval_small_model.py --write-lexicon`). For
-    reference, on the eval tool's 60 held-out prompts the true continuations score 0.986, tokens drawn from the
-    train unigram distribution 0.678, the previous shipped model (7,000 steps) 0.879 and this one 0.943; on these 8
-    prompts this one scores 0.96. A model that learned only token frequencies, the previous one, or a broken export
-    fails this bar.
+    The word list is the train split's vocabulary (19,674 words of the Python, Git and Debian documentation prose,
+    written by `tools/eval_small_model.py --write-lexicon`). The shipped model scores 0.83 on these 8 prompts; the
+    model card has the eval tool's 40-prompt score next to the true continuations and tokens drawn from the train
+    unigram distribution. A model that learned only token frequencies, or a broken export, fails this bar.
     """
     vocab = set(LEXICON.read_text().split())
     params = [engine.default_params(max_new_tokens=48, seed=100 + i, ignore_eos=True)
@@ -141,4 +155,4 @@ def test_writes_mostly_real_words(engine):
     words = [w.lower() for o in outs for w in re.findall(r"[A-Za-z]+", o.text)]
     assert len(words) >= 150, words
     known = sum(w in vocab for w in words) / len(words)
-    assert known >= 0.90, (known, [o.text for o in outs])
+    assert known >= 0.80, (known, [o.text for o in outs])

@@ -66,6 +66,12 @@ def text_quality(texts: list[str], vocab: set[str], pairs: set[tuple[str, str]])
     return {"words": n_w, "known_words": n_known / max(1, n_w), "known_pairs": n_pk / max(1, n_p)}
 
 
+def sample_prompt(paragraph: str, max_words: int = 12) -> str:
+    """The first half of a paragraph's words (at least 3, at most `max_words`)."""
+    words = paragraph.split()
+    return " ".join(words[: min(max_words, max(3, len(words) // 2))])
+
+
 def quality_prompts(held_ids: np.ndarray, n: int, prompt_len: int, cont_len: int, seed: int = 11):
     """n (prompt ids, true continuation ids) windows from the held-out stream that contain no special token."""
     rng = np.random.default_rng(seed)
@@ -109,6 +115,7 @@ def main(argv=None):
     ap.add_argument("--gen", action="append", default=[], metavar="KEY=VALUE",
                     help="override a generation default for the samples and the quality score (repeatable)")
     ap.add_argument("--skip-loss", action="store_true", help="only samples and the quality score")
+    ap.add_argument("--no-per-prefix", action="store_true", help="skip the loss split by prefix length")
     ap.add_argument("--write-lexicon", default=None, metavar="FILE",
                     help="write the train-text word list (one per line, sorted) used by tests/test_small_model.py, "
                          "and exit")
@@ -142,7 +149,8 @@ def main(argv=None):
         uni = T.unigram_baseline(train, batches, V)
         res, mean = T.heldout_loss(hf, batches, V)
         res_sc, mean_sc = T.heldout_loss(hf, batches, V, sc=True)
-        per_prefix = {P: T.heldout_loss(hf, [(P, w)], V, ts=(0.5, 1.0))[0] for P, w in batches}
+        per_prefix = ({} if args.no_per_prefix else
+                      {P: T.heldout_loss(hf, [(P, w)], V, ts=(0.5, 1.0))[0] for P, w in batches})
         n_tok = sum(w[:, P:].numel() for P, w in batches)
         print(f"held-out canvas tokens: {n_tok} ({len(batches)} prefix lengths x {batches[0][1].shape[0]} windows)")
         print(f"unigram baseline (train frequencies): {uni:.4f} nats/token")
@@ -160,17 +168,25 @@ def main(argv=None):
     params = engine.default_params(max_new_tokens=args.max_new_tokens, **overrides)
     held_plain = corpus["held_plain"]
     samples = []
-    rng = np.random.default_rng(7)
-    for i in range(args.samples):
-        ch = held_plain[int(rng.integers(len(held_plain)))].split("\n")
-        verse = ch[int(rng.integers(len(ch)))]
-        words = verse.split()
-        prompt = " ".join(words[: max(3, len(words) // 2)])
+    if corpus.get("source") == "modern":
+        # Unpicked: the first paragraph of each of the first N held-out documents, cut to its first half (at most
+        # 12 words); chat prompts: the user turns of the first two held-out chat exchanges.
+        prompts = [sample_prompt(d.split("\n")[0]) for d in held_plain[: args.samples]]
+        chat_prompts = [c.split("\n", 1)[1].split("<turn|>", 1)[0] for c in corpus["held_chat"][:2]]
+    else:
+        rng = np.random.default_rng(7)
+        prompts = []
+        for i in range(args.samples):
+            ch = held_plain[int(rng.integers(len(held_plain)))].split("\n")
+            words = ch[int(rng.integers(len(ch)))].split()
+            prompts.append(" ".join(words[: max(3, len(words) // 2)]))
+        chat_prompts = ["And God said unto Moses,", "Who is the king of glory?"]
+    for i, prompt in enumerate(prompts):
         p = engine.default_params(max_new_tokens=args.max_new_tokens, seed=i, **overrides)
         out = engine.generate(prompt, p)
         samples.append({"kind": "continuation", "prompt": prompt, "seed": i, "text": out.text,
                         "finish_reason": out.finish_reason})
-    for i, q in enumerate(["And God said unto Moses,", "Who is the king of glory?"]):
+    for i, q in enumerate(chat_prompts):
         p = engine.default_params(max_new_tokens=args.max_new_tokens, seed=100 + i, **overrides)
         out = engine.generate(ChatPrompt(({"role": "user", "content": q},)), p)
         samples.append({"kind": "chat", "prompt": q, "seed": 100 + i, "text": out.text,

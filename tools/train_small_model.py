@@ -3,10 +3,15 @@
 
 Three stages, all driven by this one script (each is skipped when its output already exists):
 
-1. corpus: the King James Bible from Debian's `bible-kjv-text` package (public domain), extracted with the
+1. corpus: `--corpus modern` (the shipped model since issue 16): documentation prose from Debian packages
+   (python3.11-doc, git-doc, debian-reference-en; see tools/modern_corpus.py), whole documents held out (every 20th),
+   plus chat examples built from consecutive sentences of a train paragraph. `--corpus kjv` (the model shipped
+   before): the King James Bible from Debian's `bible-kjv-text` package (public domain), extracted with the
    package's `bible` program, split by chapter into train / held-out (every 50th chapter is held out, ~2%), plus
    chat-formatted examples built from consecutive train verses (user: one verse, model: the next one or two);
-2. tokenizer: a byte-level BPE trained with `tokenizers` on the train split only;
+2. tokenizer: a byte-level BPE trained with `tokenizers` on the train split only, with a `<bos> $A` post-processor
+   (tokenizer_config.json says add_bos_token, so every tokenizer path adds exactly one BOS, as the training
+   documents `<bos>...<eos>` have);
 3. training: the uniform-noise block-diffusion objective of spec §10 with transformers'
    `DiffusionGemmaForBlockDiffusion` (the reference implementation) on CPU (or CUDA if available):
    prefix encoded causally by the encoder (it writes the KV cache, with gradients), canvas = the next C tokens,
@@ -19,6 +24,7 @@ Usage:
     python tools/train_small_model.py ... --resume            # continue from the latest checkpoint in --out
     python tools/train_small_model.py ... --export-only DIR   # write the HF dir from the latest checkpoint
     python tools/train_small_model.py ... --init-from python/dgserve/models/small   # warm start (fresh optimizer)
+    python tools/train_small_model.py --corpus modern --init-from KJV_DIR --init-new-vocab ...   # new corpus + BPE
 
 Reproducible with `--seed` (data order, noise and init all come from seeded generators; a resumed run restores the
 RNG states, so it follows the same trajectory up to floating-point thread effects).
@@ -81,10 +87,44 @@ def extract_kjv(work: pathlib.Path) -> list[tuple[str, list[str]]]:
     return chapters
 
 
-def build_corpus(work: pathlib.Path, seed: int) -> dict:
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+def build_modern_corpus(work: pathlib.Path, seed: int) -> dict:
+    """Modern English documentation prose from Debian packages (tools/modern_corpus.py; issue 16 item 3), plus chat
+    exchanges built from consecutive sentences of one train paragraph (user: a sentence, model: the next one or
+    two)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import modern_corpus
+
+    corpus = modern_corpus.build()
+    rng = random.Random(seed)
+
+    def chat(docs, n):
+        pool = []
+        for d in docs:
+            for para in d.split("\n"):
+                ss = SENTENCE_END.split(para)
+                pool += [ss[i:i + 3] for i in range(len(ss) - 1)]
+        out = []
+        for ss in rng.sample(pool, n):
+            k = rng.choice([1, 1, 2])
+            out.append(f"<|turn>user\n{ss[0]}<turn|>\n<|turn>model\n{' '.join(ss[1:1 + k])}<turn|>\n")
+        return out
+
+    corpus.update(train_chat=chat(corpus["train_plain"], 4000), held_chat=chat(corpus["held_plain"], 80),
+                  n_docs=[len(corpus["train_plain"]), len(corpus["held_plain"])], source="modern")
+    return corpus
+
+
+def build_corpus(work: pathlib.Path, seed: int, source: str = "kjv") -> dict:
     meta_path = work / "corpus.json"
     if meta_path.exists():
         return json.loads(meta_path.read_text())
+    if source == "modern":
+        corpus = build_modern_corpus(work, seed)
+        meta_path.write_text(json.dumps(corpus))
+        return corpus
     chapters = extract_kjv(work)
     train_ch = [c for i, c in enumerate(chapters) if i % 50 != 49]
     held_ch = [c for i, c in enumerate(chapters) if i % 50 == 49]
@@ -143,9 +183,9 @@ def encode_stream(tok, plain: list[str], chat: list[str], seed: int) -> np.ndarr
     return np.array([i for d in docs for i in d], dtype=np.int16)
 
 
-def build_data(work: pathlib.Path, seed: int, vocab_size: int):
+def build_data(work: pathlib.Path, seed: int, vocab_size: int, source: str = "kjv"):
     work.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(work, seed)
+    corpus = build_corpus(work, seed, source)
     tok = train_tokenizer(work, corpus, vocab_size)
     tr, he = work / "train.npy", work / "held.npy"
     if not tr.exists():
@@ -258,6 +298,29 @@ def unigram_baseline(train: np.ndarray, batches, vocab: int) -> float:
     return float(-logp[tgt].mean())
 
 
+@torch.no_grad()
+def remap_embeddings(model, init_dir, new_tok):
+    """Re-base the tied embedding of a warm-started model onto `new_tok` (same vocabulary size): a token present in
+    the old vocabulary keeps its row; any other token gets the mean of the old rows of its old-vocabulary BPE
+    tokenization (both are byte-level BPEs over the same byte alphabet)."""
+    from tokenizers import Tokenizer
+
+    old_tok = Tokenizer.from_file(str(pathlib.Path(init_dir) / "tokenizer.json"))
+    emb = model.get_input_embeddings().weight
+    assert emb.shape[0] == new_tok.get_vocab_size(), (emb.shape, new_tok.get_vocab_size())
+    old_rows = emb.detach().clone()
+    old_vocab = old_tok.get_vocab()
+    same = 0
+    for s, i in new_tok.get_vocab().items():
+        if s in old_vocab:
+            emb[i] = old_rows[old_vocab[s]]
+            same += 1
+            continue
+        ids = [t.id for t in old_tok.model.tokenize(s)]
+        emb[i] = old_rows[ids].mean(0)
+    print(f"embedding re-based on the new vocabulary: {same} of {emb.shape[0]} tokens kept their row", flush=True)
+
+
 # ----------------------------------------------------------------------------- checkpoints / export
 
 def latest_ckpt(out: pathlib.Path):
@@ -320,6 +383,14 @@ def main(argv=None):
     ap.add_argument("--init-from", default=None, metavar="HF_DIR",
                     help="warm start: load the weights (and, when --work has none yet, the tokenizer) of an exported "
                          "model, e.g. python/dgserve/models/small; the optimizer starts fresh")
+    ap.add_argument("--corpus", default="kjv", choices=["kjv", "modern"],
+                    help="kjv: the King James Bible (bible-kjv-text); modern: Debian documentation prose "
+                         "(tools/modern_corpus.py)")
+    ap.add_argument("--init-new-vocab", action="store_true",
+                    help="with --init-from: keep this corpus's own tokenizer (trained into --work) instead of the "
+                         "init model's; all non-embedding weights are copied, and each new token's (tied) embedding "
+                         "row is the mean of the init model's rows for that token's tokenization under the old "
+                         "vocabulary (the same row when the token exists in both)")
     # model
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=192)
@@ -360,7 +431,7 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     work, out = pathlib.Path(args.work), pathlib.Path(args.out)
-    if args.init_from:
+    if args.init_from and not args.init_new_vocab:
         # The warm-started weights only make sense with the tokenizer they were trained with.
         work.mkdir(parents=True, exist_ok=True)
         src_tok = pathlib.Path(args.init_from) / "tokenizer.json"
@@ -368,7 +439,7 @@ def main(argv=None):
             shutil.copy(src_tok, work / "tokenizer.json")
         elif (work / "tokenizer.json").read_bytes() != src_tok.read_bytes():
             sys.exit(f"{work}/tokenizer.json differs from {src_tok}: use a fresh --work for a warm start")
-    tok, train, held, corpus = build_data(work, args.seed, args.vocab)
+    tok, train, held, corpus = build_data(work, args.seed, args.vocab, args.corpus)
     V = tok.get_vocab_size()
     print(f"data: train {len(train):,} tokens, held-out {len(held):,} tokens, vocab {V}", flush=True)
 
@@ -386,6 +457,8 @@ def main(argv=None):
                 if k != "dtype" and have.get(k) != want.get(k)}
         if diff:
             sys.exit(f"--init-from {args.init_from}: config differs from this script's model flags: {diff}")
+        if args.init_new_vocab:
+            remap_embeddings(model, args.init_from, tok)
         print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
     else:
         model = DiffusionGemmaForBlockDiffusion(make_config(args, V)).float()
