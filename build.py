@@ -17,6 +17,7 @@ files include no torch headers, so this works on any machine with nvcc); ``--log
 ``csrc/tools/dg_logf_accuracy.cpp`` (exhaustive ulp error of the contract's float32 log).
 Exit status is non-zero, with a one-line reason, when a step fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,17 @@ def build_protos(verbose: bool) -> None:
         return
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     rel = [str(p.relative_to(PROTO)) for p in protos]
-    argv = ["grpc_tools.protoc", "-I", str(PROTO), "-I", str(well_known), f"--python_out={PYTHON}",
-            f"--grpc_python_out={PYTHON}", f"--pyi_out={PYTHON}", *rel]
+    argv = [
+        "grpc_tools.protoc",
+        "-I",
+        str(PROTO),
+        "-I",
+        str(well_known),
+        f"--python_out={PYTHON}",
+        f"--grpc_python_out={PYTHON}",
+        f"--pyi_out={PYTHON}",
+        *rel,
+    ]
     if verbose:
         log("proto: " + " ".join(argv))
     if protoc.main(argv) != 0:
@@ -85,7 +95,9 @@ def build_protos(verbose: bool) -> None:
             if not (d / "__init__.py").exists():
                 (d / "__init__.py").write_text("")
             d = d.parent
-    log(f"proto: {len(protos)} file(s) → {', '.join(sorted({str((PYTHON / r).parent.relative_to(ROOT)) for r in rel}))}")
+    log(
+        f"proto: {len(protos)} file(s) → {', '.join(sorted({str((PYTHON / r).parent.relative_to(ROOT)) for r in rel}))}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,8 +158,7 @@ def build_extension(args: argparse.Namespace) -> None:
     nvcc = None if args.cpu_only else find_nvcc()
     use_cuda = bool(torch.version.cuda) and nvcc is not None
     if not use_cuda:
-        why = ("--cpu-only" if args.cpu_only else "torch is a CPU build" if not torch.version.cuda
-               else "nvcc not found")
+        why = "--cpu-only" if args.cpu_only else "torch is a CPU build" if not torch.version.cuda else "nvcc not found"
         log(f"ext: CPU-only extension ({why})")
     cflags, cuda_flags, arches = list(CXX_FLAGS), list(NVCC_FLAGS), []
     if use_cuda:
@@ -163,9 +174,16 @@ def build_extension(args: argparse.Namespace) -> None:
     t0 = time.time()
     try:
         module = cpp_extension.load(
-            name="_C", sources=[str(s) for s in sources], extra_include_paths=[str(CSRC)],
-            extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), with_cuda=use_cuda, verbose=args.verbose)
+            name="_C",
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            with_cuda=use_cuda,
+            verbose=args.verbose,
+        )
     except Exception as e:  # compiler errors arrive as RuntimeError (torch captures ninja's output)
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         detail = [ln for ln in lines if "error" in ln.lower() and "ninja" not in ln.lower()][:12]
@@ -179,8 +197,10 @@ def build_extension(args: argparse.Namespace) -> None:
     shutil.copy2(built, target)
     names = [str(s.relative_to(ROOT)) for s in sources]
     log(f"ext: sources {', '.join(names)}")
-    log(f"ext: {'CUDA (' + ', '.join(arches) + ')' if use_cuda else 'CPU'} build → "
-        f"{target.relative_to(ROOT)} in {time.time() - t0:.1f} s")
+    log(
+        f"ext: {'CUDA (' + ', '.join(arches) + ')' if use_cuda else 'CPU'} build → "
+        f"{target.relative_to(ROOT)} in {time.time() - t0:.1f} s"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -199,9 +219,20 @@ def check_cuda(args: argparse.Namespace) -> None:
     arch = args.arch.split(",")[0] if args.arch else "sm_90a"
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="dg-check-cuda-") as tmp:
+
         def compile_one(cu: pathlib.Path):
-            cmd = [nvcc, "-c", f"-arch={arch}", STANDALONE_STD, *NVCC_FLAGS, "-I", str(CSRC), str(cu), "-o",
-                   str(pathlib.Path(tmp) / (cu.stem + ".o"))]
+            cmd = [
+                nvcc,
+                "-c",
+                f"-arch={arch}",
+                STANDALONE_STD,
+                *NVCC_FLAGS,
+                "-I",
+                str(CSRC),
+                str(cu),
+                "-o",
+                str(pathlib.Path(tmp) / (cu.stem + ".o")),
+            ]
             if args.verbose:
                 log("check-cuda: " + " ".join(cmd))
             return cu, subprocess.run(cmd, capture_output=True, text=True)
@@ -213,8 +244,10 @@ def check_cuda(args: argparse.Namespace) -> None:
         print(r.stdout + r.stderr, file=sys.stderr)
     if failed:
         raise BuildError(f"--check-cuda: nvcc failed on {', '.join(cu.name for cu, _ in failed)}")
-    log(f"check-cuda: {len(cus)} file(s) compile with nvcc -arch={arch} "
-        f"({', '.join(cu.name for cu in cus)}) in {time.time() - t0:.1f} s")
+    log(
+        f"check-cuda: {len(cus)} file(s) compile with nvcc -arch={arch} "
+        f"({', '.join(cu.name for cu in cus)}) in {time.time() - t0:.1f} s"
+    )
 
 
 def logf_accuracy(args: argparse.Namespace) -> None:
@@ -241,20 +274,36 @@ def _torch_importable() -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Outputs: python/dgserve/v1/*_pb2*.py and python/dgserve/_C*.so (gitignored).")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Outputs: python/dgserve/v1/*_pb2*.py and python/dgserve/_C*.so (gitignored).",
+    )
     p.add_argument("--no-proto", action="store_true", help="skip the protobuf stubs")
     p.add_argument("--no-ext", action="store_true", help="skip the native extension dgserve._C")
-    p.add_argument("--cpu-only", action="store_true", help="build the extension without CUDA sources even when "
-                   "torch is a CUDA build and nvcc is found")
-    p.add_argument("--arch", default=None, help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a "
-                   "(default: sm_90a plus sm_80 and sm_100a when nvcc supports them)")
+    p.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="build the extension without CUDA sources even when torch is a CUDA build and nvcc is found",
+    )
+    p.add_argument(
+        "--arch",
+        default=None,
+        help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a "
+        "(default: sm_90a plus sm_80 and sm_100a when nvcc supports them)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's choice)")
-    p.add_argument("--check-cuda", action="store_true", help="only compile each csrc/ops/*.cu with "
-                   "`nvcc -c -arch=sm_90a` into a temporary directory (no torch needed), then exit")
-    p.add_argument("--logf-accuracy", action="store_true", help="only build and run the exhaustive accuracy "
-                   "check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit")
+    p.add_argument(
+        "--check-cuda",
+        action="store_true",
+        help="only compile each csrc/ops/*.cu with "
+        "`nvcc -c -arch=sm_90a` into a temporary directory (no torch needed), then exit",
+    )
+    p.add_argument(
+        "--logf-accuracy",
+        action="store_true",
+        help="only build and run the exhaustive accuracy check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit",
+    )
     p.add_argument("--verbose", action="store_true", help="show compiler commands and output")
     return p.parse_args(argv)
 

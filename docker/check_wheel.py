@@ -7,6 +7,7 @@ shipped as the default, and (``--require-ext``) the compiled extension ``dgserve
 Exit status 1 with the missing members listed, 0 otherwise. Used by the Dockerfile right after ``pip wheel``
 and by tests/test_container.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     missing = missing_members(args.wheel, args.require_ext)
     if missing:
-        print(f"check_wheel: {args.wheel} lacks {', '.join(missing)} "
-              "(pyproject.toml [tool.setuptools.package-data]; run build.py before building the wheel)",
-              file=sys.stderr)
+        print(
+            f"check_wheel: {args.wheel} lacks {', '.join(missing)} "
+            "(pyproject.toml [tool.setuptools.package-data]; run build.py before building the wheel)",
+            file=sys.stderr,
+        )
         return 1
-    print(f"check_wheel: {args.wheel} carries the stubs, the small model"
-          f"{' and dgserve._C' if args.require_ext else ''}")
+    print(
+        f"check_wheel: {args.wheel} carries the stubs, the small model{' and dgserve._C' if args.require_ext else ''}"
+    )
     return 0
 
 

@@ -2,6 +2,7 @@
 
 The call wrapper is where ``errors.abort`` is applied: servicer methods just raise domain exceptions.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,6 +111,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 await self._fail(e, context, outcome)
             finally:
                 self._exit(method, context, outcome[0], t0)
+
         return wrapper
 
     def _stream(self, behavior, method, metadata):
@@ -123,6 +125,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 await self._fail(e, context, outcome)
             finally:
                 self._exit(method, context, outcome[0], t0)
+
         return wrapper
 
     @staticmethod
@@ -146,8 +149,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _exit(self, method: str, context, code: str, t0: float) -> None:
         dt = time.perf_counter() - t0
-        log.info("%s %s %.1f ms", method, code, dt * 1e3,
-                 extra={"rpc": method, "code": code, "duration_ms": round(dt * 1e3, 3), "peer": context.peer()})
+        log.info(
+            "%s %s %.1f ms",
+            method,
+            code,
+            dt * 1e3,
+            extra={"rpc": method, "code": code, "duration_ms": round(dt * 1e3, 3), "peer": context.peer()},
+        )
         if self.metrics is not None:
             self.metrics.on_rpc(method, code, dt)
 
@@ -155,6 +163,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 class _Undecodable:
     """Stands in for a request whose bytes are not a valid message (grpcio would answer UNKNOWN and log a
     traceback; we answer INVALID_ARGUMENT)."""
+
     request_id = ""
 
     def __init__(self, error: Exception):
@@ -170,6 +179,7 @@ def _tolerant(deserializer):
             return deserializer(data)
         except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError (and others on odd input)
             return _Undecodable(e)
+
     return deserialize
 
 

@@ -1,5 +1,6 @@
 """Logging setup: plain text or JSON lines (NIM_JSONL_LOGGING), with the request id of the current call on
 every line logged inside it (a context variable set per RPC by the call interceptor)."""
+
 from __future__ import annotations
 
 import contextvars
@@ -23,9 +24,13 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request_id, extra fields, exception."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
-               "level": record.levelname, "logger": record.name, "message": record.getMessage(),
-               "request_id": getattr(record, "request_id", "")}
+        out = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", ""),
+        }
         out.update({k: v for k, v in record.__dict__.items() if k not in _STD and k not in out})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
@@ -36,8 +41,11 @@ def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) ->
     """Configure the root logger once (replacing its handlers)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if json_lines
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -3,6 +3,7 @@
 
 Names follow the NIM / vLLM conventions with a ``dgserve_`` prefix; "first token" is the first committed block.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,21 +34,24 @@ class Metrics(EngineObserver):
         self.running = Gauge(p + "num_requests_running", "Requests running (holding a slot)", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.max_running = Gauge(p + "num_request_max", "Running slots (max_num_seqs)", registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Time waiting for a slot", buckets=_LATENCY,
-                                    registry=r)
-        self.ttfb = Histogram(p + "time_to_first_block_seconds", "Arrival to first committed block",
-                              buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds", "Time waiting for a slot", buckets=_LATENCY, registry=r
+        )
+        self.ttfb = Histogram(
+            p + "time_to_first_block_seconds", "Arrival to first committed block", buckets=_LATENCY, registry=r
+        )
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens returned", registry=r)
         self.finished = Counter(p + "request_finish", "Finished requests by finish reason", ["reason"], registry=r)
-        self.steps_per_block = Histogram(p + "denoise_steps_per_block", "Denoising steps per committed block",
-                                         buckets=_STEPS, registry=r)
-        self.tokens_per_forward = Histogram(p + "tokens_per_forward", "Tokens per decoder forward, per block",
-                                            buckets=_TPF, registry=r)
+        self.steps_per_block = Histogram(
+            p + "denoise_steps_per_block", "Denoising steps per committed block", buckets=_STEPS, registry=r
+        )
+        self.tokens_per_forward = Histogram(
+            p + "tokens_per_forward", "Tokens per decoder forward, per block", buckets=_TPF, registry=r
+        )
         self.aborted = Counter(p + "request_aborted", "Requests stopped before finishing", ["reason"], registry=r)
-        self.drafts_dropped = Counter(p + "drafts_dropped", "Drafts replaced before the reader took them",
-                                      registry=r)
+        self.drafts_dropped = Counter(p + "drafts_dropped", "Drafts replaced before the reader took them", registry=r)
         self.step_time = Histogram(p + "engine_step_seconds", "Engine iteration time", buckets=_LATENCY, registry=r)
         self.rpcs = Counter(p + "rpc", "Finished RPCs by method and status code", ["method", "code"], registry=r)
         r.register(NvmlCollector())
@@ -129,9 +133,12 @@ class HttpSidecar:
     """``/metrics``, ``/v1/metrics``, ``/v1/health/live``, ``/v1/health/ready`` on a thread (port 0: ephemeral)."""
 
     def __init__(self, host: str, port: int, metrics: Metrics, live: Callable[[], bool], ready: Callable[[], bool]):
-        routes = {"/metrics": self._metrics, "/v1/metrics": self._metrics,
-                  "/v1/health/live": lambda: self._health(live(), "live"),
-                  "/v1/health/ready": lambda: self._health(ready(), "ready")}
+        routes = {
+            "/metrics": self._metrics,
+            "/v1/metrics": self._metrics,
+            "/v1/health/live": lambda: self._health(live(), "live"),
+            "/v1/health/ready": lambda: self._health(ready(), "ready"),
+        }
         self.metrics = metrics
 
         class Handler(BaseHTTPRequestHandler):
@@ -164,6 +171,9 @@ class HttpSidecar:
 
     @staticmethod
     def _health(ok: bool, what: str):
-        body = {"object": "health.response", "status": what if ok else f"not {what}",
-                "message": f"service is {what}" if ok else f"service is not {what}"}
+        body = {
+            "object": "health.response",
+            "status": what if ok else f"not {what}",
+            "message": f"service is {what}" if ok else f"service is not {what}",
+        }
         return (200 if ok else 503), "application/json", json.dumps(body).encode()

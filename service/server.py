@@ -7,6 +7,7 @@ loads and warms up on a worker thread; then readiness flips to SERVING. ``drain(
 ``drain_timeout`` seconds to finish, then the engine stops. An engine fault fails in-flight calls (INTERNAL) and
 turns both liveness and readiness off, so an orchestrator restarts the process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,13 +32,17 @@ from service.metrics import HttpSidecar, Metrics
 from service.servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_queue_len=cfg.max_queue_len,
-                           prefill_chunk=cfg.prefill_chunk, max_prefill_tokens=cfg.prefill_chunk)
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_queue_len=cfg.max_queue_len,
+        prefill_chunk=cfg.prefill_chunk,
+        max_prefill_tokens=cfg.prefill_chunk,
+    )
 
 
 def load_engine(cfg: ServiceConfig) -> Engine:
@@ -47,8 +52,13 @@ def load_engine(cfg: ServiceConfig) -> Engine:
     from dgserve.default_model import default_model_path
 
     path = cfg.model or default_model_path()
-    return Engine.from_pretrained(path, device=cfg.device, dtype=getattr(torch, cfg.dtype),
-                                  scheduler_config=scheduler_config(cfg), max_model_len=cfg.max_model_len)
+    return Engine.from_pretrained(
+        path,
+        device=cfg.device,
+        dtype=getattr(torch, cfg.dtype),
+        scheduler_config=scheduler_config(cfg),
+        max_model_len=cfg.max_model_len,
+    )
 
 
 def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
@@ -77,7 +87,7 @@ class Server:
         self.port: int | None = None
         self.http_port: int | None = None
         self.live = True
-        self.loaded = asyncio.Event()           # set when loading ended (ready or failed)
+        self.loaded = asyncio.Event()  # set when loading ended (ready or failed)
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpSidecar | None = None
         self._load_task: asyncio.Task | None = None
@@ -94,19 +104,30 @@ class Server:
         pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self._grpc)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
+            )
         self.port = self._bind(f"{cfg.host}:{cfg.port}")
         await self._grpc.start()
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
         if cfg.http_port is not None:
-            self._http = HttpSidecar(cfg.host, cfg.http_port, self.metrics, lambda: self.live,
-                                     lambda: self.live and self.state.engine is not None and not self.state.draining)
+            self._http = HttpSidecar(
+                cfg.host,
+                cfg.http_port,
+                self.metrics,
+                lambda: self.live,
+                lambda: self.live and self.state.engine is not None and not self.state.draining,
+            )
             self._http.start()
             self.http_port = self._http.port
-        log.info("listening: gRPC %s:%s%s, HTTP %s", cfg.host, self.port, " (TLS)" if cfg.tls_cert else "",
-                 self.http_port if self.http_port is not None else "off")
+        log.info(
+            "listening: gRPC %s:%s%s, HTTP %s",
+            cfg.host,
+            self.port,
+            " (TLS)" if cfg.tls_cert else "",
+            self.http_port if self.http_port is not None else "off",
+        )
         self._load_task = asyncio.create_task(self._load())
 
     def _bind(self, address: str) -> int:
@@ -116,22 +137,25 @@ class Server:
         creds = grpc.ssl_server_credentials(
             [(_read(cfg.tls_key), _read(cfg.tls_cert))],
             root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
-            require_client_auth=cfg.tls_client_ca is not None)
+            require_client_auth=cfg.tls_client_ca is not None,
+        )
         return self._grpc.add_secure_port(address, creds)
 
     async def _load(self) -> None:
         try:
             engine = await asyncio.to_thread(self.engine_factory)
-            aengine = AsyncEngine(engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics,
-                                  on_fault=self._on_fault)
+            aengine = AsyncEngine(
+                engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics, on_fault=self._on_fault
+            )
             if self.config.warm_up:
                 await asyncio.to_thread(aengine.warm_up)
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
             self.state.info = convert.model_info(engine, self.state.names, engine.scheduler.config)
-            self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting,
-                                      engine.scheduler.config.max_num_seqs)
+            self.metrics.track_engine(
+                lambda: aengine.num_running, lambda: aengine.num_waiting, engine.scheduler.config.max_num_seqs
+            )
             self.state.engine = aengine
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)

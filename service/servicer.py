@@ -2,6 +2,7 @@
 
 Errors are raised as domain exceptions and mapped to status codes by the call interceptor (service/errors.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,8 @@ from service.errors import DrainingError, ModelNotFoundError, NotReadyError, Req
 @dataclass
 class ServingState:
     """What the servicer serves; filled in by the server once the model is loaded and warmed up."""
-    names: tuple[str, ...] = ()                 # served name, then aliases
+
+    names: tuple[str, ...] = ()  # served name, then aliases
     engine: AsyncEngine | None = None
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False
@@ -45,8 +47,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         vocab = self.state.info.vocab_size
         prompt = convert.prompt(request, vocab)
         params = convert.sampling_params(request.params, engine.engine.default_params())
-        stream = await engine.submit(prompt, params, request.request_id or None, timeout_s=context.time_remaining(),
-                                     drafts=convert.draft_spec(request.drafts))
+        stream = await engine.submit(
+            prompt,
+            params,
+            request.request_id or None,
+            timeout_s=context.time_remaining(),
+            drafts=convert.draft_spec(request.drafts),
+        )
         try:
             async for event in stream:
                 yield convert.response(stream.request_id, event)
@@ -58,8 +65,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         outcome = self.state.ready_engine().abort(request.request_id, reason="abort_rpc")
         if outcome is None:
             raise RequestNotFoundError(f"request_id: {request.request_id!r} is not known to this server")
-        return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED
-                                else pb.ABORT_OUTCOME_ALREADY_FINISHED)
+        return pb.AbortResponse(
+            outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED else pb.ABORT_OUTCOME_ALREADY_FINISHED
+        )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         engine = self.state.ready_engine()

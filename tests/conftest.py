@@ -2,6 +2,7 @@
 
 transformers is a test-only dependency; it is the reference we must match (spec §6).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -34,8 +35,7 @@ def hf_model_loader():
     from transformers import DiffusionGemmaForBlockDiffusion
 
     def load(path, dtype=torch.float32, attn="eager"):
-        return DiffusionGemmaForBlockDiffusion.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn).eval()
+        return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, attn_implementation=attn).eval()
 
     return load
 

@@ -1,4 +1,5 @@
 """build.py: its help, and (where nvcc exists) that every csrc/ops/*.cu compiles alone with nvcc -arch=sm_90a."""
+
 from __future__ import annotations
 
 import pathlib
@@ -12,8 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_build(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "build.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_documents_the_flags():

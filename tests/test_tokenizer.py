@@ -3,6 +3,7 @@
 The tokenizer is a tiny byte-level BPE trained here on inline text, saved as tokenizer.json (with and without a
 tokenizer_config.json), so the tests need no download.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,12 @@ def tokenizer_json(tmp_path_factory) -> pathlib.Path:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -98,9 +103,16 @@ def test_special_ids_and_vocab(tok, tokenizer_json):
 
 
 def test_config_special_tokens_as_dicts(make_dir):
-    tok = Tokenizer.from_pretrained(make_dir({"bos_token": {"content": "<bos>"}, "eos_token": "<turn|>",
-                                              "pad_token": {"content": "<pad>", "lstrip": False},
-                                              "add_bos_token": False}))
+    tok = Tokenizer.from_pretrained(
+        make_dir(
+            {
+                "bos_token": {"content": "<bos>"},
+                "eos_token": "<turn|>",
+                "pad_token": {"content": "<pad>", "lstrip": False},
+                "add_bos_token": False,
+            }
+        )
+    )
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 4, 0)
     assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")  # add_bos_token False
 
@@ -146,22 +158,27 @@ def test_matches_transformers(tok, tokenizer_json):
 def test_fallback_exact(tok):
     assert tok.apply_chat_template(SYSTEM_CHAT) == (
         "<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\nHello.<turn|>\n"
-        "<|turn>user\nHow are you?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+        "<|turn>user\nHow are you?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT, add_generation_prompt=False) == (
         "<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\nHello.<turn|>\n"
-        "<|turn>user\nHow are you?<turn|>\n")
+        "<|turn>user\nHow are you?<turn|>\n"
+    )
     model_role = [dict(m, role="model") if m["role"] == "assistant" else m for m in SYSTEM_CHAT]
     assert tok.apply_chat_template(model_role) == tok.apply_chat_template(SYSTEM_CHAT)
 
 
 def test_fallback_thinking(tok):
     assert tok.apply_chat_template(SYSTEM_CHAT[:2], enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|>You are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n")
+        "<bos><|turn>system\n<|think|>You are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n"
+    )
     # no system message: a system turn holding only <|think|> is created
     assert tok.apply_chat_template([{"role": "user", "content": "Hi!"}], enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n")
+        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n"
+    )
     assert tok.apply_chat_template([{"role": "user", "content": "Hi!"}]) == (
-        "<bos><|turn>user\nHi!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+        "<bos><|turn>user\nHi!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
 
 
 def test_fallback_uses_config_bos(make_dir):
@@ -179,8 +196,9 @@ def test_encode_chat_special_tokens_are_single_ids(tok):
     assert ids.count(specials["<|channel>"]) == 1 and ids.count(specials["<channel|>"]) == 1
     assert tok.encode("<|think|>") == [specials["<|think|>"]]
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == text.replace("<bos>", "").replace("<|turn>", "").replace("<turn|>", "") \
-        .replace("<|channel>", "").replace("<channel|>", "")
+    assert tok.decode(ids) == text.replace("<bos>", "").replace("<|turn>", "").replace("<turn|>", "").replace(
+        "<|channel>", ""
+    ).replace("<channel|>", "")
 
 
 # ---------------------------------------------------------------------- checkpoint templates
@@ -199,17 +217,21 @@ def test_custom_template_from_config(make_dir):
     tok = Tokenizer.from_pretrained(make_dir({"chat_template": CUSTOM, "eos_token": "<eos>"}))
     assert tok.chat_template == CUSTOM
     assert tok.apply_chat_template(SYSTEM_CHAT[:2]) == "<bos>[system]You are terse.<eos>\n[user]Hi!<eos>\n[model]"
-    assert tok.apply_chat_template(SYSTEM_CHAT[3:], enable_thinking=True) == \
-        "<bos>[user]How are you?<eos>\n[model]<|think|>"
+    assert (
+        tok.apply_chat_template(SYSTEM_CHAT[3:], enable_thinking=True)
+        == "<bos>[user]How are you?<eos>\n[model]<|think|>"
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT[1:2], add_generation_prompt=False) == "<bos>[user]Hi!<eos>\n"
     ids = tok.encode_chat(SYSTEM_CHAT[1:2], enable_thinking=True)
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.token_to_id("<|think|>")
 
 
 def test_trim_blocks_and_helpers(make_dir):
-    template = ("{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}\n"
-                "{{ m | tojson }}|{{ strftime_now('%Y') | length }}\n{% endfor %}\n"
-                "{% set ns = namespace(n=0) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}")
+    template = (
+        "{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}\n"
+        "{{ m | tojson }}|{{ strftime_now('%Y') | length }}\n{% endfor %}\n"
+        "{% set ns = namespace(n=0) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}"
+    )
     tok = Tokenizer.from_pretrained(make_dir(jinja=template))
     out = tok.apply_chat_template([{"role": "user", "content": "é"}, {"role": "user", "content": "2"}])
     assert out == '{"role": "user", "content": "é"}|4\n1'
@@ -252,8 +274,9 @@ def test_jinja_file_takes_precedence(make_dir):
 
 
 def test_config_template_list(make_dir):
-    tok = Tokenizer.from_pretrained(make_dir({"chat_template": [{"name": "tool_use", "template": "T"},
-                                                                {"name": "default", "template": "D"}]}))
+    tok = Tokenizer.from_pretrained(
+        make_dir({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT) == "D"
     with pytest.raises(ValueError, match="default"):
         Tokenizer.from_pretrained(make_dir({"chat_template": [{"name": "x", "template": "T"}]}))
@@ -268,16 +291,19 @@ def test_raise_exception_is_value_error(make_dir):
         tok2.apply_chat_template(bad)
 
 
-@pytest.mark.parametrize("template", [
-    "{{ ''.__class__.__mro__ }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ cycler.__init__.__globals__ }}",
-    "{{ raise_exception.__globals__['os'] }}",
-    "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}ok",
-    "{{ messages[0].update({'role': 'hacked'}) }}",
-    "{% set _ = messages[0]['content'].clear() %}ok",
-    "{% set ns = namespace() %}{% set ns._x = 1 %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{{ raise_exception.__globals__['os'] }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}ok",
+        "{{ messages[0].update({'role': 'hacked'}) }}",
+        "{% set _ = messages[0]['content'].clear() %}ok",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+    ],
+)
 def test_sandbox_blocks_escapes_and_mutation(make_dir, template):
     tok = Tokenizer.from_pretrained(make_dir(jinja=template))
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
@@ -304,19 +330,29 @@ def test_template_syntax_error_names_file(make_dir):
 # ---------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("messages, exc, match", [
-    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], ValueError, r"messages\[1\]\.role"),
-    ([{"content": "a"}], ValueError, r"messages\[0\]\.role"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, r"messages\[1\]\.role"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "url": "x.png"}]}],
-     NotImplementedError, r"messages\[0\]\.content\[1\]\.type"),
-    ([{"role": "user"}], ValueError, r"messages\[0\]\.content"),
-    ([{"role": "user", "content": 3}], ValueError, r"messages\[0\]\.content"),
-    ([{"role": "user", "content": [{"type": "text", "text": None}]}], ValueError, r"messages\[0\]\.content\[0\]\.text"),
-    ([{"role": "user", "content": ["a"]}], ValueError, r"messages\[0\]\.content\[0\]"),
-    (["hello"], ValueError, r"messages\[0\]"),
-    ([], ValueError, "messages"),
-])
+@pytest.mark.parametrize(
+    "messages, exc, match",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], ValueError, r"messages\[1\]\.role"),
+        ([{"content": "a"}], ValueError, r"messages\[0\]\.role"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, r"messages\[1\]\.role"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "url": "x.png"}]}],
+            NotImplementedError,
+            r"messages\[0\]\.content\[1\]\.type",
+        ),
+        ([{"role": "user"}], ValueError, r"messages\[0\]\.content"),
+        ([{"role": "user", "content": 3}], ValueError, r"messages\[0\]\.content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            ValueError,
+            r"messages\[0\]\.content\[0\]\.text",
+        ),
+        ([{"role": "user", "content": ["a"]}], ValueError, r"messages\[0\]\.content\[0\]"),
+        (["hello"], ValueError, r"messages\[0\]"),
+        ([], ValueError, "messages"),
+    ],
+)
 def test_message_validation(tok, make_dir, messages, exc, match):
     templated = Tokenizer.from_pretrained(make_dir({"chat_template": CUSTOM}))
     for t in (tok, templated):
@@ -372,7 +408,7 @@ def test_incremental_decoder_matches_full_decode(tok):
         for size in sizes:
             if pos >= len(ids):
                 break
-            delta = dec.push(ids[pos:pos + size])
+            delta = dec.push(ids[pos : pos + size])
             pos += size
             assert "\ufffd" not in delta
             assert STREAM_TEXT.startswith(dec.text)
@@ -439,7 +475,7 @@ def test_output_tracker_windowed_text_equals_full_decode(tok, stop):
         for size in sizes:
             if pos >= len(stream) or ref.finish_reason is not None:
                 break
-            block = stream[pos:pos + size]
+            block = stream[pos : pos + size]
             pos += size
             assert fast.add_block(block) == ref.add_block(block)
             assert (fast.text, fast.token_ids, fast.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)

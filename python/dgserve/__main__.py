@@ -9,6 +9,7 @@
 (``--json``: one JSON line per event instead). Without ``--model`` the local mode uses the default model
 (``dgserve.default_model.default_model_path``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,14 @@ def _client(args):
     from dgserve.client import Client
 
     token = _read(args.token_file).decode().strip() if args.token_file else None
-    return Client(args.server, token=token, tls=args.tls or bool(args.ca or args.cert),
-                  root_certificates=_read(args.ca), client_cert=_read(args.cert), client_key=_read(args.key))
+    return Client(
+        args.server,
+        token=token,
+        tls=args.tls or bool(args.ca or args.cert),
+        root_certificates=_read(args.ca),
+        client_cert=_read(args.cert),
+        client_key=_read(args.key),
+    )
 
 
 def _remote_generate(args, prompt_text: str | None, prompt_ids: list[int] | None) -> int:
@@ -115,9 +122,12 @@ def _print_finished(f) -> None:
     from dgserve.client import FINISH_REASONS
 
     u = f.usage
-    print(f"\n# finished: {FINISH_REASONS[f.finish_reason]}; {u.prompt_tokens} prompt + {u.completion_tokens} "
-          f"generated tokens in {u.blocks} blocks ({u.denoising_steps} denoising steps); first block "
-          f"{f.timing.first_block_ms:.0f} ms, total {f.timing.total_ms:.0f} ms", file=sys.stderr)
+    print(
+        f"\n# finished: {FINISH_REASONS[f.finish_reason]}; {u.prompt_tokens} prompt + {u.completion_tokens} "
+        f"generated tokens in {u.blocks} blocks ({u.denoising_steps} denoising steps); first block "
+        f"{f.timing.first_block_ms:.0f} ms, total {f.timing.total_ms:.0f} ms",
+        file=sys.stderr,
+    )
 
 
 def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None) -> int:
@@ -127,8 +137,9 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
     from dgserve.default_model import default_model_path
     from dgserve.engine import ChatPrompt
 
-    engine = Engine.from_pretrained(args.model or default_model_path(), device=args.device,
-                                    dtype=getattr(torch, args.dtype))
+    engine = Engine.from_pretrained(
+        args.model or default_model_path(), device=args.device, dtype=getattr(torch, args.dtype)
+    )
     prompt = prompt_ids if prompt_ids is not None else prompt_text
     if args.chat:
         prompt = ChatPrompt(({"role": "user", "content": prompt_text or ""},))
@@ -140,9 +151,18 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
         for block in engine.stream(prompt, params):
             now = time.perf_counter()
             if args.json:
-                print(json.dumps({"block": block.index, "token_ids": block.token_ids, "text": block.text,
-                                  "denoising_steps": block.stats.denoising_steps,
-                                  "finish_reason": block.finish_reason}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "block": block.index,
+                            "token_ids": block.token_ids,
+                            "text": block.text,
+                            "denoising_steps": block.stats.denoising_steps,
+                            "finish_reason": block.finish_reason,
+                        }
+                    ),
+                    flush=True,
+                )
             else:
                 print(block.text, end="", flush=True)
                 _progress(block.index, len(block.token_ids), block.stats.denoising_steps, (now - t_last) * 1e3)

@@ -11,6 +11,7 @@ blocks wait is aborted, and its stream raises ``StreamStalledError`` after the b
 Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot before the engine's next step.
 An exception in the step loop fails every in-flight stream with ``EngineFaultError`` and stops the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +76,7 @@ class Finished:
     blocks: int
     denoising_steps: int
     queue_seconds: float
-    first_block_seconds: float     # NaN when no block was committed
+    first_block_seconds: float  # NaN when no block was committed
     total_seconds: float
 
 
@@ -93,20 +94,26 @@ class EngineObserver:
 class RequestStream:
     """Events of one request, in order (async iterator). Lives on the event loop."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompt_tokens: int, params: SamplingParams,
-                 drafts: DraftSpec | None):
+    def __init__(
+        self,
+        engine: "AsyncEngine",
+        request_id: str,
+        prompt_tokens: int,
+        params: SamplingParams,
+        drafts: DraftSpec | None,
+    ):
         self.request_id, self.prompt_tokens, self.params, self.drafts = request_id, prompt_tokens, params, drafts
         self._engine = engine
         self._events: deque = deque()
         self._draft: Draft | None = None
         self._wake = asyncio.Event()
         self._error: Exception | None = None
-        self.done = False              # the last event (Finished or an error) has been pushed
+        self.done = False  # the last event (Finished or an error) has been pushed
         self.arrival = time.monotonic()
         self.admitted_at: float | None = None
         self.first_block_at: float | None = None
         self.last_read = self.arrival
-        self.reading = False           # the reader is awaiting the next event (so it is not stalled)
+        self.reading = False  # the reader is awaiting the next event (so it is not stalled)
 
     def __aiter__(self):
         return self
@@ -149,7 +156,7 @@ class RequestStream:
             return
         self._events.append(event)
         if isinstance(event, BlockOutput):
-            self._draft = None          # a preview of a block that is now committed
+            self._draft = None  # a preview of a block that is now committed
         if isinstance(event, Finished):
             self.done = True
         self._wake.set()
@@ -172,8 +179,15 @@ class RequestStream:
 class AsyncEngine:
     """Owns an Engine and its step thread; safe to use from one asyncio event loop."""
 
-    def __init__(self, engine: Engine, *, stall_timeout_s: float = 30.0, observer: EngineObserver | None = None,
-                 remember_finished: int = 10_000, on_fault: Callable[[Exception], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        stall_timeout_s: float = 30.0,
+        observer: EngineObserver | None = None,
+        remember_finished: int = 10_000,
+        on_fault: Callable[[Exception], None] | None = None,
+    ):
         self.engine = engine
         self.on_fault = on_fault
         self.stall_timeout_s = stall_timeout_s
@@ -224,14 +238,22 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- requests
 
-    async def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     *, timeout_s: float | None = None, drafts: DraftSpec | None = None) -> RequestStream:
+    async def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        drafts: DraftSpec | None = None,
+    ) -> RequestStream:
         """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
         NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
         queued after this long is dropped without model work."""
         if not self.running:
-            raise EngineUnavailableError("the engine is not running" if self.fault is None else
-                                         f"the engine stopped after a fault: {self.fault}")
+            raise EngineUnavailableError(
+                "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
+            )
         params = params or self.engine.default_params()
         if params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(64))
@@ -280,8 +302,16 @@ class AsyncEngine:
         now = time.monotonic()
         admitted = stream.admitted_at if stream.admitted_at is not None else now
         first = stream.first_block_at - stream.arrival if stream.first_block_at is not None else float("nan")
-        return Finished(reason, stream.prompt_tokens, completion, blocks, steps, admitted - stream.arrival, first,
-                        now - stream.arrival)
+        return Finished(
+            reason,
+            stream.prompt_tokens,
+            completion,
+            blocks,
+            steps,
+            admitted - stream.arrival,
+            first,
+            now - stream.arrival,
+        )
 
     # ---------------------------------------------------------------- engine thread
 
@@ -339,7 +369,7 @@ class AsyncEngine:
             if kind == "step":
                 self.observer.on_step(payload)
             elif self._streams.get(getattr(stream, "request_id", None)) is not stream:
-                continue                 # aborted or cancelled meanwhile
+                continue  # aborted or cancelled meanwhile
             elif kind == "started":
                 self._on_started(stream, payload)
             elif kind == "draft":
@@ -355,7 +385,7 @@ class AsyncEngine:
         stream._push(Started(stream.request_id, stream.params.seed, stream.prompt_tokens, stream.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
-        if stream.admitted_at is None:    # expired in the queue: never started
+        if stream.admitted_at is None:  # expired in the queue: never started
             stream.admitted_at = now
         first = stream.first_block_at is None and block.stats.denoising_steps > 0
         if first:
@@ -367,14 +397,18 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
                 self._remember_finished(stream.request_id)
-            fin = self._finished(stream, result.finish_reason, len(result.token_ids), len(result.blocks),
-                                 result.denoising_steps)
+            fin = self._finished(
+                stream, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
+            )
             stream._push(fin)
             self.observer.on_finished(fin)
         elif not stream.reading and stream.buffered > 1 and now - stream.last_read > self.stall_timeout_s:
             self.abort(stream.request_id, reason="stalled", notify=False)
-            stream._fail(StreamStalledError(f"request {stream.request_id}: the reader took nothing for "
-                                            f"{self.stall_timeout_s:g} s; aborted"))
+            stream._fail(
+                StreamStalledError(
+                    f"request {stream.request_id}: the reader took nothing for {self.stall_timeout_s:g} s; aborted"
+                )
+            )
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

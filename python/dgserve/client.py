@@ -9,6 +9,7 @@
 Sampling knobs are keyword arguments named as ``dgserve.SamplingParams`` (``stop`` takes a list). Errors are
 ``grpc.RpcError`` with the server's status code and message.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -19,20 +20,26 @@ import grpc
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-FINISH_REASONS = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
-                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_UNSPECIFIED: "unspecified"}
+FINISH_REASONS = {
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+}
 HEALTH_SERVICE = "dgserve.v1.TextGeneration"
 RpcError = grpc.RpcError
 
 
 def error_text(e: grpc.RpcError) -> str:
-    """"CODE: details" of a failed call."""
+    """ "CODE: details" of a failed call."""
     return f"{e.code().name}: {e.details()}"
 
 
 @dataclass
 class GenerateResult:
     """A finished stream, collected."""
+
     request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -56,17 +63,28 @@ class GenerateResult:
             self.finish_reason, self.usage, self.timing = FINISH_REASONS[f.finish_reason], f.usage, f.timing
 
 
-def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                  messages: Sequence[dict] | None = None, request_id: str = "", model: str = "",
-                  drafts: bool = False, draft_every: int = 1, enable_thinking: bool = False,
-                  **params) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict] | None = None,
+    request_id: str = "",
+    model: str = "",
+    drafts: bool = False,
+    draft_every: int = 1,
+    enable_thinking: bool = False,
+    **params,
+) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt / token_ids / messages ({"role", "content"} dicts)."""
     given = [x is not None for x in (prompt, token_ids, messages)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, token_ids, messages")
-    req = pb.GenerateRequest(request_id=request_id, model=model,
-                             params=pb.SamplingParams(**{k: v for k, v in params.items() if v is not None}),
-                             drafts=pb.DraftOptions(enabled=drafts, every_n_steps=draft_every))
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        params=pb.SamplingParams(**{k: v for k, v in params.items() if v is not None}),
+        drafts=pb.DraftOptions(enabled=drafts, every_n_steps=draft_every),
+    )
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -77,8 +95,10 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
 
 
 def chat_message(messages: Sequence[dict], enable_thinking: bool = False) -> pb.Chat:
-    return pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m.get("content", "")) for m in messages],
-                   enable_thinking=enable_thinking)
+    return pb.Chat(
+        messages=[pb.ChatMessage(role=m["role"], content=m.get("content", "")) for m in messages],
+        enable_thinking=enable_thinking,
+    )
 
 
 def _metadata(token: str | None) -> tuple:
@@ -86,8 +106,9 @@ def _metadata(token: str | None) -> tuple:
 
 
 def _credentials(root_certificates, client_cert, client_key):
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=client_key,
-                                        certificate_chain=client_cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=root_certificates, private_key=client_key, certificate_chain=client_cert
+    )
 
 
 _KEEPALIVE = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1))
@@ -97,12 +118,23 @@ class Client:
     """Blocking client. ``tls``: use TLS (``root_certificates`` PEM bytes, else the system roots); mTLS with
     ``client_cert`` and ``client_key``. ``token``: bearer token sent on every call."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, client_cert: bytes | None = None,
-                 client_key: bytes | None = None, options: Sequence[tuple] = ()):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        client_cert: bytes | None = None,
+        client_key: bytes | None = None,
+        options: Sequence[tuple] = (),
+    ):
         opts = list(_KEEPALIVE) + list(options)
-        self.channel = (grpc.secure_channel(target, _credentials(root_certificates, client_cert, client_key), opts)
-                        if tls else grpc.insecure_channel(target, opts))
+        self.channel = (
+            grpc.secure_channel(target, _credentials(root_certificates, client_cert, client_key), opts)
+            if tls
+            else grpc.insecure_channel(target, opts)
+        )
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.metadata = _metadata(token)
 
@@ -115,8 +147,9 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **kwargs) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+    ) -> Iterator[pb.GenerateResponse]:
         """Stream the events of one request (see build_request for the arguments). Closing the iterator early
         cancels the request on the server."""
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
@@ -132,7 +165,7 @@ class Client:
         return result
 
     def abort(self, request_id: str) -> str:
-        """"cancelled" or "already_finished"; grpc.RpcError NOT_FOUND for an unknown id."""
+        """ "cancelled" or "already_finished"; grpc.RpcError NOT_FOUND for an unknown id."""
         r = self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return pb.AbortOutcome.Name(r.outcome).removeprefix("ABORT_OUTCOME_").lower()
 
@@ -144,23 +177,35 @@ class Client:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = HEALTH_SERVICE, timeout: float | None = 5.0) -> str:
-        """"SERVING", "NOT_SERVING", ... of grpc.health.v1 (service "" = liveness)."""
+        """ "SERVING", "NOT_SERVING", ... of grpc.health.v1 (service "" = liveness)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                           timeout=timeout)
+        r = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
 class AsyncClient:
     """asyncio client; same methods as Client, as coroutines (``generate`` is an async iterator)."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, client_cert: bytes | None = None,
-                 client_key: bytes | None = None, options: Sequence[tuple] = ()):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        client_cert: bytes | None = None,
+        client_key: bytes | None = None,
+        options: Sequence[tuple] = (),
+    ):
         opts = list(_KEEPALIVE) + list(options)
-        self.channel = (grpc.aio.secure_channel(target, _credentials(root_certificates, client_cert, client_key),
-                                                opts) if tls else grpc.aio.insecure_channel(target, opts))
+        self.channel = (
+            grpc.aio.secure_channel(target, _credentials(root_certificates, client_cert, client_key), opts)
+            if tls
+            else grpc.aio.insecure_channel(target, opts)
+        )
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.metadata = _metadata(token)
 
@@ -173,8 +218,9 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                       **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+    ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:

@@ -5,6 +5,7 @@ writes (once per machine, reused afterwards) a tiny random checkpoint (``dgserve
 byte-level BPE tokenizer trained on a few sentences, and logs a warning: its output is random tokens, useful only
 to exercise the service end to end.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,7 @@ log = logging.getLogger("dgserve")
 
 SHIPPED = pathlib.Path(__file__).resolve().parent / "models" / "small"
 RANDOM_DIR_NAME = "dgserve-tiny-random-v1"
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]       # ids 0, 1, 2 = the tiny preset's pad, eos, bos
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]  # ids 0, 1, 2 = the tiny preset's pad, eos, bos
 CORPUS = [
     "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",
     "A diffusion model writes a whole canvas of tokens at once and refines it over a few steps.",
@@ -32,8 +33,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
     path = pathlib.Path(cache_dir or tempfile.gettempdir()) / RANDOM_DIR_NAME
     if not (path / "tokenizer.json").is_file():
         write_tiny_random_model(path)
-    log.warning("no trained model at %s: serving a tiny RANDOM checkpoint from %s (its output is noise)",
-                SHIPPED, path)
+    log.warning("no trained model at %s: serving a tiny RANDOM checkpoint from %s (its output is noise)", SHIPPED, path)
     return str(path)
 
 
@@ -48,7 +48,7 @@ def write_tiny_random_model(path: str | os.PathLike, seed: int = 0) -> str:
         make_random_checkpoint(tmp, "tiny", seed=seed)
         train_tokenizer(300).save(str(tmp / "tokenizer.json"))
         try:
-            os.replace(tmp, final)            # atomic; fails if another process got there first
+            os.replace(tmp, final)  # atomic; fails if another process got there first
         except OSError:
             if not (final / "tokenizer.json").is_file():
                 shutil.rmtree(final, ignore_errors=True)
@@ -65,7 +65,13 @@ def train_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus or CORPUS, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus or CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return tok

@@ -11,6 +11,7 @@ the prompt alone (DESIGN Decisions 3).
 Thread safety: ``add_request`` and ``abort`` may be called from any thread while one thread runs ``step``; an
 abort takes effect before the next step (the current one's result for that request is discarded).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,6 +37,7 @@ MAX_REQUEST_ID_LENGTH = 256
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
+
     messages: tuple
     add_generation_prompt: bool = True
     enable_thinking: bool = False
@@ -47,6 +49,7 @@ Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
 @dataclass(frozen=True)
 class DraftOutput:
     """The current block's argmax canvas after its latest denoising step (a preview; may still change)."""
+
     index: int
     step: int
     token_ids: list[int]
@@ -56,13 +59,14 @@ class DraftOutput:
 @dataclass
 class _Request:
     """Engine-side state of one request."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     tracker: OutputTracker
     row: RowCache = field(default_factory=RowCache)
-    pending: list[int] | None = None        # committed tokens to encode before the next block
+    pending: list[int] | None = None  # committed tokens to encode before the next block
     block_index: int = 0
     state: BlockState | None = None
     encode_seconds: float = 0.0
@@ -71,8 +75,9 @@ class _Request:
 
     def result(self) -> GenerationResult:
         t = self.tracker
-        return GenerationResult(list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids),
-                                list(self.blocks))
+        return GenerationResult(
+            list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
+        )
 
 
 class Engine:
@@ -82,8 +87,14 @@ class Engine:
     max_position_embeddings (the default). scheduler_config: capacity and prefill chunking.
     """
 
-    def __init__(self, model: DiffusionGemma, tokenizer=None, defaults: GenerationDefaults | None = None,
-                 scheduler_config: SchedulerConfig | None = None, max_model_len: int | None = None):
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        tokenizer=None,
+        defaults: GenerationDefaults | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        max_model_len: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
@@ -97,15 +108,16 @@ class Engine:
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         self.sampler = Sampler(model.dtype)
         self.scheduler = Scheduler(scheduler_config)
-        self.last_schedule = ScheduleOutput()            # the plan of the latest step (admitted ids, ...)
+        self.last_schedule = ScheduleOutput()  # the plan of the latest step (admitted ids, ...)
         self._requests: dict[str, _Request] = {}
-        self._finished: dict[str, GenerationResult] = {}   # results not yet collected by their caller
+        self._finished: dict[str, GenerationResult] = {}  # results not yet collected by their caller
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32, **kwargs) -> "Engine":
+    def from_pretrained(
+        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+    ) -> "Engine":
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
         to ``Engine.__init__`` (scheduler_config, max_model_len)."""
         from dgserve.tokenizer import Tokenizer
@@ -117,9 +129,15 @@ class Engine:
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
         d = self.defaults
-        kw = dict(max_new_tokens=d.max_new_tokens, max_denoising_steps=d.max_denoising_steps, t_min=d.t_min,
-                  t_max=d.t_max, entropy_bound=d.entropy_bound, stability_threshold=d.stability_threshold,
-                  confidence_threshold=d.confidence_threshold)
+        kw = dict(
+            max_new_tokens=d.max_new_tokens,
+            max_denoising_steps=d.max_denoising_steps,
+            t_min=d.t_min,
+            t_max=d.t_max,
+            entropy_bound=d.entropy_bound,
+            stability_threshold=d.stability_threshold,
+            confidence_threshold=d.confidence_threshold,
+        )
         kw.update(overrides)
         return SamplingParams(**kw)
 
@@ -129,8 +147,9 @@ class Engine:
         """Generate for one prompt (text, token ids or chat) to completion."""
         return self.generate_batch([prompt], [params])[0]
 
-    def generate_batch(self, prompts: Sequence[Prompt],
-                       params_list: Sequence[SamplingParams | None] | None = None) -> list[GenerationResult]:
+    def generate_batch(
+        self, prompts: Sequence[Prompt], params_list: Sequence[SamplingParams | None] | None = None
+    ) -> list[GenerationResult]:
         """Generate several requests batched through shared decoder calls; each result equals running it alone."""
         params_list = params_list if params_list is not None else [None] * len(prompts)
         if len(params_list) != len(prompts):
@@ -166,8 +185,14 @@ class Engine:
 
     # ------------------------------------------------------------------ continuous batching core
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, deadline: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> str:
         """Validate and queue a request; returns its id.
 
         Raises ValueError naming the bad field, ``DuplicateRequestError`` (a ValueError) for an id in flight, and
@@ -225,8 +250,11 @@ class Engine:
                 self._start_block(req)
         t0 = time.perf_counter()
         states = [r.state for r in active]
-        logits = self.model.denoise(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
-                                    self_cond_logits=[s.self_cond for s in states])
+        logits = self.model.denoise(
+            KVCache([r.row for r in active]),
+            torch.stack([s.canvas for s in states]),
+            self_cond_logits=[s.self_cond for s in states],
+        )
         self.sampler.step(states, logits)
         dt = time.perf_counter() - t0
         with self._lock:
@@ -256,15 +284,17 @@ class Engine:
             self._encode(req, req.pending)
         req.denoise_seconds, req.pending = 0.0, None
         cfg = self.model.config
-        req.state = BlockState.start(req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size,
-                                     self.model.device)
+        req.state = BlockState.start(
+            req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
+        )
 
     def _commit(self, req: _Request) -> BlockOutput:
         s = req.state
-        canvas = s.argmax.tolist()   # the committed block is the ARGMAX canvas of the last step run
+        canvas = s.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
         toks, text = req.tracker.add_block(canvas)
-        stats = BlockStats(s.steps_run, len(toks) / s.steps_run, s.mean_entropy, req.encode_seconds,
-                           req.denoise_seconds)
+        stats = BlockStats(
+            s.steps_run, len(toks) / s.steps_run, s.mean_entropy, req.encode_seconds, req.denoise_seconds
+        )
         block = BlockOutput(req.block_index, toks, text, stats, req.tracker.finish_reason)
         req.blocks.append(block)
         req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
@@ -285,13 +315,13 @@ class Engine:
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe."""
         if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
-            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; "
-                             "pass token ids")
+            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode_chat(list(prompt.messages), prompt.add_generation_prompt,
-                                             prompt.enable_thinking)
+            ids = self.tokenizer.encode_chat(
+                list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking
+            )
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
         V = self.model.config.vocab_size
@@ -307,16 +337,19 @@ class Engine:
         C = self.model.config.canvas_length
         n_blocks = -(-max_new_tokens // C)
         if prompt_tokens + n_blocks * C > self.max_model_len:
-            raise ValueError(f"prompt: {prompt_tokens} tokens + {n_blocks} canvases of {C} (max_new_tokens "
-                             f"{max_new_tokens}) exceed the context window of {self.max_model_len} positions")
+            raise ValueError(
+                f"prompt: {prompt_tokens} tokens + {n_blocks} canvases of {C} (max_new_tokens "
+                f"{max_new_tokens}) exceed the context window of {self.max_model_len} positions"
+            )
 
 
 def _check_max_model_len(value: int | None, limit: int) -> int:
     if value is None:
         return limit
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise ValueError(f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), got {value!r}"
+        )
     return value
 
 

@@ -1,4 +1,5 @@
 """Per-request generation knobs, validated once at construction (ValueError names the field and bound)."""
+
 from __future__ import annotations
 
 import math
@@ -38,6 +39,7 @@ class SamplingParams:
     ignore_eos: keep generating past EOS tokens.
     stop: strings that end generation (text cut before the match; may span blocks).
     """
+
     max_new_tokens: int = 256
     max_denoising_steps: int = 48
     t_min: float = 0.4

@@ -15,6 +15,7 @@ Each ``schedule()`` call plans one engine iteration:
 with a retry delay estimated from recent service times) or when the id is in flight (``DuplicateRequestError``).
 All methods are thread-safe: the asyncio side admits and aborts while the engine thread schedules.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,6 +49,7 @@ class SchedulerConfig:
     prefill_chunk: prompt tokens per encoder chunk (fixed per request, so results are batch-invariant).
     max_prefill_tokens: prompt tokens encoded per engine iteration over all requests (>= one chunk is always run).
     """
+
     max_num_seqs: int = 256
     max_queue_len: int | None = None
     prefill_chunk: int = 512
@@ -66,11 +68,12 @@ class SchedulerConfig:
 @dataclass
 class Sequence:
     """The scheduler's view of one request."""
+
     request_id: str
     prompt_len: int
     arrival: float
-    deadline: float | None = None      # clock() value after which a waiting request is dropped
-    prefilled: int = 0                 # prompt tokens planned for encoding so far
+    deadline: float | None = None  # clock() value after which a waiting request is dropped
+    prefilled: int = 0  # prompt tokens planned for encoding so far
     admitted_at: float | None = None
 
     @property
@@ -81,10 +84,11 @@ class Sequence:
 @dataclass
 class ScheduleOutput:
     """The plan of one engine iteration."""
-    admitted: list[str] = field(default_factory=list)        # moved from waiting to running now
-    expired: list[str] = field(default_factory=list)         # dropped from the queue: deadline passed
-    prefill: list[tuple[str, int, int]] = field(default_factory=list)   # (id, start, end) prompt slices to encode
-    decode: list[str] = field(default_factory=list)          # one denoising step each, in admission order
+
+    admitted: list[str] = field(default_factory=list)  # moved from waiting to running now
+    expired: list[str] = field(default_factory=list)  # dropped from the queue: deadline passed
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, end) prompt slices to encode
+    decode: list[str] = field(default_factory=list)  # one denoising step each, in admission order
 
     @property
     def empty(self) -> bool:
@@ -100,7 +104,7 @@ class Scheduler:
         self._waiting: OrderedDict[str, Sequence] = OrderedDict()
         self._running: OrderedDict[str, Sequence] = OrderedDict()
         self._lock = threading.Lock()
-        self._service_ema: float | None = None     # seconds from admission to finish, smoothed
+        self._service_ema: float | None = None  # seconds from admission to finish, smoothed
 
     # ------------------------------------------------------------------ state
 
@@ -140,7 +144,8 @@ class Scheduler:
                 raise QueueFullError(
                     f"server at capacity: {self.num_running} running (max_num_seqs {self.config.max_num_seqs}), "
                     f"{self.num_waiting} waiting (max_queue_len {self.config.max_queue_len})",
-                    self._retry_after_locked())
+                    self._retry_after_locked(),
+                )
             seq = Sequence(request_id, prompt_len, self.clock(), deadline)
             self._waiting[request_id] = seq
             return seq

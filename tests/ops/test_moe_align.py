@@ -1,4 +1,5 @@
 """moe_align: native op bit-identical to reference.moe_align (integer only, stable order within an expert)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,13 @@ def _ids(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tenso
     raise ValueError(kind)
 
 
-CASES = [(T, E, K, kind) for T in (1, 7, 256) for (E, K) in ((5, 1), (13, 8), (128, 8), (3, 3))
-         for kind in ("uniform", "one_group", "half_unused") if K <= (E + 1) // 2 or kind != "half_unused"]
+CASES = [
+    (T, E, K, kind)
+    for T in (1, 7, 256)
+    for (E, K) in ((5, 1), (13, 8), (128, 8), (3, 3))
+    for kind in ("uniform", "one_group", "half_unused")
+    if K <= (E + 1) // 2 or kind != "half_unused"
+]
 
 
 def _check_properties(out: reference.MoeAlignOut, ids: torch.Tensor, E: int, bs: int) -> None:
@@ -32,14 +38,14 @@ def _check_properties(out: reference.MoeAlignOut, ids: torch.Tensor, E: int, bs:
     assert torch.all(offsets[1:] - offsets[:-1] >= counts)
     seen = torch.zeros(P, dtype=torch.long)
     for e in range(E):
-        seg = pairs[offsets[e]:offsets[e + 1]]
-        real = seg[:counts[e]]
+        seg = pairs[offsets[e] : offsets[e + 1]]
+        real = seg[: counts[e]]
         assert torch.all(flat[real] == e) and torch.all(real[1:] > real[:-1])  # stable
-        assert torch.all(seg[counts[e]:] == P)                                # padding = sentinel
+        assert torch.all(seg[counts[e] :] == P)  # padding = sentinel
         seen[real] += 1
-        assert torch.all(blocks[offsets[e] // bs:offsets[e + 1] // bs] == e)
-    assert torch.all(seen == 1) and torch.all(pairs[offsets[E]:] == P)
-    assert torch.all(blocks[offsets[E] // bs:] == -1)
+        assert torch.all(blocks[offsets[e] // bs : offsets[e + 1] // bs] == e)
+    assert torch.all(seen == 1) and torch.all(pairs[offsets[E] :] == P)
+    assert torch.all(blocks[offsets[E] // bs :] == -1)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 8, 16])
@@ -81,8 +87,12 @@ def test_deterministic(C):
 def test_validation(C):
     ids = torch.tensor([[0, 5]])
     cap = 2 + 4 * 3
-    bufs = [torch.empty(4, dtype=torch.int32), torch.empty(5, dtype=torch.int32),
-            torch.empty(cap, dtype=torch.int32), torch.empty(cap // 4, dtype=torch.int32)]
+    bufs = [
+        torch.empty(4, dtype=torch.int32),
+        torch.empty(5, dtype=torch.int32),
+        torch.empty(cap, dtype=torch.int32),
+        torch.empty(cap // 4, dtype=torch.int32),
+    ]
     with pytest.raises(ValueError, match=r"ids\[1\] = 5"):
         C.moe_align(ids, 4, 4, *bufs)
     with pytest.raises(ValueError, match="`sorted_pairs`"):
@@ -93,9 +103,17 @@ def test_validation(C):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("block_size", [1, 8, 16])
-@pytest.mark.parametrize("case", [(1, 5, 1, "uniform"), (7, 13, 8, "one_group"), (256, 128, 8, "uniform"),
-                                  (4096, 128, 8, "half_unused"), (3000, 256, 8, "uniform")],
-                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "case",
+    [
+        (1, 5, 1, "uniform"),
+        (7, 13, 8, "one_group"),
+        (256, 128, 8, "uniform"),
+        (4096, 128, 8, "half_unused"),
+        (3000, 256, 8, "uniform"),
+    ],
+    ids=lambda c: "-".join(map(str, c)),
+)
 def test_cuda_bit_identical(C, case, block_size):
     if not (torch.cuda.is_available() and ops._cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")

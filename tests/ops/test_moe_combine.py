@@ -1,4 +1,5 @@
 """moe_combine: native op bit-identical to reference.moe_combine (fp32 products and sums in slot order)."""
+
 from __future__ import annotations
 
 import pytest

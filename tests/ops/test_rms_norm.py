@@ -1,4 +1,5 @@
 """rms_norm: the native CPU op is bit-identical to reference.rms_norm (torch's sum order reproduced)."""
+
 from __future__ import annotations
 
 import pytest

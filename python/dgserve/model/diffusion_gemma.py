@@ -6,6 +6,7 @@ Public contract (DESIGN.md, Contracts):
     cache = model.prefill(input_ids[B, T], cache=None)        # appends to `cache` when given
     logits[B, C, V] = model.denoise(cache, canvas_ids[B, C], self_cond_logits=None, self_cond_probs=None)
 """
+
 from __future__ import annotations
 
 import os
@@ -19,23 +20,37 @@ from dgserve.config import ModelConfig
 
 from .batched import decode_batched
 from .cache import KVCache, RowCache
-from .layers import (LayerWeights, attend, attention_output, feed_forward, project_kv, project_q,
-                     rope_cos_sin, rope_inv_freq)
+from .layers import (
+    LayerWeights,
+    attend,
+    attention_output,
+    feed_forward,
+    project_kv,
+    project_q,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class DiffusionGemma:
     """The model over explicit weight tensors (no nn.Module: inference only, weights never trained here)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", batch_rows: bool | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        batch_rows: bool | None = None,
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
         # GEMM row results may depend on the row count and batch invariance must be bitwise (Decision 3)
         self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
-        self.embed = weights["embed_tokens.weight"]                        # [V, H]
-        self.lm_head = weights.get("lm_head.weight", self.embed)            # tied unless stored and different
+        self.embed = weights["embed_tokens.weight"]  # [V, H]
+        self.lm_head = weights.get("lm_head.weight", self.embed)  # tied unless stored and different
         self.final_norm = weights["norm.weight"]
         self.sc_pre_norm = weights["self_conditioning.pre_norm.weight"]
         self.sc_gate = weights["self_conditioning.gate_proj.weight"]
@@ -43,13 +58,14 @@ class DiffusionGemma:
         self.sc_down = weights["self_conditioning.down_proj.weight"]
         self.layers = [LayerWeights.from_state(weights, i) for i in range(config.num_hidden_layers)]
         # rnd(√H): the scale is rounded to md BEFORE the multiply (spec §3.1)
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(dtype).to(self.device)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).to(self.device)
         # inv_freq built in fp32 on the CPU, then uploaded (spec §5.14)
         self.inv_freq = [rope_inv_freq(config, i).to(self.device) for i in range(config.num_hidden_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "DiffusionGemma":
+    def from_pretrained(
+        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "DiffusionGemma":
         """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors)."""
         config = ModelConfig.from_pretrained(path)
         return cls(config, load_weights(path, config, dtype=dtype, device=device), dtype, device)
@@ -71,8 +87,13 @@ class DiffusionGemma:
         return cache
 
     @torch.inference_mode()
-    def denoise(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits: torch.Tensor | None = None,
-                self_cond_probs: torch.Tensor | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        cache: KVCache,
+        canvas_ids: torch.Tensor,
+        self_cond_logits: torch.Tensor | None = None,
+        self_cond_probs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
@@ -138,8 +159,9 @@ class DiffusionGemma:
         else:
             row.keys[i], row.values[i] = keys, values
 
-    def decode_row(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
-                   sc_probs: torch.Tensor | None) -> torch.Tensor:
+    def decode_row(
+        self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+    ) -> torch.Tensor:
         """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
         cfg, eps = self.config, self.config.rms_norm_eps
         C, P = canvas.shape[0], row.length

@@ -25,6 +25,7 @@ Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h`
 ``native_disabled()`` forces the reference path (tests); ``native_enabled()`` says whether native
 dispatch is on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,10 +45,25 @@ except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
 __all__ = [
-    "DiffusionStepOut", "canvas_noise", "diffusion_step", "entropy_bound_accept", "gated_mlp",
-    "gumbel_noise", "has_native", "MoeAlignOut", "moe_align", "moe_combine", "moe_experts", "moe_route",
-    "native_disabled", "native_enabled", "nvfp4_decode", "nvfp4_moe_experts", "nvfp4_repack",
-    "rms_norm", "step_temperature",
+    "DiffusionStepOut",
+    "canvas_noise",
+    "diffusion_step",
+    "entropy_bound_accept",
+    "gated_mlp",
+    "gumbel_noise",
+    "has_native",
+    "MoeAlignOut",
+    "moe_align",
+    "moe_combine",
+    "moe_experts",
+    "moe_route",
+    "native_disabled",
+    "native_enabled",
+    "nvfp4_decode",
+    "nvfp4_moe_experts",
+    "nvfp4_repack",
+    "rms_norm",
+    "step_temperature",
 ]
 
 _lock = threading.Lock()
@@ -121,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         lanes = _sum_lanes()
         if lanes is not None:
             D = x.shape[-1]
-            x2 = x.reshape(-1, D)                                     # [rows, D]
+            x2 = x.reshape(-1, D)  # [rows, D]
             out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
             w = None if weight is None else weight.to(torch.float32).contiguous()  # exact, as weight.float()
             _C.rms_norm(x2, w, float(eps), out, lanes)
@@ -134,8 +150,11 @@ def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
         return False
     if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0 or x.stride(-1) != 1 or _wants_grad(x, weight):
         return False  # a strided last dim changes torch's sum order; autograd needs the reference
-    if weight is not None and (weight.device != x.device or weight.shape != (x.shape[-1],)
-                               or weight.dtype not in (torch.float32, torch.bfloat16)):
+    if weight is not None and (
+        weight.device != x.device
+        or weight.shape != (x.shape[-1],)
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return False
     one_row = x.numel() == x.shape[-1]
     return not (one_row and x.numel() >= _TORCH_TWO_PASS_NUMEL and torch.get_num_threads() > 1)
@@ -212,9 +231,21 @@ def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> 
         mean_entropy=torch.empty(B, dtype=torch.float32, device=dev),
         processed=torch.empty(B, C, V, dtype=torch.float32, device=dev),
     )
-    _C.diffusion_step(logits, temperature.to(torch.float32).contiguous(), seeds.contiguous(), blocks.contiguous(),
-                      steps.contiguous(), entropy_bound.to(torch.float32).contiguous(), out.canvas, out.argmax,
-                      out.entropy, out.accepted, out.mean_entropy, out.processed, _sum_lanes() or 8)
+    _C.diffusion_step(
+        logits,
+        temperature.to(torch.float32).contiguous(),
+        seeds.contiguous(),
+        blocks.contiguous(),
+        steps.contiguous(),
+        entropy_bound.to(torch.float32).contiguous(),
+        out.canvas,
+        out.argmax,
+        out.entropy,
+        out.accepted,
+        out.mean_entropy,
+        out.processed,
+        _sum_lanes() or 8,
+    )
     return out
 
 
@@ -229,7 +260,8 @@ def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy
     if _noise_inputs(seeds, blocks, steps) is None or seeds.shape != (B,) or seeds.device != logits.device:
         return False
     for t in (temperature, entropy_bound):
-        if not (isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device
-                and t.is_floating_point()):
+        if not (
+            isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device and t.is_floating_point()
+        ):
             return False
     return True
