@@ -142,7 +142,7 @@ class HttpSidecar:
         self.metrics = metrics
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - the http.server API
+            def do_GET(self):
                 route = routes.get(self.path.split("?")[0])
                 status, ctype, body = route() if route else (404, "text/plain", b"not found\n")
                 self.send_response(status)

@@ -160,7 +160,7 @@ class Server:
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
-        except Exception as e:  # noqa: BLE001 - report, stay alive but never ready
+        except Exception as e:
             log.exception("model load failed")
             self.state.loading_error = f"model failed to load: {type(e).__name__}: {e}"
             self.live = False

@@ -9,7 +9,6 @@ import pathlib
 
 import pytest
 import torch
-
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model, tiny_config  # noqa: F401 (re-exported)
 
 _CACHE: dict[str, pathlib.Path] = {}

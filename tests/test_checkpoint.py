@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model
+
 from dgserve.checkpoint import CheckpointError, expected_shapes, hf_names, load_weights, save_weights
 from dgserve.config import ModelConfig
 

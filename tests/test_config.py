@@ -8,8 +8,8 @@ import dataclasses
 import json
 
 import pytest
-
 from tiny_models import TINY_VARIANTS, tiny_config
+
 from dgserve.config import FULL, SLIDING, ConfigError, GenerationDefaults, ModelConfig
 
 

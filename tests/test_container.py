@@ -5,7 +5,6 @@ manifests in deploy/kubernetes/ and docs/deployment.md."""
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import pathlib

@@ -48,7 +48,8 @@ SYSTEM_CHAT = [
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> pathlib.Path:
     """A trained byte-level BPE tokenizer (~400 ids; specials get ids 0..7 in SPECIALS order)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

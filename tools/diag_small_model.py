@@ -3,7 +3,12 @@ Reads the latest tools/train_small_model.py checkpoint in DIR (64 held-out windo
     python tools/diag_small_model.py /work/train/ckpt
 """
 
-import sys, glob, torch, numpy as np, torch.nn.functional as F
+import glob
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import train_small_model as T

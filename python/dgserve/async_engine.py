@@ -96,7 +96,7 @@ class RequestStream:
 
     def __init__(
         self,
-        engine: "AsyncEngine",
+        engine: AsyncEngine,
         request_id: str,
         prompt_tokens: int,
         params: SamplingParams,
@@ -323,7 +323,7 @@ class AsyncEngine:
                 continue
             try:
                 batch = self._step()
-            except Exception as e:  # noqa: BLE001 - any engine failure ends every stream
+            except Exception as e:
                 log.exception("engine step failed")
                 self.fault = e
                 self._loop.call_soon_threadsafe(self._fail_all, e)

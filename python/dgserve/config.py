@@ -404,7 +404,7 @@ class ModelConfig:
 
     # -- JSON ---------------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         """Build from a top-level config.json dict (model_type diffusion_gemma, with text_config), or from a bare
         text_config dict that may also carry `canvas_length`. Absent keys take transformers 5.23's defaults;
         vision, bookkeeping and Gemma-4-only keys are ignored. Raises ConfigError naming the field."""
@@ -459,7 +459,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file). Missing or unparsable file -> ConfigError
         naming the file."""
         path = pathlib.Path(path)
@@ -567,7 +567,7 @@ class GenerationDefaults:
             raise ConfigError(f"{_G}.pad_token_id: expected a non-negative integer or null, got {self.pad_token_id!r}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GenerationDefaults":
+    def from_dict(cls, d: dict) -> GenerationDefaults:
         """Parse a generation_config.json dict. `sampler_config` is {"_cls_name": "EntropyBoundSamplerConfig",
         "entropy_bound": β}; any other sampler -> ConfigError. Unknown keys (max_length, cache settings, ...) are
         ignored."""
@@ -605,7 +605,7 @@ class GenerationDefaults:
         return cls(**kw)
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> "GenerationDefaults":
+    def from_pretrained(cls, path: str | pathlib.Path) -> GenerationDefaults:
         """Read `path/generation_config.json` if it exists (else the defaults); unparsable -> ConfigError naming it."""
         file = pathlib.Path(path) / "generation_config.json"
         if not file.is_file():

@@ -29,7 +29,7 @@ from dgserve.model import DiffusionGemma, KVCache, RowCache
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
+from dgserve.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 
 MAX_REQUEST_ID_LENGTH = 256
 
@@ -117,7 +117,7 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
-    ) -> "Engine":
+    ) -> Engine:
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
         to ``Engine.__init__`` (scheduler_config, max_model_len)."""
         from dgserve.tokenizer import Tokenizer

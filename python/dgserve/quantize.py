@@ -70,7 +70,7 @@ class _ShardWriter:
             file = f"model-{len(self.files) + 1:05d}.safetensors"
             save_file(self.pending, str(self.out / file), metadata={"format": "pt"})
             self.files.append(file)
-            self.weight_map.update({n: file for n in self.pending})
+            self.weight_map.update(dict.fromkeys(self.pending, file))
             self.pending, self.size = {}, 0
 
     def finish(self) -> None:

@@ -41,7 +41,7 @@ class BlockState:
     @classmethod
     def start(
         cls, seed: int, block: int, params: SamplingParams, canvas_length: int, vocab_size: int, device: torch.device
-    ) -> "BlockState":
+    ) -> BlockState:
         """A fresh block: contract noise canvas (step label 0), no self-conditioning."""
         canvas = ops.canvas_noise(
             torch.tensor([to_signed64(seed)], device=device),

@@ -8,7 +8,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 T = torch.tensor
 
 

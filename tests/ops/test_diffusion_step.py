@@ -23,7 +23,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 ENTROPY_ATOL_VS_REFERENCE = 3e-5  # the reference's own fp32 error (measured up to 2.7e-5 at |y| ~ 1000)
 
 

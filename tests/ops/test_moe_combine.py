@@ -8,7 +8,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 SHAPES = [(1, 1, 1), (1, 8, 64), (7, 2, 17), (33, 8, 96), (256, 3, 5), (5, 1, 2816)]
 
 

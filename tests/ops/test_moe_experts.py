@@ -9,7 +9,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 # (tokens, hidden, inter, experts, top_k, routing)
 CASES = [
     (1, 64, 32, 4, 2, "uniform"),

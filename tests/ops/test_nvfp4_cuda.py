@@ -12,10 +12,10 @@ does not hold at small I).
 
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 
 pytestmark = pytest.mark.cuda

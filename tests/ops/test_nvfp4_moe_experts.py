@@ -19,10 +19,10 @@ relative L2 over the whole output), each with its reason:
 
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 from dgserve.ops import reference
 

@@ -8,10 +8,10 @@ versions are in test_nvfp4_cuda.py).
 
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 
 

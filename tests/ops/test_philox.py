@@ -10,7 +10,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 # spec §7.2: (counter c0..c3, key k0 k1, output)
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),

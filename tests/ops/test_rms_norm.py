@@ -8,7 +8,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 DIMS = [1, 2, 7, 8, 15, 16, 17, 33, 64, 111, 256, 989, 2816, 4097]
 
 

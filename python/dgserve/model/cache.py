@@ -37,5 +37,5 @@ class KVCache:
     def lengths(self) -> list[int]:
         return [r.length for r in self.rows]
 
-    def select(self, indices: list[int]) -> "KVCache":
+    def select(self, indices: list[int]) -> KVCache:
         return KVCache([self.rows[i] for i in indices])

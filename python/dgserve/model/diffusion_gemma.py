@@ -65,7 +65,7 @@ class DiffusionGemma:
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> "DiffusionGemma":
+    ) -> DiffusionGemma:
         """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors)."""
         config = ModelConfig.from_pretrained(path)
         return cls(config, load_weights(path, config, dtype=dtype, device=device), dtype, device)

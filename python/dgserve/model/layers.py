@@ -45,7 +45,7 @@ class LayerWeights:
     encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: spec §2.2)
 
     @classmethod
-    def from_state(cls, w: dict[str, torch.Tensor], i: int) -> "LayerWeights":
+    def from_state(cls, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"layers.{i}."
         g = lambda name: w[p + name]  # noqa: E731
         return cls(

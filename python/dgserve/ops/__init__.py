@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from . import reference
-from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
 from .moe import MoeAlignOut, moe_align, moe_combine, moe_experts, moe_route  # MoE dispatch (see moe.py)
 from .nvfp4_experts import nvfp4_decode, nvfp4_moe_experts, nvfp4_repack  # W4A16 experts (see nvfp4_experts.py)
+from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
 
 try:  # the extension is optional: `python build.py` builds it; the package works without it
     from dgserve import _C  # type: ignore[attr-defined]
@@ -46,13 +46,13 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "DiffusionStepOut",
+    "MoeAlignOut",
     "canvas_noise",
     "diffusion_step",
     "entropy_bound_accept",
     "gated_mlp",
     "gumbel_noise",
     "has_native",
-    "MoeAlignOut",
     "moe_align",
     "moe_combine",
     "moe_experts",
