@@ -240,7 +240,7 @@ def check_cuda(args: argparse.Namespace) -> None:
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs or os.cpu_count() or 2) as pool:
             results = list(pool.map(compile_one, cus))
     failed = [(cu, r) for cu, r in results if r.returncode != 0]
-    for cu, r in failed:
+    for _, r in failed:
         print(r.stdout + r.stderr, file=sys.stderr)
     if failed:
         raise BuildError(f"--check-cuda: nvcc failed on {', '.join(cu.name for cu, _ in failed)}")

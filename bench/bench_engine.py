@@ -16,6 +16,7 @@ the memory-bandwidth roofline (every weight byte read once per denoising step at
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -118,7 +119,7 @@ def _baseline(args, config, dtype, device, prompt):
     )
     x = torch.tensor([prompt], device=device)
     with torch.no_grad():
-        secs, out = _time(lambda: hf.generate(x, **kw), device, args.repeats)
+        secs, out = _time(functools.partial(hf.generate, x, **kw), device, args.repeats)
     n = out.sequences.shape[1] - len(prompt)
     del hf, out
     gc.collect()

@@ -1,8 +1,8 @@
 """Op-level benchmarks of dgserve.ops, one JSON line per configuration.
 
-    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu] [--dtype bfloat16|float32]
-                                  [--canvases 1,4,16] [--hbm-gbps 3350] [--repeats 20] [--warmup 3]
-                                  [--no-reference]
+    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu]
+                                  [--dtype bfloat16|float32] [--canvases 1,4,16] [--hbm-gbps 3350]
+                                  [--repeats 20] [--warmup 3] [--no-reference]
 
 Each subcommand is a pair of functions (``add_<name>_args``, ``bench_<name>``) registered in ``SUBCOMMANDS``;
 shared helpers (timing, device names, JSON rows) live at the top. Timing: warm-up calls, then ``--repeats``
@@ -33,6 +33,7 @@ Philox temporaries take several GB per canvas).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -157,7 +158,7 @@ def bench_moe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
         active = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
         weight_bytes = active * 3 * I * H * gate_up.element_size()
         out = ops.moe_experts(x, gate_up, down, w, ids)
-        ms = time_ms(lambda: ops.moe_experts(x, gate_up, down, w, ids), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.moe_experts, x, gate_up, down, w, ids), device, args.repeats, args.warmup)
         gbps = weight_bytes / (ms * 1e-3) / 1e9
         row = {
             "bench": "moe",
@@ -183,7 +184,10 @@ def bench_moe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
             with ops.native_disabled():
                 ref = reference.moe_experts(x, gate_up, down, w, ids)
                 ref_ms = time_ms(
-                    lambda: reference.moe_experts(x, gate_up, down, w, ids), device, max(1, args.repeats // 4), 1
+                    functools.partial(reference.moe_experts, x, gate_up, down, w, ids),
+                    device,
+                    max(1, args.repeats // 4),
+                    1,
                 )
             row.update(
                 reference_ms=round(ref_ms, 4),
@@ -261,8 +265,10 @@ def bench_nvfp4(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         active = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
         nbytes = active * bytes_per_expert
         out = ops.nvfp4_moe_experts(x, packed, w, ids)
-        ms = time_ms(lambda: ops.nvfp4_moe_experts(x, packed, w, ids), device, args.repeats, args.warmup)
-        bf16_ms = time_ms(lambda: ops.moe_experts(x, gate_up, down, w, ids), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.nvfp4_moe_experts, x, packed, w, ids), device, args.repeats, args.warmup)
+        bf16_ms = time_ms(
+            functools.partial(ops.moe_experts, x, gate_up, down, w, ids), device, args.repeats, args.warmup
+        )
         gemm_ms = nvfp4_gemm_ms(x, packed, w, ids, device, args)
         gbps = nbytes / (ms * 1e-3) / 1e9
         row = {
@@ -350,7 +356,7 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
             torch.full((B,), 0.1),
         ]
         inputs = [t.to(device) for t in inputs]
-        ms = time_ms(lambda: ops.diffusion_step(*inputs), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.diffusion_step, *inputs), device, args.repeats, args.warmup)
         nbytes = B * CANVAS * V * (inputs[0].element_size() + 4)
         row = {
             "bench": "diffusion_step",
@@ -366,7 +372,7 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
         }
         if not args.no_reference and (device.type == "cpu" or V <= 32768):
             with ops.native_disabled():
-                ref_ms = time_ms(lambda: ops.diffusion_step(*inputs), device, max(1, args.repeats // 4), 1)
+                ref_ms = time_ms(functools.partial(ops.diffusion_step, *inputs), device, max(1, args.repeats // 4), 1)
             row["reference_ms"] = round(ref_ms, 3)
             row["speedup_vs_reference"] = round(ref_ms / ms, 2)
         emit(row)

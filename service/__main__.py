@@ -120,9 +120,13 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         raw = raw if raw is not None else env.get(var)
         if raw is not None and raw != "":
             kw[field] = _convert(field, raw, parse)
-    for flag, var, field, value, _ in SWITCHES:
-        if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
-            kw[field] = value
+    kw.update(
+        {
+            field: value
+            for flag, var, field, value, _ in SWITCHES
+            if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE
+        }
+    )
     return ServiceConfig(**kw), args.dry_run
 
 

@@ -107,7 +107,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             try:
                 _check_decoded(request)
                 return await behavior(request, context)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 await self._fail(e, context, outcome)
             finally:
                 self._exit(method, context, outcome[0], t0)
@@ -121,7 +121,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 _check_decoded(request)
                 async for item in behavior(request, context):
                     yield item
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 await self._fail(e, context, outcome)
             finally:
                 self._exit(method, context, outcome[0], t0)

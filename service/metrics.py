@@ -142,7 +142,7 @@ class HttpSidecar:
         self.metrics = metrics
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
+            def do_GET(self):  # the http.server API's name
                 route = routes.get(self.path.split("?")[0])
                 status, ctype, body = route() if route else (404, "text/plain", b"not found\n")
                 self.send_response(status)

@@ -160,7 +160,7 @@ class Server:
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
-        except Exception as e:
+        except Exception as e:  # report, stay alive but never ready
             log.exception("model load failed")
             self.state.loading_error = f"model failed to load: {type(e).__name__}: {e}"
             self.live = False

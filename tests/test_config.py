@@ -289,21 +289,21 @@ def test_rejections_name_the_field(base_dict, path, value, field):
 
 
 def test_from_pretrained_file_errors_name_the_file(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
 
 
 def test_direct_construction_is_validated(base_dict):
     cfg = ModelConfig.from_dict(base_dict)
-    with pytest.raises(ConfigError, match="text_config.top_k_experts"):
+    with pytest.raises(ConfigError, match=r"text_config\.top_k_experts"):
         dataclasses.replace(cfg, top_k_experts=9)
-    with pytest.raises(ConfigError, match="text_config.layer_types"):
+    with pytest.raises(ConfigError, match=r"text_config\.layer_types"):
         dataclasses.replace(cfg, layer_types=(SLIDING, FULL, SLIDING))
 
 
@@ -383,8 +383,8 @@ def test_generation_defaults_rejections_name_the_field(d, field):
 
 def test_generation_defaults_bad_json_names_file(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
-    with pytest.raises(ConfigError, match="generation_config.json"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
         GenerationDefaults.from_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"t_min": "hot"}))
-    with pytest.raises(ConfigError, match="generation_config.json"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
         GenerationDefaults.from_pretrained(tmp_path)

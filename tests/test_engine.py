@@ -43,7 +43,7 @@ def test_batch_equals_alone(engine):
         _params(seed=4, ignore_eos=True),
     ]
     together = engine.generate_batch(prompts, params)
-    for prompt, p, res in zip(prompts, params, together):
+    for prompt, p, res in zip(prompts, params, together, strict=True):
         alone = engine.generate(prompt, p)
         assert res.token_ids == alone.token_ids and res.finish_reason == alone.finish_reason
         assert [b.stats.denoising_steps for b in res.blocks] == [b.stats.denoising_steps for b in alone.blocks]

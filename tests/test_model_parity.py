@@ -55,7 +55,7 @@ def test_fp32_logits_match_transformers(tiny_checkpoint, hf_model_loader, varian
     sc = torch.randn(2, C, V, generator=g)
     ref, ours = _hf_logits(hf, prompt, canvas, sc, prompt_len, C), _ours(model, prompt, canvas, sc)
     assert ours[3] == ref[3], "cache lengths per layer (sliding layers keep W-1)"
-    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3]):
+    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3], strict=True):
         assert a.dtype == torch.float32 and a.shape == b.shape
         err = (a - b).abs().max().item()
         assert err <= FP32_TOL, f"{variant} {name}: max |Δlogit| = {err:.3g}"
@@ -72,7 +72,7 @@ def test_bf16_logits_match_transformers_eager(tiny_checkpoint, hf_model_loader, 
     canvas = torch.randint(0, V, (1, C), generator=g)
     sc = torch.randn(1, C, V, generator=g).to(torch.bfloat16)
     ref, ours = _hf_logits(hf, prompt, canvas, sc, 11, C), _ours(model, prompt, canvas, sc)
-    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3]):
+    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3], strict=True):
         ulp = 2 * torch.finfo(torch.bfloat16).eps * b.abs().clamp(min=1.0)
         assert ((a - b).abs() <= ulp).all(), f"{variant} {name}: max |Δ| = {(a - b).abs().max().item():.3g}"
 

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import DiffusionGemmaForBlockDiffusion
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import train_small_model as T
@@ -24,7 +25,6 @@ class A:
 
 a = A()
 [setattr(a, k, v) for k, v in st["args"].items()]
-from transformers import DiffusionGemmaForBlockDiffusion
 
 m = DiffusionGemmaForBlockDiffusion(T.make_config(a, 2048))
 m.load_state_dict(st["model"])
@@ -40,11 +40,12 @@ with torch.no_grad():
         noise = torch.randint(0, 2048, tgt.shape, generator=g)
         cor = u < t
         noisy = torch.where(cor, noise, tgt)
-        l = F.cross_entropy(
+        loss = F.cross_entropy(
             T.canvas_logits(m, pre, noisy, None).reshape(-1, 2048), tgt.reshape(-1), reduction="none"
         ).view(tgt.shape)
+        clean = loss[~cor].mean() if (~cor).any() else float("nan")
         print(
             ck.split("/")[-1],
-            f"t={t} corrupted {l[cor].mean():.3f} clean {l[~cor].mean() if (~cor).any() else float('nan'):.3f} per-pos(t=1) "
-            + (" ".join(f"{x:.2f}" for x in l.mean(0).tolist()) if t == 1.0 else ""),
+            f"t={t} corrupted {loss[cor].mean():.3f} clean {clean:.3f} per-pos(t=1) "
+            + (" ".join(f"{x:.2f}" for x in loss.mean(0).tolist()) if t == 1.0 else ""),
         )

@@ -23,6 +23,7 @@ Needs the corpus built by `tools/train_small_model.py` (`--work`, default /work/
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import re
@@ -50,7 +51,7 @@ def lexicon(texts: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
         for line in t.split("\n"):
             ws = words_of(line)
             vocab.update(ws)
-            pairs.update(zip(ws, ws[1:]))
+            pairs.update(itertools.pairwise(ws))
     return vocab, pairs
 
 
@@ -63,7 +64,7 @@ def text_quality(texts: list[str], vocab: set[str], pairs: set[tuple[str, str]])
         n_w += len(ws)
         n_known += sum(w in vocab for w in ws)
         n_p += max(0, len(ws) - 1)
-        n_pk += sum(p in pairs for p in zip(ws, ws[1:]))
+        n_pk += sum(p in pairs for p in itertools.pairwise(ws))
     return {"words": n_w, "known_words": n_known / max(1, n_w), "known_pairs": n_pk / max(1, n_p)}
 
 

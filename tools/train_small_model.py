@@ -49,7 +49,8 @@ PAD, EOS, BOS, SOT, EOT = range(5)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
     "<|turn>{{ role }}\n"
     "{% if message['content'] is string %}{{ message['content'] | trim }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
@@ -261,10 +262,7 @@ def sample_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.G
 
 def heldout_batches(held: np.ndarray, C: int, n: int = 96, prefix_lens=(16, 48, 96), seed: int = 1234):
     rng = np.random.default_rng(seed)
-    out = []
-    for P in prefix_lens:
-        out.append((P, sample_windows(held, n, P + C, rng)))
-    return out
+    return [(P, sample_windows(held, n, P + C, rng)) for P in prefix_lens]
 
 
 @torch.no_grad()

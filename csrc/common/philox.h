@@ -170,8 +170,8 @@ DG_HD float dg_logf(float a) {
 
 // Uniform in (0, 1) from one Philox word: u = ((r >> 9) + 0.5) * 2^-23, exact, 2^-24 <= u <= 1 - 2^-24.
 DG_HD float uniform_from_bits(uint32_t r) {
-  return ((float)(int32_t)(r >> 9) + 0.5f) * 0x1p-23f;
-}  // via int32: vectorises
+  return ((float)(int32_t)(r >> 9) + 0.5f) * 0x1p-23f;  // via int32: vectorises
+}
 
 // g = -log(-log(u)), float32, finite, in [-2.8115408, 16.635532]. Both logs see positive normal floats
 // (u >= 2^-24, -log(u) >= 5.96e-8), so dg_logf_reduced(x, 0) == dg_logf(x) there; calling it directly keeps

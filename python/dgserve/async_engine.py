@@ -323,7 +323,7 @@ class AsyncEngine:
                 continue
             try:
                 batch = self._step()
-            except Exception as e:
+            except Exception as e:  # any engine failure ends every stream
                 log.exception("engine step failed")
                 self.fault = e
                 self._loop.call_soon_threadsafe(self._fail_all, e)
@@ -336,9 +336,7 @@ class AsyncEngine:
         events = self.engine.step()
         batch: list = [("step", None, time.monotonic() - t0)]
         streams = self._streams
-        for rid in self.engine.last_schedule.admitted:
-            if rid in streams:
-                batch.append(("started", streams[rid], t0))
+        batch.extend(("started", streams[rid], t0) for rid in self.engine.last_schedule.admitted if rid in streams)
         for rid, block in events:
             stream = streams.get(rid)
             if stream is None:

@@ -230,7 +230,7 @@ def _head_geometry(text: dict, types: tuple[str, ...]) -> tuple[tuple[int, int],
         ]
     geometry = []
     for kind in (SLIDING, FULL):
-        found = {g for g, t in zip(per_layer, types) if t == kind}
+        found = {g for g, t in zip(per_layer, types, strict=True) if t == kind}
         if len(found) > 1:
             raise ConfigError(
                 f"{_T}.per_layer_config: {kind} layers have different (head_dim, num_key_value_heads) "

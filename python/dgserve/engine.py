@@ -156,7 +156,7 @@ class Engine:
             raise ValueError(f"params_list has {len(params_list)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
+            for p, sp in zip(prompts, params_list, strict=True):
                 ids.append(self.add_request(p, sp))
         except Exception:
             for rid in ids:

@@ -44,7 +44,7 @@ def quantized(E: int, N: int, K: int, seed: int, magnitude: float = 1.0, spread:
     for e in range(E):
         w = torch.randn(N, K, generator=g) * magnitude * (1 + e) / E
         w = w * torch.exp2(torch.randint(-spread, spread + 1, (N, 1), generator=g).float())
-        for lst, t in zip(out, nvfp4.quantize(w.to(device))):
+        for lst, t in zip(out, nvfp4.quantize(w.to(device)), strict=True):
             lst.append(t.cpu())
     return tuple(torch.stack(t) for t in out)
 

@@ -165,14 +165,14 @@ def test_deterministic_and_thread_invariant(C):
     first = ops.diffusion_step(*case)
     for _ in range(10):
         again = ops.diffusion_step(*case)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         single = ops.diffusion_step(*case)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(first, single))
+    assert all(torch.equal(a, b) for a, b in zip(first, single, strict=True))
 
 
 def test_cpu_code_paths_identical(C, cpu_levels):
@@ -182,7 +182,7 @@ def test_cpu_code_paths_identical(C, cpu_levels):
         C._set_cpu_level(level)
         outs.append(ops.diffusion_step(*case))
     for other in outs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
 
 
 def test_native_disabled_is_the_reference(C):
@@ -190,14 +190,14 @@ def test_native_disabled_is_the_reference(C):
     with ops.native_disabled():
         got = ops.diffusion_step(*case)
     want = reference.diffusion_step(*case)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_unsupported_inputs_fall_back(C):
     case = list(make_case(1, 3, 11, seed=2))
     case[0] = case[0].half()
     out = ops.diffusion_step(*case)
-    assert all(torch.equal(a, b) for a, b in zip(out, reference.diffusion_step(*case)))
+    assert all(torch.equal(a, b) for a, b in zip(out, reference.diffusion_step(*case), strict=True))
 
 
 def test_validation_messages_name_the_argument(C):

@@ -42,7 +42,7 @@ def test_cuda_determinism_loop():
     first = ops.diffusion_step(*args)
     for _ in range(10):
         again = ops.diffusion_step(*args)
-        for a, b in zip(first, again):
+        for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b)
 
 
@@ -60,5 +60,5 @@ def test_cuda_graph_capture_replays_the_step():
         captured = ops.diffusion_step(*args)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(eager, captured):
+    for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)

@@ -55,7 +55,7 @@ def test_bit_identical_to_reference(C, case, block_size):
     ids = _ids(kind, T, E, K, torch.Generator().manual_seed(T + E + K))
     got = ops.moe_align(ids, E, block_size)
     want = reference.moe_align(ids, E, block_size)
-    for name, g, w in zip(reference.MoeAlignOut._fields, got, want):
+    for name, g, w in zip(reference.MoeAlignOut._fields, got, want, strict=True):
         assert g.dtype == torch.int32 and torch.equal(g, w), name
     _check_properties(got, ids, E, block_size)
 
@@ -73,7 +73,7 @@ def test_no_pairs(C):
     ids = torch.empty(0, 8, dtype=torch.int64)
     out = ops.moe_align(ids, 6, 4)
     want = reference.moe_align(ids, 6, 4)
-    assert all(torch.equal(g, w) for g, w in zip(out, want))
+    assert all(torch.equal(g, w) for g, w in zip(out, want, strict=True))
     assert out.offsets.tolist() == [0] * 7 and torch.all(out.block_expert == -1)
 
 
@@ -81,7 +81,7 @@ def test_deterministic(C):
     ids = _ids("uniform", 4096, 128, 8, torch.Generator().manual_seed(0))
     first = ops.moe_align(ids, 128, 16)
     for _ in range(10):
-        assert all(torch.equal(a, b) for a, b in zip(ops.moe_align(ids, 128, 16), first))
+        assert all(torch.equal(a, b) for a, b in zip(ops.moe_align(ids, 128, 16), first, strict=True))
 
 
 def test_validation(C):
@@ -122,5 +122,5 @@ def test_cuda_bit_identical(C, case, block_size):
     want = reference.moe_align(ids, E, block_size)
     for _ in range(10):  # determinism loop
         got = ops.moe_align(ids.cuda(), E, block_size)
-        for name, g, w in zip(reference.MoeAlignOut._fields, got, want):
+        for name, g, w in zip(reference.MoeAlignOut._fields, got, want, strict=True):
             assert torch.equal(g.cpu(), w), name

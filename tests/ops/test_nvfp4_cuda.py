@@ -45,7 +45,7 @@ def test_device_repack_equals_cpu(E, N, K):
     for interleave in (False, True):
         cpu = ops.nvfp4_repack(weight, scale, interleave)
         gpu = ops.nvfp4_repack(weight.cuda(), scale.cuda(), interleave)
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu, strict=True))
 
 
 _PACKED: dict = {}
@@ -91,7 +91,7 @@ def test_cuda_gemms_match_cpu_reference(case):
     torch.cuda.synchronize()
     assert not y.isnan().any()
     cpu_align = ops.moe_align(ids, E, 8)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(align, cpu_align))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(align, cpu_align, strict=True))
     want = nvfp4.expert_outputs(x, cpu, weights, cpu_align.offsets, cpu_align.sorted_pairs)
     assert cases.rel_l2(y.cpu(), want) <= 1e-3
     valid = (cpu_align.sorted_pairs >= 0) & (cpu_align.sorted_pairs < T * K)

@@ -118,7 +118,7 @@ def test_extreme_scales_and_large_activations(C):
     w[0] *= 1e5  # sets amax: its blocks get 448
     w[1:4] *= 1e-3  # clamp to 2^-9 (codes mostly 0)
     q = nvfp4.quantize(w)
-    gate = tuple(torch.stack([a, b]) for a, b in zip(q, (gate[0][1], gate[1][1], gate[2][1])))
+    gate = tuple(torch.stack([a, b]) for a, b in zip(q, (gate[0][1], gate[1][1], gate[2][1]), strict=True))
     raw = gate[1].view(torch.uint8)
     assert int(raw.max()) == 0x7E and int(raw.min()) == 0x01 and bool((raw < 8).any())  # 448, 2^-9, subnormals
     packed = nvfp4.pack_experts(gate, up, down)

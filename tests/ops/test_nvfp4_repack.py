@@ -128,4 +128,4 @@ def test_reference_without_extension_is_identical(C):
     native = ops.nvfp4_repack(weight, scale, True)
     with ops.native_disabled():
         ref = ops.nvfp4_repack(weight, scale, True)
-    assert all(torch.equal(a, b) for a, b in zip(native, ref))
+    assert all(torch.equal(a, b) for a, b in zip(native, ref, strict=True))

@@ -81,9 +81,10 @@ def test_concurrent_streams_equal_alone(stub, local_engine):
     ]
     with cf.ThreadPoolExecutor(7) as pool:
         results = list(pool.map(lambda r: collect(stub, r), reqs))
-    for req, (_, blocks, fin) in zip(reqs, results):
+    for req, (_, blocks, fin) in zip(reqs, results, strict=True):
         ref = local(local_engine, req.prompt, req.params)
         assert [t for b in blocks for t in b.token_ids] == ref.token_ids
+        assert pb.FinishReason.Name(fin.finish_reason) == f"FINISH_REASON_{ref.finish_reason.upper()}"
 
 
 def test_stop_string_across_block_boundary(stub, local_engine):
