@@ -97,7 +97,7 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.config
-        interceptors = [CallInterceptor(self.metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [CallInterceptor(self.metrics)]
         if cfg.auth_token_file:
             interceptors.insert(0, BearerAuthInterceptor(load_tokens(cfg.auth_token_file)))
         self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
@@ -107,7 +107,7 @@ class Server:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
             )
-        self.port = self._bind(f"{cfg.host}:{cfg.port}")
+        self.port = self._bind(self._grpc, f"{cfg.host}:{cfg.port}")
         await self._grpc.start()
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
@@ -130,16 +130,16 @@ class Server:
         )
         self._load_task = asyncio.create_task(self._load())
 
-    def _bind(self, address: str) -> int:
+    def _bind(self, server: grpc.aio.Server, address: str) -> int:
         cfg = self.config
-        if cfg.tls_cert is None:
-            return self._grpc.add_insecure_port(address)
+        if cfg.tls_cert is None or cfg.tls_key is None:  # ServiceConfig: both or neither
+            return server.add_insecure_port(address)
         creds = grpc.ssl_server_credentials(
             [(_read(cfg.tls_key), _read(cfg.tls_cert))],
             root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
             require_client_auth=cfg.tls_client_ca is not None,
         )
-        return self._grpc.add_secure_port(address, creds)
+        return server.add_secure_port(address, creds)
 
     async def _load(self) -> None:
         try:
@@ -190,7 +190,8 @@ class Server:
         log.info("draining: %d running, %d waiting; grace %.1f s", *self._load_counts(), grace)
         self.state.draining = True
         await self.health.enter_graceful_shutdown()
-        await self._grpc.stop(grace)
+        if self._grpc is not None:  # None: drained before start()
+            await self._grpc.stop(grace)
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:

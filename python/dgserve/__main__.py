@@ -80,7 +80,8 @@ def _read(path: str | None) -> bytes | None:
 def _client(args):
     from dgserve.client import Client
 
-    token = _read(args.token_file).decode().strip() if args.token_file else None
+    raw_token = _read(args.token_file) if args.token_file else None
+    token = raw_token.decode().strip() if raw_token is not None else None
     return Client(
         args.server,
         token=token,
@@ -135,12 +136,12 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
 
     from dgserve import Engine
     from dgserve.default_model import default_model_path
-    from dgserve.engine import ChatPrompt
+    from dgserve.engine import ChatPrompt, Prompt
 
     engine = Engine.from_pretrained(
         args.model or default_model_path(), device=args.device, dtype=getattr(torch, args.dtype)
     )
-    prompt = prompt_ids if prompt_ids is not None else prompt_text
+    prompt: Prompt | None = prompt_ids if prompt_ids is not None else prompt_text
     if args.chat:
         prompt = ChatPrompt(({"role": "user", "content": prompt_text or ""},))
     if prompt is None:

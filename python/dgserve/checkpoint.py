@@ -12,6 +12,7 @@ layout at load (spec §2.4): the CPU path runs on the dequantized weights.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 from collections import defaultdict
@@ -291,7 +292,7 @@ def _read(
 
 
 def load_weights(
-    path: str | pathlib.Path,
+    path: str | os.PathLike[str],
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
@@ -405,6 +406,7 @@ def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     expected = expected_shapes(config)
     for name, t in weights.items():
+        shape: tuple[int, ...]
         if name == LM_HEAD:
             shape = (config.vocab_size, config.hidden_size)
         elif name in expected:
@@ -421,7 +423,10 @@ def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> No
 
 
 def save_weights(
-    path: str | pathlib.Path, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Write `path/config.json` (`config.to_dict()` plus `dtype`) and `path/model.safetensors` in HF names:
     the inverse of `load_weights`, loadable by transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained`

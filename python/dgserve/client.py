@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -67,13 +69,13 @@ def build_request(
     prompt: str | None = None,
     *,
     token_ids: Sequence[int] | None = None,
-    messages: Sequence[dict] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     request_id: str = "",
     model: str = "",
     drafts: bool = False,
     draft_every: int = 1,
     enable_thinking: bool = False,
-    **params,
+    **params: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt / token_ids / messages ({"role", "content"} dicts)."""
     given = [x is not None for x in (prompt, token_ids, messages)]
@@ -89,23 +91,25 @@ def build_request(
         req.prompt = prompt
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
-    else:
+    elif messages is not None:
         req.chat.CopyFrom(chat_message(messages, enable_thinking))
     return req
 
 
-def chat_message(messages: Sequence[dict], enable_thinking: bool = False) -> pb.Chat:
+def chat_message(messages: Sequence[dict[str, Any]], enable_thinking: bool = False) -> pb.Chat:
     return pb.Chat(
         messages=[pb.ChatMessage(role=m["role"], content=m.get("content", "")) for m in messages],
         enable_thinking=enable_thinking,
     )
 
 
-def _metadata(token: str | None) -> tuple:
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def _credentials(root_certificates, client_cert, client_key):
+def _credentials(
+    root_certificates: bytes | None, client_cert: bytes | None, client_key: bytes | None
+) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=root_certificates, private_key=client_key, certificate_chain=client_cert
     )
@@ -127,7 +131,7 @@ class Client:
         root_certificates: bytes | None = None,
         client_cert: bytes | None = None,
         client_key: bytes | None = None,
-        options: Sequence[tuple] = (),
+        options: Sequence[tuple[str, Any]] = (),
     ):
         opts = list(_KEEPALIVE) + list(options)
         self.channel = (
@@ -138,17 +142,19 @@ class Client:
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.metadata = _metadata(token)
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
         self.channel.close()
 
     def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the events of one request (see build_request for the arguments). Closing the iterator early
         cancels the request on the server."""
@@ -158,7 +164,7 @@ class Client:
         finally:
             call.cancel()
 
-    def generate_text(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+    def generate_text(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         result = GenerateResult()
         for event in self.generate(prompt, **kwargs):
             result.add(event)
@@ -169,18 +175,22 @@ class Client:
         r = self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return pb.AbortOutcome.Name(r.outcome).removeprefix("ABORT_OUTCOME_").lower()
 
-    def tokenize(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
+    def tokenize(self, prompt: str | None = None, *, messages: Sequence[dict[str, Any]] | None = None) -> list[int]:
         req = pb.TokenizeRequest(prompt=prompt) if messages is None else pb.TokenizeRequest(chat=chat_message(messages))
         return list(self.stub.Tokenize(req, metadata=self.metadata).token_ids)
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.GetModelInfoResponse = self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return info
 
     def health(self, service: str = HEALTH_SERVICE, timeout: float | None = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... of grpc.health.v1 (service "" = liveness)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        r = health_pb2_grpc.HealthStub(self.channel).Check(
+        # types-grpcio-health-checking declares HealthStub without the methods grpc sets in its __init__
+        r = health_pb2_grpc.HealthStub(self.channel).Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
@@ -198,7 +208,7 @@ class AsyncClient:
         root_certificates: bytes | None = None,
         client_cert: bytes | None = None,
         client_key: bytes | None = None,
-        options: Sequence[tuple] = (),
+        options: Sequence[tuple[str, Any]] = (),
     ):
         opts = list(_KEEPALIVE) + list(options)
         self.channel = (
@@ -209,17 +219,19 @@ class AsyncClient:
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.metadata = _metadata(token)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
     async def close(self) -> None:
         await self.channel.close()
 
     async def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
         try:
@@ -228,7 +240,7 @@ class AsyncClient:
         finally:
             call.cancel()
 
-    async def generate_text(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+    async def generate_text(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         result = GenerateResult()
         async for event in self.generate(prompt, **kwargs):
             result.add(event)
@@ -238,9 +250,14 @@ class AsyncClient:
         r = await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return pb.AbortOutcome.Name(r.outcome).removeprefix("ABORT_OUTCOME_").lower()
 
-    async def tokenize(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         req = pb.TokenizeRequest(prompt=prompt) if messages is None else pb.TokenizeRequest(chat=chat_message(messages))
         return list((await self.stub.Tokenize(req, metadata=self.metadata)).token_ids)
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.GetModelInfoResponse = await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return info

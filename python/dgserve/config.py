@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +78,9 @@ def _name(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _int(d: dict, key: str, where: str, default: Any = None, *, required: bool = False) -> int:
-    """d[key] as an int; absent -> default (or ConfigError if required). Null counts as absent only if required."""
+def _int(d: dict[str, Any], key: str, where: str, default: Any = None, *, required: bool = False) -> Any:
+    """d[key] as an int; absent -> default (or ConfigError if required). Null counts as absent only if required.
+    Typed Any: the default is returned as given, None included."""
     if key not in d or (required and d[key] is None):
         if required:
             raise ConfigError(f"{_name(where, key)}: is required")
@@ -89,8 +91,8 @@ def _int(d: dict, key: str, where: str, default: Any = None, *, required: bool =
     return v
 
 
-def _float(d: dict, key: str, where: str, default: Any = None) -> float:
-    """d[key] as a finite float (ints accepted); absent -> default."""
+def _float(d: dict[str, Any], key: str, where: str, default: Any = None) -> Any:
+    """d[key] as a finite float (ints accepted); absent -> default (returned as given, hence Any)."""
     if key not in d:
         return default
     v = d[key]
@@ -99,7 +101,7 @@ def _float(d: dict, key: str, where: str, default: Any = None) -> float:
     return float(v)
 
 
-def _optional_id(d: dict, key: str, where: str, default: Any) -> Any:
+def _optional_id(d: dict[str, Any], key: str, where: str, default: Any) -> Any:
     """A token id field: int, list of ints (eos only) or null. Lists become tuples."""
     if key not in d:
         return default
@@ -111,7 +113,7 @@ def _optional_id(d: dict, key: str, where: str, default: Any) -> Any:
     raise ConfigError(f"{where}.{key}: expected an integer or null, got {v!r}")
 
 
-def _read_json(file: pathlib.Path) -> dict:
+def _read_json(file: pathlib.Path) -> dict[str, Any]:
     """Parse a JSON object from `file`; any failure -> ConfigError naming the file."""
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -127,7 +129,7 @@ def _read_json(file: pathlib.Path) -> dict:
 # ------------------------------------------------------------------------------------------------ text_config parts
 
 
-def _split_top_level(d: dict) -> tuple[dict, dict]:
+def _split_top_level(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(text_config dict, top-level dict). Accepts the full config.json or a bare text_config."""
     model_type = d.get("model_type")
     if "text_config" not in d and model_type != "diffusion_gemma":  # a bare text_config
@@ -146,7 +148,7 @@ def _split_top_level(d: dict) -> tuple[dict, dict]:
     return text, d
 
 
-def _reject_unsupported(text: dict) -> None:
+def _reject_unsupported(text: dict[str, Any]) -> None:
     """Features of the config class that the dgserve model does not implement."""
     if text.get("attention_bias"):
         raise ConfigError(
@@ -166,7 +168,7 @@ def _reject_unsupported(text: dict) -> None:
         raise ConfigError(f"{_T}.hidden_activation: {act!r} is not supported (only {ACTIVATION!r})")
 
 
-def _layer_types(text: dict, n_layers: int) -> tuple[str, ...]:
+def _layer_types(text: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     """Explicit list, or layer i full iff (i+1) % 6 == 0; the last layer is always forced to full."""
     given = text.get("layer_types")
     if given is None:
@@ -182,12 +184,12 @@ def _layer_types(text: dict, n_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict]:
+def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict[str, Any]]:
     """per_layer_config {"05": {"head_dim": 512, "num_key_value_heads": 2}} -> {5: {...}}, validated."""
     where = f"{_T}.per_layer_config"
     if not isinstance(plc, dict):
         raise ConfigError(f"{where}: expected an object keyed by layer index, got {plc!r}")
-    out: dict[int, dict] = {}
+    out: dict[int, dict[str, Any]] = {}
     for key, overrides in plc.items():
         try:
             layer = int(key)
@@ -207,7 +209,7 @@ def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict]:
     return out
 
 
-def _head_geometry(text: dict, types: tuple[str, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+def _head_geometry(text: dict[str, Any], types: tuple[str, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
     """((sliding head_dim, kv heads), (full head_dim, kv heads)), resolved per spec §1.2.
 
     per_layer_config, when present, overrides head_dim / num_key_value_heads per layer and the init-only
@@ -240,7 +242,7 @@ def _head_geometry(text: dict, types: tuple[str, ...]) -> tuple[tuple[int, int],
     return geometry[0], geometry[1]
 
 
-def _rope(text: dict) -> tuple[float, float, float]:
+def _rope(text: dict[str, Any]) -> tuple[float, float, float]:
     """(theta_sliding, theta_full, partial_rotary_factor_full) from rope_parameters (spec §1.2, §3.2)."""
     where = f"{_T}.rope_parameters"
     rp = text.get("rope_parameters")
@@ -404,7 +406,7 @@ class ModelConfig:
 
     # -- JSON ---------------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a top-level config.json dict (model_type diffusion_gemma, with text_config), or from a bare
         text_config dict that may also carry `canvas_length`. Absent keys take transformers 5.23's defaults;
         vision, bookkeeping and Gemma-4-only keys are ignored. Raises ConfigError naming the field."""
@@ -459,13 +461,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> ModelConfig:
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file). Missing or unparsable file -> ConfigError
         naming the file."""
         path = pathlib.Path(path)
         return cls.from_dict(_read_json(path if path.is_file() else path / "config.json"))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """An HF-style top-level config.json dict that transformers' DiffusionGemmaConfig loads to the same model,
         with `from_dict(to_dict()) == self`. Full-layer geometry is written as `per_layer_config` (keys zero-padded
         like transformers writes them) and a tiny placeholder `vision_config` is included."""
@@ -567,7 +569,7 @@ class GenerationDefaults:
             raise ConfigError(f"{_G}.pad_token_id: expected a non-negative integer or null, got {self.pad_token_id!r}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> GenerationDefaults:
+    def from_dict(cls, d: dict[str, Any]) -> GenerationDefaults:
         """Parse a generation_config.json dict. `sampler_config` is {"_cls_name": "EntropyBoundSamplerConfig",
         "entropy_bound": β}; any other sampler -> ConfigError. Unknown keys (max_length, cache settings, ...) are
         ignored."""
@@ -605,7 +607,7 @@ class GenerationDefaults:
         return cls(**kw)
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> GenerationDefaults:
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> GenerationDefaults:
         """Read `path/generation_config.json` if it exists (else the defaults); unparsable -> ConfigError naming it."""
         file = pathlib.Path(path) / "generation_config.json"
         if not file.is_file():

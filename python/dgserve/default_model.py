@@ -26,7 +26,7 @@ CORPUS = [
 ]
 
 
-def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
+def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
     """The shipped small model's directory, or a tiny random checkpoint with a tokenizer (warning logged)."""
     if (SHIPPED / "config.json").is_file():
         return str(SHIPPED)
@@ -37,7 +37,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
     return str(path)
 
 
-def write_tiny_random_model(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_random_model(path: str | os.PathLike[str], seed: int = 0) -> str:
     """A tiny random checkpoint + byte-level BPE tokenizer at ``path`` (written to a sibling, then renamed)."""
     from dgserve.tiny import make_random_checkpoint
 

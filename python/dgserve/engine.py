@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +32,9 @@ from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 
+if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
+    from dgserve.tokenizer import Tokenizer
+
 MAX_REQUEST_ID_LENGTH = 256
 
 
@@ -38,7 +42,7 @@ MAX_REQUEST_ID_LENGTH = 256
 class ChatPrompt:
     """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
 
-    messages: tuple
+    messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     enable_thinking: bool = False
 
@@ -75,6 +79,8 @@ class _Request:
 
     def result(self) -> GenerationResult:
         t = self.tracker
+        if t.finish_reason is None:
+            raise RuntimeError(f"request {self.request_id!r} has not finished")
         return GenerationResult(
             list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
         )
@@ -90,7 +96,7 @@ class Engine:
     def __init__(
         self,
         model: DiffusionGemma,
-        tokenizer=None,
+        tokenizer: Tokenizer | None = None,
         defaults: GenerationDefaults | None = None,
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
@@ -116,7 +122,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+        cls,
+        path: str | os.PathLike[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
     ) -> Engine:
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
         to ``Engine.__init__`` (scheduler_config, max_model_len)."""
@@ -126,10 +136,10 @@ class Engine:
         tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
         return cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
 
-    def default_params(self, **overrides) -> SamplingParams:
+    def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
         d = self.defaults
-        kw = dict(
+        kw: dict[str, Any] = dict(
             max_new_tokens=d.max_new_tokens,
             max_denoising_steps=d.max_denoising_steps,
             t_min=d.t_min,
@@ -245,11 +255,8 @@ class Engine:
             self._encode(req, req.prompt_ids[start:end])
         if not active:
             return events
-        for req in active:
-            if req.state is None:
-                self._start_block(req)
+        states = [r.state if r.state is not None else self._start_block(r) for r in active]
         t0 = time.perf_counter()
-        states = [r.state for r in active]
         logits = self.model.denoise(
             KVCache([r.row for r in active]),
             torch.stack([s.canvas for s in states]),
@@ -258,9 +265,9 @@ class Engine:
         self.sampler.step(states, logits)
         dt = time.perf_counter() - t0
         with self._lock:
-            for req in active:
+            for req, state in zip(active, states, strict=True):
                 req.denoise_seconds += dt
-                if req.state.done and self._requests.get(req.request_id) is req:
+                if state.done and self._requests.get(req.request_id) is req:
                     events.append((req.request_id, self._commit(req)))
         return events
 
@@ -278,7 +285,7 @@ class Engine:
         self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), req.row)
         req.encode_seconds += time.perf_counter() - t0
 
-    def _start_block(self, req: _Request) -> None:
+    def _start_block(self, req: _Request) -> BlockState:
         if req.pending is not None:
             req.encode_seconds = 0.0
             self._encode(req, req.pending)
@@ -287,9 +294,12 @@ class Engine:
         req.state = BlockState.start(
             req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
         )
+        return req.state
 
     def _commit(self, req: _Request) -> BlockOutput:
         s = req.state
+        if s is None or s.argmax is None:
+            raise RuntimeError(f"request {req.request_id!r}: commit before its block ran a step")
         canvas = s.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
         toks, text = req.tracker.add_block(canvas)
         stats = BlockStats(
@@ -314,14 +324,16 @@ class Engine:
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe."""
-        if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
-            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode_chat(
-                list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking
-            )
+        if isinstance(prompt, (str, ChatPrompt)):
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError(
+                    "prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids"
+                )
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=True)
+            else:
+                ids = tok.encode_chat(list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking)
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
         V = self.model.config.vocab_size
@@ -353,7 +365,7 @@ def _check_max_model_len(value: int | None, limit: int) -> int:
     return value
 
 
-def _as_tuple(x) -> tuple:
+def _as_tuple(x: object) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)

@@ -57,7 +57,9 @@ class _ShardWriter:
     def __init__(self, out: pathlib.Path, limit: int):
         self.out, self.limit = out, limit
         self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.files, self.weight_map = 0, [], {}
+        self.size = 0
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self.pending[name] = t.contiguous()
@@ -105,7 +107,7 @@ def quantize_checkpoint(
     dst.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(dst, shard_bytes)
     planned = set(plan.values())
-    experts = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> gate_up_proj / down_proj until both are read
     for canonical, hf in plan.items():
         with safe_open(stored[hf].file, framework="pt") as f:
             t = f.get_tensor(hf)

@@ -12,14 +12,14 @@ MAX_STOP_LENGTH = 256
 SEED_LIMIT = 1 << 64
 
 
-def _int_field(name: str, value, lo: int, hi: int) -> None:
+def _int_field(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
 
 
-def _float_field(name: str, value) -> float:
+def _float_field(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)

@@ -16,7 +16,7 @@ import torch
 from dgserve.checkpoint import expected_shapes, save_weights
 from dgserve.config import FULL, SLIDING, ModelConfig
 
-_BASE = dict(
+_BASE = ModelConfig(
     vocab_size=300,
     hidden_size=64,
     intermediate_size=96,
@@ -45,55 +45,47 @@ _BASE = dict(
 )
 
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(**_BASE),
+    "tiny": _BASE,
     # a CPU benchmark shape: 26B-A4B's structure (5 sliding + 1 full, top-8 of many experts) scaled down
-    "mid": ModelConfig(
-        **{
-            **_BASE,
-            **dict(
-                vocab_size=8192,
-                hidden_size=256,
-                intermediate_size=512,
-                moe_intermediate_size=128,
-                num_experts=16,
-                top_k_experts=4,
-                num_hidden_layers=6,
-                layer_types=(SLIDING,) * 5 + (FULL,),
-                num_attention_heads=4,
-                sliding_head_dim=64,
-                sliding_num_kv_heads=2,
-                full_head_dim=128,
-                full_num_kv_heads=1,
-                sliding_window=128,
-                canvas_length=64,
-                max_position_embeddings=8192,
-            ),
-        }
+    "mid": dataclasses.replace(
+        _BASE,
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=16,
+        top_k_experts=4,
+        num_hidden_layers=6,
+        layer_types=(SLIDING,) * 5 + (FULL,),
+        num_attention_heads=4,
+        sliding_head_dim=64,
+        sliding_num_kv_heads=2,
+        full_head_dim=128,
+        full_num_kv_heads=1,
+        sliding_window=128,
+        canvas_length=64,
+        max_position_embeddings=8192,
     ),
     # the real DiffusionGemma 26B-A4B shape (spec §0): 5 × (5 sliding + 1 full), 128 experts top-8
-    "26b-a4b": ModelConfig(
-        **{
-            **_BASE,
-            **dict(
-                vocab_size=262_144,
-                hidden_size=2816,
-                intermediate_size=2112,
-                moe_intermediate_size=704,
-                num_experts=128,
-                top_k_experts=8,
-                num_hidden_layers=30,
-                layer_types=((SLIDING,) * 5 + (FULL,)) * 5,
-                num_attention_heads=16,
-                sliding_head_dim=256,
-                sliding_num_kv_heads=8,
-                full_head_dim=512,
-                full_num_kv_heads=2,
-                sliding_window=1024,
-                canvas_length=256,
-                max_position_embeddings=262_144,
-                eos_token_id=(1, 106, 50),
-            ),
-        }
+    "26b-a4b": dataclasses.replace(
+        _BASE,
+        vocab_size=262_144,
+        hidden_size=2816,
+        intermediate_size=2112,
+        moe_intermediate_size=704,
+        num_experts=128,
+        top_k_experts=8,
+        num_hidden_layers=30,
+        layer_types=((SLIDING,) * 5 + (FULL,)) * 5,
+        num_attention_heads=16,
+        sliding_head_dim=256,
+        sliding_num_kv_heads=8,
+        full_head_dim=512,
+        full_num_kv_heads=2,
+        sliding_window=1024,
+        canvas_length=256,
+        max_position_embeddings=262_144,
+        eos_token_id=(1, 106, 50),
     ),
 }
 
@@ -135,7 +127,7 @@ def random_tensor(
 
 
 def make_random_checkpoint(
-    path: str | os.PathLike, config: ModelConfig | str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], config: ModelConfig | str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> str:
     """Write a random checkpoint (config.json + model.safetensors) to ``path``; returns the path."""
     config = preset(config) if isinstance(config, str) else config

@@ -72,7 +72,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a checkpoint directory's tokenizer.
 
         Reads `tokenizer.json` (required), `tokenizer_config.json` (optional: `chat_template`, `bos_token`,
