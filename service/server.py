@@ -12,6 +12,7 @@ or 503 (HTTP), in-flight streams of both front doors get ``drain_timeout`` secon
 stops. An engine fault fails in-flight calls (INTERNAL / 500) and turns both liveness and readiness off, so an
 orchestrator restarts the process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ from dgserve.engine import Engine
 from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+
 from . import convert
 from .config import ServiceConfig
 from .http.app import Gate
@@ -38,7 +40,7 @@ from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
 MAX_METADATA_BYTES = 16 << 10
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -48,8 +50,12 @@ class StartupError(Exception):
 
 
 def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_queue_len=cfg.max_queue_len,
-                           prefill_chunk=cfg.prefill_chunk, max_prefill_tokens=cfg.prefill_chunk)
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_queue_len=cfg.max_queue_len,
+        prefill_chunk=cfg.prefill_chunk,
+        max_prefill_tokens=cfg.prefill_chunk,
+    )
 
 
 def load_engine(cfg: ServiceConfig) -> Engine:
@@ -57,8 +63,14 @@ def load_engine(cfg: ServiceConfig) -> Engine:
     from dgserve.default_model import default_model_path
 
     path = cfg.model or default_model_path()
-    return Engine.from_pretrained(path, device=cfg.device, dtype=cfg.dtype, native_ops=cfg.native_ops,
-                                  scheduler_config=scheduler_config(cfg), max_model_len=cfg.max_model_len)
+    return Engine.from_pretrained(
+        path,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        native_ops=cfg.native_ops,
+        scheduler_config=scheduler_config(cfg),
+        max_model_len=cfg.max_model_len,
+    )
 
 
 def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
@@ -89,7 +101,7 @@ class Server:
         self.port: int | None = None
         self.http_port: int | None = None
         self.live = True
-        self.loaded = asyncio.Event()           # set when loading ended (ready or failed)
+        self.loaded = asyncio.Event()  # set when loading ended (ready or failed)
         self.load_error: Exception | None = None
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpFrontDoor | None = None
@@ -116,8 +128,13 @@ class Server:
             raise
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
-        log.info("listening: gRPC %s:%s%s, HTTP %s", cfg.host, self.port, " (TLS)" if cfg.tls_cert else "",
-                 self.http_port if self.http_port is not None else "off")
+        log.info(
+            "listening: gRPC %s:%s%s, HTTP %s",
+            cfg.host,
+            self.port,
+            " (TLS)" if cfg.tls_cert else "",
+            self.http_port if self.http_port is not None else "off",
+        )
         self._load_task = asyncio.create_task(self._load())
 
     async def _start_grpc(self, creds) -> None:
@@ -125,18 +142,20 @@ class Server:
         pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self._grpc)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
+            )
         address = f"{cfg.host}:{cfg.port}"
         fix = "(choose another with --port / env DGSERVE_GRPC_PORT)"
-        if cfg.port != 0:               # grpc says only "Failed to bind" (and logs a core error line): probe first
+        if cfg.port != 0:  # grpc says only "Failed to bind" (and logs a core error line): probe first
             try:
                 bind(cfg.host, cfg.port).close()
             except OSError as e:
                 raise StartupError(f"gRPC port {address}: {describe_bind_error(e)} {fix}") from None
         try:
-            self.port = (self._grpc.add_insecure_port(address) if creds is None
-                         else self._grpc.add_secure_port(address, creds))
+            self.port = (
+                self._grpc.add_insecure_port(address) if creds is None else self._grpc.add_secure_port(address, creds)
+            )
         except RuntimeError:
             raise StartupError(f"gRPC port {address}: cannot bind {fix}") from None
         await self._grpc.start()
@@ -146,11 +165,12 @@ class Server:
         try:
             sock = bind(cfg.host, cfg.http_port)
         except OSError as e:
-            raise StartupError(f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
-                               "with --http-port / env NIM_SERVER_PORT, or 'off')") from None
+            raise StartupError(
+                f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
+                "with --http-port / env NIM_SERVER_PORT, or 'off')"
+            ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
-        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner,
-                    max_body_bytes=cfg.max_message_bytes)
+        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner, max_body_bytes=cfg.max_message_bytes)
         self._http = HttpFrontDoor(gate, sock)
         await self._http.start()
         self.http_port = self._http.port
@@ -158,21 +178,23 @@ class Server:
     async def _load(self) -> None:
         try:
             engine = await asyncio.to_thread(self.engine_factory)
-            aengine = AsyncEngine(engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics,
-                                  on_fault=self._on_fault)
+            aengine = AsyncEngine(
+                engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics, on_fault=self._on_fault
+            )
             if self.config.warm_up:
                 await asyncio.to_thread(aengine.warm_up)
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
             self.state.info = convert.model_info(engine, self.state.names, engine.scheduler.config)
-            self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting,
-                                      engine.scheduler.config.max_num_seqs)
+            self.metrics.track_engine(
+                lambda: aengine.num_running, lambda: aengine.num_waiting, engine.scheduler.config.max_num_seqs
+            )
             self.state.engine = aengine
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
-        except Exception as e:  # noqa: BLE001 - never ready: run() ends the process with this one line
+        except Exception as e:
             log.debug("model load failed", exc_info=True)
             path = self.config.model or "the shipped default model"
             detail = " ".join(f"{type(e).__name__}: {e}".split())
@@ -285,14 +307,17 @@ def _credentials(cfg: ServiceConfig) -> grpc.ServerCredentials | None:
         return None
     key = _read(cfg.tls_key, "TLS key", "--tls-key / env DGSERVE_TLS_KEY")
     cert = _read(cfg.tls_cert, "TLS certificate", "--tls-cert / env DGSERVE_TLS_CERT")
-    ca = _read(cfg.tls_client_ca, "TLS client CA", "--tls-client-ca / env DGSERVE_TLS_CLIENT_CA") \
-        if cfg.tls_client_ca else None
+    ca = (
+        _read(cfg.tls_client_ca, "TLS client CA", "--tls-client-ca / env DGSERVE_TLS_CLIENT_CA")
+        if cfg.tls_client_ca
+        else None
+    )
     try:
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
     except Exception as e:  # noqa: BLE001 - grpc raises plain errors on unusable PEM data
-        raise StartupError(f"TLS certificate {cfg.tls_cert} / key {cfg.tls_key}: unusable ({e}) "
-                           "(--tls-cert, --tls-key)") from None
+        raise StartupError(
+            f"TLS certificate {cfg.tls_cert} / key {cfg.tls_key}: unusable ({e}) (--tls-cert, --tls-key)"
+        ) from None
 
 
 def _check_model_dir(path: str | None) -> None:
@@ -302,8 +327,9 @@ def _check_model_dir(path: str | None) -> None:
         return
     fix = "set --model / env NIM_MODEL_PATH to a checkpoint directory"
     if not os.path.isdir(path):
-        raise StartupError(f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} "
-                           f"({fix})")
+        raise StartupError(
+            f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} ({fix})"
+        )
     if not os.access(path, os.R_OK | os.X_OK):
         raise StartupError(f"model {path}: permission denied ({fix})")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -2,6 +2,7 @@
 alone and several batched. fp32 tokens equal the CPU engine's (DESIGN Decision 2; fixtures avoid near-ties); bf16
 is compared through its logits (a near-tie may flip a bf16 token), and the native self-check must pass on the
 device. `cuda`: skipped without a device, failed when dgserve._C lacks CUDA (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,10 @@ def _first_logits(engine, prompts):
     rows = [RowCache() for _ in prompts]
     for p, row in zip(prompts, rows):
         m.encode_row(torch.tensor(p, device=m.device), row)
-    states = [BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
-              for i in range(len(prompts))]
+    states = [
+        BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
+        for i in range(len(prompts))
+    ]
     return m.denoise(KVCache(rows), torch.stack([s.canvas for s in states])).cpu()
 
 
@@ -60,7 +63,7 @@ def test_bf16_cuda_logits_close_alone_and_batched(checkpoint):
     want = _first_logits(ref, PROMPTS)
     batched = _first_logits(gpu, PROMPTS)
     alone = torch.cat([_first_logits(gpu, [p]) for p in PROMPTS])
-    assert _rel_l2(batched, want) <= 3e-2 and _rel_l2(alone, want) <= 3e-2   # bf16 weights and activations
+    assert _rel_l2(batched, want) <= 3e-2 and _rel_l2(alone, want) <= 3e-2  # bf16 weights and activations
     assert _rel_l2(batched, alone) <= 1e-2
     results = gpu.generate_batch(PROMPTS, [_params(s) for s in (1, 2, 3)])
     assert all(len(r.token_ids) == 40 and r.finish_reason == "length" for r in results)
