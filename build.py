@@ -15,8 +15,8 @@ Steps (each prints one line):
 
 Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c`` for every arch of the
 build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills more than
-SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this works on any machine with nvcc. It prints
-the compile seconds per arch. ``--logf-accuracy`` builds and runs
+SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this
+works on any machine with nvcc. It prints the compile seconds per arch. ``--logf-accuracy`` builds and runs
 ``csrc/tools/dg_logf_accuracy.cpp`` (exhaustive ulp error of the contract's float32 log).
 Exit status is non-zero, with a one-line reason, when a step fails.
 """

@@ -8,12 +8,12 @@ the peak is exact for torch allocations and costs nothing (issue 20, item 5).
 One step = Engine.step's work: the decoder pass with self-conditioning on every row (self-conditioning softmax),
 then per tile of canvases the LM head + softcap and the sampler (ops.diffusion_step, then each row's
 self-conditioning input kept in the model dtype). `--tile 16` is the untiled engine; the engine before issue 20
-(full [B, C, V] logits from denoise, one sampler call, logits softcapped out of place) measured 15.04 GB (bf16)
-and 17.19 GB (fp32) batched, 8.59 GB per-row. Hidden sizes are small (the [canvases × 256 × vocab] tensors dominate at this vocabulary);
-the MoE branch is replaced by zeros (its memory does not scale with the vocabulary, and its reference needs
-host values). Prints one JSON line: peak bytes above what lives before the step (weights, cache, the previous
-step's self-conditioning inputs; the new ones replace them after the step), and the same in units of one fp32
-[canvases × 256 × vocab] tensor.
+(full [B, C, V] logits from denoise, one sampler call, logits softcapped out of place) measured 15.04 GB (bf16) and
+17.19 GB (fp32) batched, 8.59 GB per-row. Hidden sizes are small (the [canvases × 256 × vocab] tensors dominate at
+this vocabulary); the MoE branch is replaced by zeros (its memory does not scale with the vocabulary, and its
+reference needs host values). Prints one JSON line: peak bytes above what lives before the step (weights, cache, the
+previous step's self-conditioning inputs; the new ones replace them after the step), and the same in units of one
+fp32 [canvases × 256 × vocab] tensor.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _measure(args, cfg, dtype) -> dict:
         peak_denoise = mem.peak
         self_cond = None  # consumed (Engine.step drops them here too)
         new_self_cond = []
-        for sl, logits in model.logits_tiles(hidden):
+        for _sl, logits in model.logits_tiles(hidden):
             n = logits.shape[0]
             z = torch.zeros(n, dtype=torch.int64, device="meta")
             out = ops.diffusion_step(logits, torch.ones(n, device="meta"), z, z, z + 1, torch.ones(n, device="meta"))

@@ -75,17 +75,21 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "DGSERVE_DTYPE",
         "dtype",
         str,
-        f"{' | '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 "
-        "on the CPU; float32 on a GPU only when the weights fit)",
+        (
+            f"{' | '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 "
+            "on the CPU; float32 on a GPU only when the weights fit)"
+        ),
     ),
     (
         "--native-ops",
         "DGSERVE_NATIVE_OPS",
         "native_ops",
         str,
-        "auto | off | strict: self-check the native ops at "
-        "start and switch off those that disagree with their reference (auto), use none (off), or refuse to start "
-        "(strict)",
+        (
+            "auto | off | strict: self-check the native ops at "
+            "start and switch off those that disagree with their reference (auto), use none (off), or refuse to start "
+            "(strict)"
+        ),
     ),
     (
         "--prefill-chunk",
@@ -145,9 +149,13 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             raw = raw if raw is not None else env.get(var)
             if raw is not None and raw != "":
                 kw[field] = _convert(field, raw, parse)
-        for flag, var, field, value, _ in SWITCHES:
-            if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
-                kw[field] = value
+        kw.update(
+            {
+                field: value
+                for flag, var, field, value, _ in SWITCHES
+                if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE
+            }
+        )
         return ServiceConfig(**kw), args.dry_run
     except ValueError as e:
         raise ValueError(f"{e}{_fix_hint(str(e))}") from None

@@ -137,7 +137,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             try:
                 self._admit(call, request, metadata, context)
                 return await behavior(request, context)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 self._fail(e, context, call)
             finally:
                 self._exit(call)
@@ -154,7 +154,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 async with contextlib.aclosing(behavior(request, context)) as items:
                     async for item in items:
                         yield item
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 self._fail(e, context, call)
             finally:
                 self._exit(call)

@@ -36,7 +36,7 @@ def _first_logits(engine, prompts):
 
     m = engine.model
     rows = [RowCache() for _ in prompts]
-    for p, row in zip(prompts, rows):
+    for p, row in zip(prompts, rows, strict=True):
         m.encode_row(torch.tensor(p, device=m.device), row)
     states = [
         BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
@@ -49,8 +49,8 @@ def test_fp32_cuda_tokens_equal_cpu_alone_and_batched(checkpoint):
     cpu = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32)
     gpu = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32)
     params = [_params(s) for s in (1, 2, 3)]
-    want = [cpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params)]
-    alone = [gpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params)]
+    want = [cpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params, strict=True)]
+    alone = [gpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params, strict=True)]
     batched = [r.token_ids for r in gpu.generate_batch(PROMPTS, params)]
     assert alone == want
     assert batched == want

@@ -77,7 +77,7 @@ def test_auto_switches_a_wrong_op_off(wrong_step, caplog):
     # the op now runs its reference: the injected error is gone
     args = nc._step_args("cpu", torch.float32)
     got, want = ops.diffusion_step(*args), reference.diffusion_step(*args)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_crashing_op_is_switched_off(monkeypatch):

@@ -87,6 +87,6 @@ def test_sampler_in_tiles_equals_one_call():
     Sampler(torch.float32).step(whole, logits)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
         Sampler(torch.float32).step(tiled[rows], logits[rows])
-    for x, y in zip(whole, tiled):
+    for x, y in zip(whole, tiled, strict=True):
         assert torch.equal(x.canvas, y.canvas) and torch.equal(x.argmax, y.argmax)
         assert torch.equal(x.self_cond, y.self_cond) and x.mean_entropy == y.mean_entropy and x.done == y.done

@@ -18,14 +18,22 @@ from dgserve.tokenizer import IncrementalDecoder, Tokenizer
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
 
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog. A diffusion model writes a whole canvas of tokens at once, "
-    "starting from noise and refining every position in parallel until the confident tokens are kept.",
-    "Once upon a time there was a little model that wanted to speak. It read many books about the sea, the "
-    "mountains and the rivers, and it learned that words follow each other in patterns.",
-    "The user asked a question and the model answered politely. Then the user asked another question, and the "
-    "model thought about it for a while before it wrote its answer in the reply.",
-    "Servers stream each committed block to the caller as soon as it is final. Requests are batched together, "
-    "and every active canvas advances one denoising step per iteration of the engine loop.",
+    (
+        "The quick brown fox jumps over the lazy dog. A diffusion model writes a whole canvas of tokens at once, "
+        "starting from noise and refining every position in parallel until the confident tokens are kept."
+    ),
+    (
+        "Once upon a time there was a little model that wanted to speak. It read many books about the sea, the "
+        "mountains and the rivers, and it learned that words follow each other in patterns."
+    ),
+    (
+        "The user asked a question and the model answered politely. Then the user asked another question, and the "
+        "model thought about it for a while before it wrote its answer in the reply."
+    ),
+    (
+        "Servers stream each committed block to the caller as soon as it is final. Requests are batched together, "
+        "and every active canvas advances one denoising step per iteration of the engine loop."
+    ),
 ]
 
 TEXTS = [
@@ -354,9 +362,9 @@ def test_template_cannot_touch_callers_objects(make_dir):
 
 
 def test_template_syntax_error_names_file(make_dir):
-    with pytest.raises(ValueError, match="chat_template.jinja"):
+    with pytest.raises(ValueError, match=r"chat_template\.jinja"):
         Tokenizer.from_pretrained(make_dir(jinja="{% for m in messages %}"))
-    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template"):
         Tokenizer.from_pretrained(make_dir({"chat_template": "{{ x "}))
 
 
@@ -398,17 +406,17 @@ def test_message_validation(tok, make_dir, messages, exc, match):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         Tokenizer.from_pretrained(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Tokenizer.from_pretrained(tmp_path)
 
 
 def test_garbled_files(make_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
-    with pytest.raises(ValueError, match="tokenizer.json"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
         Tokenizer.from_pretrained(tmp_path)
     d = make_dir()
     (d / "tokenizer_config.json").write_text("{bos_token: <bos>")
-    with pytest.raises(ValueError, match="tokenizer_config.json"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
         Tokenizer.from_pretrained(d)
     with pytest.raises(ValueError, match="bos_token"):
         Tokenizer.from_pretrained(make_dir({"bos_token": "<s>"}))

@@ -18,7 +18,8 @@ _EXPORTS = {
     "SamplingParams": "dgserve.sampling_params",
     "Tokenizer": "dgserve.tokenizer",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["BlockOutput", "BlockStats", "DiffusionGemma", "Engine", "GenerationResult", "SamplingParams", "Tokenizer"]
+assert __all__ == sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 

@@ -1,6 +1,6 @@
 """The ``dgserve`` command line.
 
-    dgserve serve [FLAGS]                                  run the server: gRPC + OpenAI-compatible HTTP (dgserve.service)
+    dgserve serve [FLAGS]                                  serve gRPC + OpenAI-compatible HTTP (dgserve.service)
     dgserve generate "PROMPT" --server HOST:PORT [knobs]   stream blocks from a running server (dgserve serve)
     dgserve generate "PROMPT" [--model DIR] [knobs]        generate in this process (no server)
     dgserve info --server HOST:PORT                        the served model, its defaults and bounds

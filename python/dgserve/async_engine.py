@@ -362,9 +362,7 @@ class AsyncEngine:
         events = self.engine.step()
         batch: list = [("step", None, time.monotonic() - t0)]
         streams = self._streams
-        for rid in self.engine.last_schedule.admitted:
-            if rid in streams:
-                batch.append(("started", streams[rid], t0))
+        batch.extend(("started", streams[rid], t0) for rid in self.engine.last_schedule.admitted if rid in streams)
         for rid, block in events:
             stream = streams.get(rid)
             if stream is None:

@@ -166,7 +166,7 @@ class Engine:
         from dgserve import ops
 
         off = ops.switched_off()
-        active = [op for op in ops.active_native_ops(self.model.device)]
+        active = list(ops.active_native_ops(self.model.device))
         fmt = self.runtime.expert_format if self.runtime is not None else f"dense {str(self.model.dtype)[6:]}"
         return {
             "device": str(self.model.device),
@@ -207,7 +207,7 @@ class Engine:
             raise ValueError(f"params_list has {len(params_list)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
+            for p, sp in zip(prompts, params_list, strict=True):
                 ids.append(self.add_request(p, sp))
         except Exception:
             for rid in ids:

@@ -236,7 +236,7 @@ def _nvfp4_experts(device):
 def check_nvfp4_repack(device) -> str | None:
     from dgserve import nvfp4
 
-    _, (gate, _, down) = _nvfp4_experts("cpu")
+    _, (gate, _, _) = _nvfp4_experts("cpu")
     w, s = gate[0].to(device), gate[1].to(device)
     got, want = ops.nvfp4_repack(w, s, interleave=True), nvfp4.repack(w, s, interleave=True)
     return _exact("words", got[0], want[0]) or _exact("scales", got[1], want[1])

@@ -378,7 +378,7 @@ def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: b
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body unchanged."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares `tags` so (a ClassVar would clash)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

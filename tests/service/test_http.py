@@ -305,7 +305,7 @@ def test_overload_is_429_with_retry_after_shared_with_grpc(guarded):
     wait_until(lambda: guarded.engine.num_running == 0)
 
 
-# ---------------------------------------------------------------------------------------------- disconnect, loading, drain
+# ------------------------------------------------------------------------------------------- disconnect, loading, drain
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):

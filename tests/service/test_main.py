@@ -1,5 +1,5 @@
-"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (Decision 8), --dry-run, and SIGTERM drain of a real
-server process (serving.md §10 row 17)."""
+"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (Decision 8), --dry-run, and
+SIGTERM drain of a real server process (serving.md §10 row 17)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ class DiffusionGemma:
             cache = KVCache([RowCache() for _ in range(input_ids.shape[0])])
         if len(cache.rows) != input_ids.shape[0]:
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache has {len(cache.rows)}")
-        for ids, row in zip(input_ids, cache.rows):
+        for ids, row in zip(input_ids, cache.rows, strict=True):
             self.encode_row(ids, row)
         return cache
 
