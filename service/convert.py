@@ -64,7 +64,7 @@ def prompt(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) ->
         if not request.prompt:
             raise ValueError("prompt: must not be empty")
         return request.prompt
-    if kind == "token_ids":
+    if kind == "token_ids" and isinstance(request, pb.GenerateRequest):  # a TokenizeRequest has no token_ids
         return token_ids(request.token_ids, vocab_size)
     return chat(request.chat)
 
@@ -84,6 +84,7 @@ def chat(msg: pb.Chat) -> ChatPrompt:
         raise ValueError("chat.messages: must not be empty")
     messages = []
     for i, m in enumerate(msg.messages):
+        content: str | list[dict]
         if m.parts:
             content = [_part(p, f"chat.messages[{i}].parts[{j}]") for j, p in enumerate(m.parts)]
         else:

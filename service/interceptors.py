@@ -57,7 +57,7 @@ class BearerAuth:
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(digest or b"", d)
-        if not ok:
+        if not ok or digest is None:  # no token: never ok (no digest equals b"")
             raise errors.UnauthenticatedError(_DENIED)
         return digest.hex()
 

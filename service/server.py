@@ -118,13 +118,13 @@ class Server:
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
         interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
-        self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
+        self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         try:
-            await self._start_grpc(creds)
+            await self._start_grpc(server, creds)
             if cfg.http_port is not None:
-                await self._start_http(auth)
+                await self._start_http(cfg.http_port, auth)
         except BaseException:
-            await self._grpc.stop(None)
+            await server.stop(None)
             raise
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
@@ -137,14 +137,12 @@ class Server:
         )
         self._load_task = asyncio.create_task(self._load())
 
-    async def _start_grpc(self, creds) -> None:
+    async def _start_grpc(self, server: grpc.aio.Server, creds: grpc.ServerCredentials | None) -> None:
         cfg = self.config
-        pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
-            )
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{cfg.host}:{cfg.port}"
         fix = "(choose another with --port / env DGSERVE_GRPC_PORT)"
         if cfg.port != 0:  # grpc says only "Failed to bind" (and logs a core error line): probe first
@@ -153,20 +151,18 @@ class Server:
             except OSError as e:
                 raise StartupError(f"gRPC port {address}: {describe_bind_error(e)} {fix}") from None
         try:
-            self.port = (
-                self._grpc.add_insecure_port(address) if creds is None else self._grpc.add_secure_port(address, creds)
-            )
+            self.port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
         except RuntimeError:
             raise StartupError(f"gRPC port {address}: cannot bind {fix}") from None
-        await self._grpc.start()
+        await server.start()
 
-    async def _start_http(self, auth: BearerAuth | None) -> None:
+    async def _start_http(self, port: int, auth: BearerAuth | None) -> None:
         cfg = self.config
         try:
-            sock = bind(cfg.host, cfg.http_port)
+            sock = bind(cfg.host, port)
         except OSError as e:
             raise StartupError(
-                f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
+                f"HTTP port {cfg.host}:{port}: {describe_bind_error(e)} (choose another "
                 "with --http-port / env NIM_SERVER_PORT, or 'off')"
             ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
@@ -234,7 +230,8 @@ class Server:
         end = loop.time() + grace
         waits = [self._engine_idle(end)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
         await asyncio.gather(*waits)
-        await self._grpc.stop(max(0.0, end - loop.time()))
+        if self._grpc is not None:  # None: drained before start()
+            await self._grpc.stop(max(0.0, end - loop.time()))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:
@@ -305,6 +302,7 @@ def _credentials(cfg: ServiceConfig) -> grpc.ServerCredentials | None:
     """Server TLS credentials (mTLS with a client CA), the files read now; None without TLS."""
     if cfg.tls_cert is None:
         return None
+    assert cfg.tls_key is not None, "ServiceConfig: tls_cert and tls_key are given together"
     key = _read(cfg.tls_key, "TLS key", "--tls-key / env DGSERVE_TLS_KEY")
     cert = _read(cfg.tls_cert, "TLS certificate", "--tls-cert / env DGSERVE_TLS_CERT")
     ca = (

@@ -35,6 +35,12 @@ class ServingState:
             raise NotReadyError(f"not ready: {self.loading_error or 'model is loading'}")
         return self.engine
 
+    def ready_info(self) -> pb.GetModelInfoResponse:
+        """The served model's description (set just before the engine, so present once ready_engine() passes)."""
+        if self.info is None:
+            raise NotReadyError(f"not ready: {self.loading_error or 'model is loading'}")
+        return self.info
+
     def check_model(self, name: str) -> None:
         if name and name not in self.names:
             raise ModelNotFoundError(f"model: {name!r} is not served here (served: {', '.join(self.names)})")
@@ -47,7 +53,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        vocab = self.state.info.vocab_size
+        vocab = self.state.ready_info().vocab_size
         prompt = convert.prompt(request, vocab)
         params = convert.sampling_params(request.params, engine.engine.default_params())
         call = _call(context)
@@ -76,7 +82,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        prompt = convert.prompt(request, self.state.info.vocab_size)
+        prompt = convert.prompt(request, self.state.ready_info().vocab_size)
         # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
         ids = await asyncio.get_running_loop().run_in_executor(
             None, engine.engine.prompt_ids, prompt, engine.engine.max_model_len
@@ -85,7 +91,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         self.state.ready_engine()
-        return self.state.info
+        return self.state.ready_info()
 
 
 def _call(context) -> CallInfo:

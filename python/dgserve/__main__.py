@@ -213,7 +213,8 @@ def _make_random(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # the server owns its flags (dgserve/service/__main__.py)
-        from dgserve.service.__main__ import main as serve
+        # service/ is installed as dgserve.service (pyproject package-dir); mypy checks it from source as `service`
+        from dgserve.service.__main__ import main as serve  # type: ignore[import-not-found]
 
         return serve(argv[1:])
     args = _parser().parse_args(argv)

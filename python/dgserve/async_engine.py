@@ -26,6 +26,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dgserve.engine import DraftOutput, Engine, Prompt, check_request_id
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
@@ -33,6 +34,10 @@ from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import DuplicateRequestError
 
 log = logging.getLogger("dgserve.engine")
+
+# What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, admit time),
+# ("block", stream, (BlockOutput, GenerationResult | None)) or ("draft", stream, Draft).
+_Event = tuple[str, "RequestStream | None", Any]
 
 ABORT_CANCELLED, ABORT_ALREADY_FINISHED = "cancelled", "already_finished"
 
@@ -342,6 +347,8 @@ class AsyncEngine:
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         while not self._stopping:
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
@@ -352,15 +359,15 @@ class AsyncEngine:
             except Exception as e:
                 log.exception("engine step failed")
                 self.fault = e
-                self._loop.call_soon_threadsafe(self._fail_all, e)
+                loop.call_soon_threadsafe(self._fail_all, e)
                 return
             if batch:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                loop.call_soon_threadsafe(self._deliver, batch)
 
-    def _step(self) -> list:
+    def _step(self) -> list[_Event]:
         t0 = time.monotonic()
         events = self.engine.step()
-        batch: list = [("step", None, time.monotonic() - t0)]
+        batch: list[_Event] = [("step", None, time.monotonic() - t0)]
         streams = self._streams
         batch.extend(("started", streams[rid], t0) for rid in self.engine.last_schedule.admitted if rid in streams)
         for rid, block in events:
@@ -387,12 +394,12 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- back on the loop
 
-    def _deliver(self, batch: list) -> None:
+    def _deliver(self, batch: list[_Event]) -> None:
         now = time.monotonic()
         for kind, stream, payload in batch:
-            if kind == "step":
+            if stream is None:  # ("step", None, seconds)
                 self.observer.on_step(payload)
-            elif self._streams.get(getattr(stream, "request_id", None)) is not stream:
+            elif self._streams.get(stream.request_id) is not stream:
                 continue  # aborted or cancelled meanwhile
             elif kind == "started":
                 self._on_started(stream, payload)
@@ -400,13 +407,16 @@ class AsyncEngine:
                 if stream._push_draft(payload):
                     self.observer.on_draft_dropped()
             else:
-                self._on_block(stream, *payload, now)
+                block, result = payload
+                self._on_block(stream, block, result, now)
 
     def _on_started(self, stream: RequestStream, t_admit: float) -> None:
         stream.admitted_at = t_admit
         queue = t_admit - stream.arrival
         self.observer.on_started(queue)
-        stream._push(Started(stream.request_id, stream.params.seed, stream.prompt_tokens, stream.params, queue))
+        seed = stream.params.seed
+        assert seed is not None, "submit() draws a seed for every request"
+        stream._push(Started(stream.request_id, seed, stream.prompt_tokens, stream.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
         if stream.admitted_at is None:  # expired in the queue: never started

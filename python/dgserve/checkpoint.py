@@ -15,10 +15,12 @@ are read with one open per shard, not one per matrix.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -297,7 +299,7 @@ PACKED = "experts.packed"  # layers.{i}.experts.packed: nvfp4.PackedExperts (rep
 
 
 def load_weights(
-    path: str | pathlib.Path,
+    path: str | os.PathLike[str],
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
@@ -326,7 +328,8 @@ def load_weights(
         gate, up, down = _read_nvfp4_stacked(layer, names, full, config)
         if nvfp4_packed:  # the raw tensors go to the device, the repack runs there (native on CUDA)
             on = [tuple(t.to(device) for t in proj) for proj in (gate, up, down)]
-            weights[f"layers.{layer}.{PACKED}"] = nvfp4.pack_experts(*on)
+            # the packed experts ride in the weights dict under their own key; LayerWeights.from_state takes them out
+            weights[f"layers.{layer}.{PACKED}"] = nvfp4.pack_experts(*on)  # type: ignore[assignment]
         else:
             weights.update(_dequantize_layer(layer, (gate, up, down), config, dtype, device))
     if LM_HEAD in weights and torch.equal(weights[LM_HEAD], weights["embed_tokens.weight"]):
@@ -355,7 +358,10 @@ def _read_nvfp4_stacked(
     shapes = {
         proj: ((n, nvfp4.padded(k) // 2), (n, nvfp4.padded(k) // nvfp4.GROUP), ()) for proj, (n, k) in dims.items()
     }
-    out = {(proj, part): [None] * E for proj in nvfp4.PROJECTIONS for part, _ in _PARTS}
+    # per (projection, part) one slot per expert, every slot filled from the shards below
+    out: dict[tuple[str, str], list[Any]] = {
+        (proj, part): [None] * E for proj in nvfp4.PROJECTIONS for part, _ in _PARTS
+    }
     by_file: dict[pathlib.Path, list[tuple[int, str, int]]] = defaultdict(list)
     for e in range(E):
         for proj in nvfp4.PROJECTIONS:
@@ -453,6 +459,7 @@ def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     expected = expected_shapes(config)
     for name, t in weights.items():
+        shape: tuple[int, ...]
         if name == LM_HEAD:
             shape = (config.vocab_size, config.hidden_size)
         elif name in expected:
@@ -469,7 +476,10 @@ def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> No
 
 
 def save_weights(
-    path: str | pathlib.Path, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Write `path/config.json` (`config.to_dict()` plus `dtype`) and `path/model.safetensors` in HF names:
     the inverse of `load_weights`, loadable by transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained`

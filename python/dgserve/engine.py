@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,10 @@ from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from dgserve.token_bounds import PromptTooLongError
 
+if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
+    from dgserve.runtime import RuntimePlan
+    from dgserve.tokenizer import Tokenizer
+
 MAX_REQUEST_ID_LENGTH = 256
 log = logging.getLogger("dgserve.engine")
 
@@ -41,7 +46,7 @@ log = logging.getLogger("dgserve.engine")
 class ChatPrompt:
     """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
 
-    messages: tuple
+    messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     enable_thinking: bool = False
 
@@ -78,6 +83,8 @@ class _Request:
 
     def result(self) -> GenerationResult:
         t = self.tracker
+        if t.finish_reason is None:
+            raise RuntimeError(f"request {self.request_id!r} has not finished")
         return GenerationResult(
             list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
         )
@@ -93,7 +100,7 @@ class Engine:
     def __init__(
         self,
         model: DiffusionGemma,
-        tokenizer=None,
+        tokenizer: Tokenizer | None = None,
         defaults: GenerationDefaults | None = None,
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
@@ -108,7 +115,7 @@ class Engine:
         self.native_report = (
             run_self_check(model.device, native_ops) if native_ops != "auto" or model.device.type == "cuda" else None
         )
-        self.runtime = None  # the RuntimePlan when built by from_pretrained
+        self.runtime: RuntimePlan | None = None  # the RuntimePlan when built by from_pretrained
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         try:  # a checkpoint default outside the request limits fails here, at load, not on the first request
@@ -130,10 +137,10 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> Engine:
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
         to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
@@ -160,7 +167,7 @@ class Engine:
         )
         return engine
 
-    def runtime_info(self) -> dict:
+    def runtime_info(self) -> dict[str, Any]:
         """device, dtype, expert format, native-ops mode, the native ops active on the device (after the
         self-check) and those switched off with why: for the start-up log and GetModelInfo."""
         from dgserve import ops
@@ -177,10 +184,10 @@ class Engine:
             "native_ops_disabled": {op: why for op, why in off.items() if op in ops.NATIVE_OPS},
         }
 
-    def default_params(self, **overrides) -> SamplingParams:
+    def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
         d = self.defaults
-        kw = dict(
+        kw: dict[str, Any] = dict(
             max_new_tokens=d.max_new_tokens,
             max_denoising_steps=d.max_denoising_steps,
             t_min=d.t_min,
@@ -295,11 +302,8 @@ class Engine:
             self._encode(req, req.prompt_ids[start:end])
         if not active:
             return events
-        for req in active:
-            if req.state is None:
-                self._start_block(req)
+        states = [r.state if r.state is not None else self._start_block(r) for r in active]
         t0 = time.perf_counter()
-        states = [r.state for r in active]
         tiles = self.model.denoise(
             KVCache([r.row for r in active]),
             torch.stack([s.canvas for s in states]),
@@ -313,9 +317,9 @@ class Engine:
         del tiles
         dt = time.perf_counter() - t0
         with self._lock:
-            for req in active:
+            for req, state in zip(active, states, strict=True):
                 req.denoise_seconds += dt
-                if req.state.done and self._requests.get(req.request_id) is req:
+                if state.done and self._requests.get(req.request_id) is req:
                     events.append((req.request_id, self._commit(req)))
         return events
 
@@ -333,7 +337,7 @@ class Engine:
         self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), req.row)
         req.encode_seconds += time.perf_counter() - t0
 
-    def _start_block(self, req: _Request) -> None:
+    def _start_block(self, req: _Request) -> BlockState:
         if req.pending is not None:
             req.encode_seconds = 0.0
             self._encode(req, req.pending)
@@ -342,9 +346,12 @@ class Engine:
         req.state = BlockState.start(
             req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
         )
+        return req.state
 
     def _commit(self, req: _Request) -> BlockOutput:
         s = req.state
+        if s is None or s.argmax is None:
+            raise RuntimeError(f"request {req.request_id!r}: commit before its block ran a step")
         canvas = s.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
         toks, text = req.tracker.add_block(canvas)
         stats = BlockStats(
@@ -373,14 +380,18 @@ class Engine:
         ``max_tokens``: a prompt with more tokens raises PromptTooLongError (a ValueError naming ``prompt``) with
         bounded work: text that cannot fit is rejected by its byte length or a bounded count, never tokenized
         whole (``Tokenizer.encode``)."""
-        if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
-            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
-        elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode_chat(
-                list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking, max_tokens=max_tokens
-            )
+        if isinstance(prompt, (str, ChatPrompt)):
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError(
+                    "prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids"
+                )
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
+            else:
+                ids = tok.encode_chat(
+                    list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking, max_tokens=max_tokens
+                )
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
             if max_tokens is not None and len(ids) > max_tokens:
@@ -442,7 +453,7 @@ def _check_max_model_len(value: int | None, limit: int) -> int:
     return value
 
 
-def _as_tuple(x) -> tuple:
+def _as_tuple(x: object) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)

@@ -88,12 +88,12 @@ def _exact(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def _noise_args(device, B=2):
+def _noise_args(device, B=2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _gen(11)
     seeds = torch.randint(0, 2**62, (B,), generator=g)
     blocks = torch.randint(0, 40, (B,), generator=g)
     steps = torch.randint(1, 48, (B,), generator=g)
-    return [t.to(device) for t in (seeds, blocks, steps)]
+    return seeds.to(device), blocks.to(device), steps.to(device)
 
 
 # The references of the device-independent contracts (integer noise, the Gumbel noise, align, the acceptance)
@@ -150,13 +150,13 @@ def check_diffusion_step(device) -> str | None:
     return None
 
 
-def _router_args(device, dtype, T=40, H=64, E=16):
+def _router_args(device, dtype, T=40, H=64, E=16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _gen(3)
     residual = (2 * torch.randn(T, H, generator=g)).to(dtype)
     scale = (torch.rand(H, generator=g) + 0.5).to(dtype)
     proj = (torch.randn(E, H, generator=g) * 4 * H**-0.5).to(dtype)  # well-separated logits: no near-ties
     pes = torch.rand(E, generator=g) + 0.5
-    return [t.to(device) for t in (residual, scale, proj, pes)]
+    return residual.to(device), scale.to(device), proj.to(device), pes.to(device)
 
 
 def check_moe_route(device) -> str | None:

@@ -12,6 +12,7 @@ back to a Python loop per layer.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from dataclasses import dataclass
 
@@ -66,11 +67,11 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]] | Non
         return None
 
 
-def has_nvfp4_experts(path: str | pathlib.Path) -> bool:
+def has_nvfp4_experts(path: str | os.PathLike[str]) -> bool:
     from dgserve import nvfp4
 
     headers = _headers(pathlib.Path(path))
-    return bool(headers) and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
+    return headers is not None and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
 
 
 def estimate_weight_bytes(headers: dict[str, tuple[str, tuple[int, ...]]], dtype: str, packed_nvfp4: bool) -> int:
@@ -109,7 +110,7 @@ def _free_bytes(device: str) -> int | None:
 
 
 def plan_runtime(
-    path: str | pathlib.Path,
+    path: str | os.PathLike[str],
     device: str = "cpu",
     dtype: str | torch.dtype | None = "auto",
     native_ops: str = "auto",

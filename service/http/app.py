@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -173,7 +173,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
         gate.leave()
 
 
-async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncIterator[bytes]:
+async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncGenerator[bytes, None]:
     """The SSE body: role opener (chat), one chunk per committed block, drafts as ``event: dgserve.draft`` chunks
     with no choices (no text for an OpenAI client), the finishing chunk with the ``dgserve`` extension, usage,
     ``[DONE]``."""
@@ -218,13 +218,14 @@ class EventStream(StreamingResponse):
 
     def __init__(
         self,
-        body: AsyncIterator[bytes],
+        body: AsyncGenerator[bytes, None],
         cancel: Callable[[str], None],
         done: Callable[[], None],
         headers: dict[str, str],
     ):
         super().__init__(body, headers={"Cache-Control": "no-cache", **headers}, media_type=self.media_type)
         self.cancel, self.done = cancel, done
+        self._body = body  # the body_iterator, kept with its type: an async generator, closed in __call__
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch():
@@ -243,7 +244,7 @@ class EventStream(StreamingResponse):
         finally:
             watcher.cancel()
             self.cancel("client_cancelled")
-            await self.body_iterator.aclose()
+            await self._body.aclose()
             self.done()
 
 

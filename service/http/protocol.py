@@ -40,7 +40,7 @@ COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "seed", "us
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
-NO_OP = {
+NO_OP: dict[str, tuple[object, ...]] = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
@@ -302,6 +302,8 @@ def extension(out: Output) -> dict:
 def response(out: Output) -> dict:
     """The non-streaming body (chat.completion or text_completion)."""
     f = out.finished
+    if f is None:
+        raise RuntimeError(f"response: request {out.request_id!r} has not finished")
     if out.chat:
         choice = {
             "index": 0,

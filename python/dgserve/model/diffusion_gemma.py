@@ -10,6 +10,7 @@ Public contract (DESIGN.md, Contracts):
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ class DiffusionGemma:
     @classmethod
     def from_pretrained(
         cls,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         nvfp4_packed: bool | None = None,
@@ -103,8 +104,8 @@ class DiffusionGemma:
         self,
         cache: KVCache,
         canvas_ids: torch.Tensor,
-        self_cond_logits: torch.Tensor | None = None,
-        self_cond_probs: torch.Tensor | None = None,
+        self_cond_logits: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+        self_cond_probs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         tiled: bool = False,
     ) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
@@ -232,6 +233,8 @@ class DiffusionGemma:
     def self_conditioning(self, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None) -> torch.Tensor:
         """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (spec §3.7)."""
         if sc_probs is None:
+            if sc_logits is None:
+                raise ValueError("self_conditioning needs sc_logits or sc_probs")
             sc_probs = torch.softmax(sc_logits.to(self.device), dim=-1, dtype=torch.float32)
         soft = torch.matmul(sc_probs.to(self.dtype), self.embed) * self.embed_scale
         n = ops.rms_norm(soft, self.sc_pre_norm, self.config.rms_norm_eps)

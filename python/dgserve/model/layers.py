@@ -73,7 +73,7 @@ class LayerWeights:
             post_feedforward_layernorm=g("post_feedforward_layernorm.weight"),
             layer_scalar=g("layer_scalar"),
             encoder_layer_scalar=g("encoder_layer_scalar"),
-            experts_packed=w.get(p + "experts.packed"),
+            experts_packed=w.get(p + "experts.packed"),  # type: ignore[arg-type]  # a PackedExperts (checkpoint.PACKED)
         )
 
 
