@@ -15,11 +15,12 @@ Steps (each prints one line):
 
 Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c`` for every arch of the
 build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills more than
-SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this works on any machine with nvcc. It prints
-the compile seconds per arch. ``--logf-accuracy`` builds and runs
+SPILL_BUDGET_BYTES of registers to local memory (``ptxas -v``); the .cu files include no torch headers, so this
+works on any machine with nvcc. It prints the compile seconds per arch. ``--logf-accuracy`` builds and runs
 ``csrc/tools/dg_logf_accuracy.cpp`` (exhaustive ulp error of the contract's float32 log).
 Exit status is non-zero, with a one-line reason, when a step fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,13 @@ STANDALONE_STD = "-std=c++17"  # --check-cuda and the accuracy tool, which have 
 # later majors), JIT-compiled by the driver at first load. compute_80 because the kernels use nothing newer
 # (mma.sync, cp.async) and PTX only runs on parts at least as new as its target: compute_120 PTX would leave
 # sm_103 and sm_110 with no code at all ('a' SASS such as sm_100a runs on its own part only).
-CUDA_ARCHES = [("sm_90a", "compute_90"), ("sm_80", "compute_80"), ("sm_100a", "compute_100"),
-               ("sm_120", "compute_120"), ("sm_121", "compute_121")]
+CUDA_ARCHES = [
+    ("sm_90a", "compute_90"),
+    ("sm_80", "compute_80"),
+    ("sm_100a", "compute_100"),
+    ("sm_120", "compute_120"),
+    ("sm_121", "compute_121"),
+]
 PTX_ARCH = "compute_80"
 # --check-cuda fails when a kernel spills more than this to local memory (ptxas -v), and lists smaller spills.
 # A few bytes are tolerated: the NT=2 NVFP4 GEMMs, capped at 128 registers for 2 CTAs/SM, spill 4-16 B (as
@@ -88,8 +94,17 @@ def build_protos(verbose: bool) -> None:
         return
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     rel = [str(p.relative_to(PROTO)) for p in protos]
-    argv = ["grpc_tools.protoc", "-I", str(PROTO), "-I", str(well_known), f"--python_out={PYTHON}",
-            f"--grpc_python_out={PYTHON}", f"--pyi_out={PYTHON}", *rel]
+    argv = [
+        "grpc_tools.protoc",
+        "-I",
+        str(PROTO),
+        "-I",
+        str(well_known),
+        f"--python_out={PYTHON}",
+        f"--grpc_python_out={PYTHON}",
+        f"--pyi_out={PYTHON}",
+        *rel,
+    ]
     if verbose:
         log("proto: " + " ".join(argv))
     if protoc.main(argv) != 0:
@@ -100,7 +115,9 @@ def build_protos(verbose: bool) -> None:
             if not (d / "__init__.py").exists():
                 (d / "__init__.py").write_text("")
             d = d.parent
-    log(f"proto: {len(protos)} file(s) → {', '.join(sorted({str((PYTHON / r).parent.relative_to(ROOT)) for r in rel}))}")
+    log(
+        f"proto: {len(protos)} file(s) → {', '.join(sorted({str((PYTHON / r).parent.relative_to(ROOT)) for r in rel}))}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,8 +189,7 @@ def build_extension(args: argparse.Namespace) -> None:
     nvcc = None if args.cpu_only else find_nvcc()
     use_cuda = bool(torch.version.cuda) and nvcc is not None
     if not use_cuda:
-        why = ("--cpu-only" if args.cpu_only else "torch is a CPU build" if not torch.version.cuda
-               else "nvcc not found")
+        why = "--cpu-only" if args.cpu_only else "torch is a CPU build" if not torch.version.cuda else "nvcc not found"
         log(f"ext: CPU-only extension ({why})")
     cflags, cuda_flags, arches = list(CXX_FLAGS), list(NVCC_FLAGS), []
     if use_cuda:
@@ -189,9 +205,16 @@ def build_extension(args: argparse.Namespace) -> None:
     t0 = time.time()
     try:
         module = cpp_extension.load(
-            name="_C", sources=[str(s) for s in sources], extra_include_paths=[str(CSRC)],
-            extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), with_cuda=use_cuda, verbose=args.verbose)
+            name="_C",
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            with_cuda=use_cuda,
+            verbose=args.verbose,
+        )
     except Exception as e:  # compiler errors arrive as RuntimeError (torch captures ninja's output)
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         detail = [ln for ln in lines if "error" in ln.lower() and "ninja" not in ln.lower()][:12]
@@ -205,8 +228,10 @@ def build_extension(args: argparse.Namespace) -> None:
     shutil.copy2(built, target)
     names = [str(s.relative_to(ROOT)) for s in sources]
     log(f"ext: sources {', '.join(names)}")
-    log(f"ext: {'CUDA (' + ', '.join(arches) + ')' if use_cuda else 'CPU'} build → "
-        f"{target.relative_to(ROOT)} in {time.time() - t0:.1f} s")
+    log(
+        f"ext: {'CUDA (' + ', '.join(arches) + ')' if use_cuda else 'CPU'} build → "
+        f"{target.relative_to(ROOT)} in {time.time() - t0:.1f} s"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,10 +268,21 @@ def check_cuda(args: argparse.Namespace) -> None:
     arches = cuda_arches(nvcc, args.arch.split(",") if args.arch else None)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="dg-check-cuda-") as tmp:
+
         def compile_one(job: tuple[pathlib.Path, str]):
             cu, arch = job
-            cmd = [nvcc, "-c", gencode(arch), STANDALONE_STD, *NVCC_FLAGS, "-I", str(CSRC), str(cu), "-o",
-                   str(pathlib.Path(tmp) / f"{cu.stem}.{arch}.o")]
+            cmd = [
+                nvcc,
+                "-c",
+                gencode(arch),
+                STANDALONE_STD,
+                *NVCC_FLAGS,
+                "-I",
+                str(CSRC),
+                str(cu),
+                "-o",
+                str(pathlib.Path(tmp) / f"{cu.stem}.{arch}.o"),
+            ]
             if not arch.startswith("compute_"):
                 cmd[2:2] = ["-Xptxas", "-v"]  # resource usage: registers, stack, spills
             if args.verbose:
@@ -265,18 +301,26 @@ def check_cuda(args: argparse.Namespace) -> None:
         raise BuildError("--check-cuda: nvcc failed on " + ", ".join(f"{cu.name} ({a})" for cu, a, _ in failed))
     per_arch = {arch: sum(dt for _, a, _, dt in results if a == arch) for arch in arches}
     log(f"check-cuda: {len(cus)} file(s) ({', '.join(cu.name for cu in cus)})")
-    log("check-cuda: compile seconds per arch (summed over files): "
-        + ", ".join(f"{a} {dt:.1f}" for a, dt in per_arch.items()))
+    log(
+        "check-cuda: compile seconds per arch (summed over files): "
+        + ", ".join(f"{a} {dt:.1f}" for a, dt in per_arch.items())
+    )
     spills = [(cu, arch, s) for cu, arch, r, _ in results for s in ptxas_spills(r.stdout + r.stderr)]
     over = [x for x in spills if max(x[2][1], x[2][2]) > SPILL_BUDGET_BYTES]
     for cu, arch, (kernel, st, ld) in spills:
-        log(f"check-cuda: {cu.name} ({arch}): {kernel} spills {st} B stores / {ld} B loads"
-            + (" -- over the budget" if max(st, ld) > SPILL_BUDGET_BYTES else ""))
+        log(
+            f"check-cuda: {cu.name} ({arch}): {kernel} spills {st} B stores / {ld} B loads"
+            + (" -- over the budget" if max(st, ld) > SPILL_BUDGET_BYTES else "")
+        )
     if over:
-        raise BuildError(f"--check-cuda: {len(over)} kernel(s) spill more than {SPILL_BUDGET_BYTES} B of registers "
-                         "to local memory (listed above)")
-    log(f"check-cuda: {len(cus)} file(s) compile with nvcc for {', '.join(arches)}, no spill over "
-        f"{SPILL_BUDGET_BYTES} B ({len(spills)} smaller), in {time.time() - t0:.1f} s")
+        raise BuildError(
+            f"--check-cuda: {len(over)} kernel(s) spill more than {SPILL_BUDGET_BYTES} B of registers "
+            "to local memory (listed above)"
+        )
+    log(
+        f"check-cuda: {len(cus)} file(s) compile with nvcc for {', '.join(arches)}, no spill over "
+        f"{SPILL_BUDGET_BYTES} B ({len(spills)} smaller), in {time.time() - t0:.1f} s"
+    )
 
 
 def logf_accuracy(args: argparse.Namespace) -> None:
@@ -303,22 +347,38 @@ def _torch_importable() -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Outputs: python/dgserve/v1/*_pb2*.py and python/dgserve/_C*.so (gitignored).")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Outputs: python/dgserve/v1/*_pb2*.py and python/dgserve/_C*.so (gitignored).",
+    )
     p.add_argument("--no-proto", action="store_true", help="skip the protobuf stubs")
     p.add_argument("--no-ext", action="store_true", help="skip the native extension dgserve._C")
-    p.add_argument("--cpu-only", action="store_true", help="build the extension without CUDA sources even when "
-                   "torch is a CUDA build and nvcc is found")
-    p.add_argument("--arch", default=None, help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; "
-                   "compute_XX for PTX (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
-                   "each when nvcc supports it)")
+    p.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="build the extension without CUDA sources even when torch is a CUDA build and nvcc is found",
+    )
+    p.add_argument(
+        "--arch",
+        default=None,
+        help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; "
+        "compute_XX for PTX (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
+        "each when nvcc supports it)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's choice)")
-    p.add_argument("--check-cuda", action="store_true", help="only compile each csrc/ops/*.cu with "
-                   "`nvcc -c` for every arch (or --arch) into a temporary directory (no torch needed), fail on "
-                   "register spills over SPILL_BUDGET_BYTES, print the seconds per arch, then exit")
-    p.add_argument("--logf-accuracy", action="store_true", help="only build and run the exhaustive accuracy "
-                   "check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit")
+    p.add_argument(
+        "--check-cuda",
+        action="store_true",
+        help="only compile each csrc/ops/*.cu with "
+        "`nvcc -c` for every arch (or --arch) into a temporary directory (no torch needed), fail on "
+        "register spills over SPILL_BUDGET_BYTES, print the seconds per arch, then exit",
+    )
+    p.add_argument(
+        "--logf-accuracy",
+        action="store_true",
+        help="only build and run the exhaustive accuracy check of dg_logf (csrc/tools/dg_logf_accuracy.cpp), then exit",
+    )
     p.add_argument("--verbose", action="store_true", help="show compiler commands and output")
     return p.parse_args(argv)
 

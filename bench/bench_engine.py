@@ -12,9 +12,11 @@ settings. Warm-up first, best of `--repeats`. One JSON line per configuration: p
 time to first block, tokens/s, peak memory, the ratio to transformers, and, with `--mem-gbps`, the fraction of
 the memory-bandwidth roofline (every weight byte read once per denoising step at batch 1).
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -48,7 +50,7 @@ def _weight_bytes(config, dtype, experts) -> int:
     for name, shape in expected_shapes(config).items():
         n = torch.Size(shape).numel()
         if experts == "nvfp4" and ".experts." in name:
-            total += n // 2 + n // 16 + 8      # 4-bit codes + one E4M3 scale per 16 (+ global scales)
+            total += n // 2 + n // 16 + 8  # 4-bit codes + one E4M3 scale per 16 (+ global scales)
         else:
             total += n * torch.tensor([], dtype=dtype).element_size()
     return total
@@ -59,7 +61,7 @@ def _weights(config, seed, dtype, device, experts):
     from dgserve.tiny import random_weights
 
     w = random_weights(config, seed, dtype, device)
-    if experts == "nvfp4":   # the CPU/reference path runs on exactly dequantized NVFP4 weights
+    if experts == "nvfp4":  # the CPU/reference path runs on exactly dequantized NVFP4 weights
         for name in [n for n in w if ".experts." in n]:
             t = w[name]
             for e in range(t.shape[0]):
@@ -84,7 +86,9 @@ def _hf_model(config, seed, dtype, device, experts):
         for hf_name in hf_names(canonical):
             state[hf_name] = t
     missing, _ = hf.load_state_dict(state, strict=False)
-    text_missing = [m for m in missing if "vision" not in m and not m.endswith(("inv_freq", "embed_scale", "lm_head.weight"))]
+    text_missing = [
+        m for m in missing if "vision" not in m and not m.endswith(("inv_freq", "embed_scale", "lm_head.weight"))
+    ]
     assert not text_missing, text_missing[:5]
     return hf
 
@@ -105,12 +109,17 @@ def _baseline(args, config, dtype, device, prompt):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     hf = _hf_model(config, 0, dtype, device, args.experts)
-    kw = dict(max_new_tokens=args.blocks * config.canvas_length, max_denoising_steps=args.steps,
-              sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), confidence_threshold=1e-30,
-              eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        max_new_tokens=args.blocks * config.canvas_length,
+        max_denoising_steps=args.steps,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+        confidence_threshold=1e-30,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     x = torch.tensor([prompt], device=device)
     with torch.no_grad():
-        secs, out = _time(lambda: hf.generate(x, **kw), device, args.repeats)
+        secs, out = _time(functools.partial(hf.generate, x, **kw), device, args.repeats)
     n = out.sequences.shape[1] - len(prompt)
     del hf, out
     gc.collect()
@@ -154,14 +163,20 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     config = preset(args.shape)
-    prompt = torch.randint(3, config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        3, config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     hf_tok_s = None if args.no_baseline else _baseline(args, config, dtype, device, prompt)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = DiffusionGemma(config, _weights(config, 0, dtype, device, args.experts), dtype, device)
     args.engine = Engine(model)
-    fixed = SamplingParams(max_new_tokens=args.blocks * config.canvas_length, max_denoising_steps=args.steps,
-                           ignore_eos=True, confidence_threshold=1e-30)
+    fixed = SamplingParams(
+        max_new_tokens=args.blocks * config.canvas_length,
+        max_denoising_steps=args.steps,
+        ignore_eos=True,
+        confidence_threshold=1e-30,
+    )
     adaptive = SamplingParams(max_new_tokens=args.blocks * config.canvas_length, ignore_eos=True)
     wbytes = _weight_bytes(config, dtype, args.experts)
     for label, params in (("fixed", fixed), ("adaptive", adaptive)):
@@ -169,15 +184,24 @@ def main() -> None:
             if label == "adaptive" and conc != 1:
                 continue
             secs, ntok, steps, ttfb, blocks, _ = _ours(args, config, dtype, device, prompt, params, conc)
-            step_s = secs / steps   # steps: denoising steps each request ran (rows advance together)
+            step_s = secs / steps  # steps: denoising steps each request ran (rows advance together)
             row = {
-                "bench": "engine", "device": _device_name(device), "shape": args.shape, "dtype": str(dtype)[6:],
-                "experts": args.experts, "steps": label if label == "adaptive" else args.steps,
-                "concurrency": conc, "prompt_len": args.prompt_len, "blocks": blocks,
+                "bench": "engine",
+                "device": _device_name(device),
+                "shape": args.shape,
+                "dtype": str(dtype)[6:],
+                "experts": args.experts,
+                "steps": label if label == "adaptive" else args.steps,
+                "concurrency": conc,
+                "prompt_len": args.prompt_len,
+                "blocks": blocks,
                 "native_diffusion_step": ops.has_native("diffusion_step"),
-                "tok_s": round(ntok / secs, 1), "ms_per_step": round(1e3 * step_s, 2),
-                "ms_per_block": round(1e3 * secs / blocks, 1), "ms_to_first_block": round(1e3 * ttfb, 1),
-                "mean_steps_per_block": round(steps / blocks, 2), "peak_mem_gb": round(_peak_bytes(device) / 1e9, 2),
+                "tok_s": round(ntok / secs, 1),
+                "ms_per_step": round(1e3 * step_s, 2),
+                "ms_per_block": round(1e3 * secs / blocks, 1),
+                "ms_to_first_block": round(1e3 * ttfb, 1),
+                "mean_steps_per_block": round(steps / blocks, 2),
+                "peak_mem_gb": round(_peak_bytes(device) / 1e9, 2),
             }
             if hf_tok_s is not None and conc == 1 and label == "fixed":
                 row["transformers_tok_s"] = round(hf_tok_s, 1)

@@ -1,8 +1,8 @@
 """Op-level benchmarks of dgserve.ops, one JSON line per configuration.
 
-    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu] [--dtype bfloat16|float32]
-                                  [--canvases 1,4,16] [--hbm-gbps 3350] [--repeats 20] [--warmup 3]
-                                  [--no-reference]
+    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu]
+                                  [--dtype bfloat16|float32] [--canvases 1,4,16] [--hbm-gbps 3350]
+                                  [--repeats 20] [--warmup 3] [--no-reference]
 
 Each subcommand is a pair of functions (``add_<name>_args``, ``bench_<name>``) registered in ``SUBCOMMANDS``;
 shared helpers (timing, device names, JSON rows) live at the top. Timing: warm-up calls, then ``--repeats``
@@ -29,9 +29,11 @@ of HBM bandwidth and ≥ 2.5× the bf16 path.
 over the PyTorch reference (``ops.native_disabled()``; skipped on CUDA at V = 262,144, where the reference's
 Philox temporaries take several GB per canvas).
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -96,8 +98,9 @@ def emit(row: dict) -> None:
 
 def add_expert_shape_args(p: argparse.ArgumentParser, no_reference_help: str) -> None:
     """The flags the expert benches (moe, nvfp4) share: problem shape, batch sizes, roofline, reference check."""
-    p.add_argument("--shape", choices=sorted(MOE_SHAPES), default=None,
-                   help="26b (default on CUDA) or small (default on CPU)")
+    p.add_argument(
+        "--shape", choices=sorted(MOE_SHAPES), default=None, help="26b (default on CUDA) or small (default on CPU)"
+    )
     p.add_argument("--canvases", default="1,4,16", help="comma-separated canvases of 256 tokens")
     p.add_argument("--hbm-gbps", type=float, default=3350.0, help="memory bandwidth roofline in GB/s")
     p.add_argument("--no-reference", action="store_true", help=no_reference_help)
@@ -113,8 +116,8 @@ def moe_problem(H, I, E, K, tokens, dtype, device, seed):
     def rand(*shape, scale=1.0):  # drawn on the CPU in chunks of experts to bound host memory, then moved
         return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
 
-    gate_up = torch.cat([rand(min(16, E - e), 2 * I, H, scale=H ** -0.5) for e in range(0, E, 16)])
-    down = torch.cat([rand(min(16, E - e), H, I, scale=I ** -0.5) for e in range(0, E, 16)])
+    gate_up = torch.cat([rand(min(16, E - e), 2 * I, H, scale=H**-0.5) for e in range(0, E, 16)])
+    down = torch.cat([rand(min(16, E - e), H, I, scale=I**-0.5) for e in range(0, E, 16)])
     x = rand(tokens, H)
     probs = torch.randn(tokens, E, generator=gen).softmax(-1)
     w, ids = probs.topk(K, dim=-1)
@@ -155,20 +158,42 @@ def bench_moe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
         active = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
         weight_bytes = active * 3 * I * H * gate_up.element_size()
         out = ops.moe_experts(x, gate_up, down, w, ids)
-        ms = time_ms(lambda: ops.moe_experts(x, gate_up, down, w, ids), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.moe_experts, x, gate_up, down, w, ids), device, args.repeats, args.warmup)
         gbps = weight_bytes / (ms * 1e-3) / 1e9
-        row = {"bench": "moe", "device": device_name(device), "shape": shape, "dtype": str(dtype).split(".")[-1],
-               "canvases": n, "tokens": T, "pairs": T * K, "hidden": H, "inter": I, "experts": E, "top_k": K,
-               "active_experts": active, "weight_bytes": weight_bytes, "path": moe_path(device, dtype),
-               "ms": round(ms, 4), "gbps": round(gbps, 1), "hbm_gbps": args.hbm_gbps,
-               "pct_hbm_roofline": round(100 * gbps / args.hbm_gbps, 1)}
+        row = {
+            "bench": "moe",
+            "device": device_name(device),
+            "shape": shape,
+            "dtype": str(dtype).split(".")[-1],
+            "canvases": n,
+            "tokens": T,
+            "pairs": T * K,
+            "hidden": H,
+            "inter": I,
+            "experts": E,
+            "top_k": K,
+            "active_experts": active,
+            "weight_bytes": weight_bytes,
+            "path": moe_path(device, dtype),
+            "ms": round(ms, 4),
+            "gbps": round(gbps, 1),
+            "hbm_gbps": args.hbm_gbps,
+            "pct_hbm_roofline": round(100 * gbps / args.hbm_gbps, 1),
+        }
         if not args.no_reference:
             with ops.native_disabled():
                 ref = reference.moe_experts(x, gate_up, down, w, ids)
-                ref_ms = time_ms(lambda: reference.moe_experts(x, gate_up, down, w, ids), device,
-                                 max(1, args.repeats // 4), 1)
-            row.update(reference_ms=round(ref_ms, 4), speedup_vs_reference=round(ref_ms / ms, 2),
-                       rel_l2_vs_reference=rel_l2(out, ref))
+                ref_ms = time_ms(
+                    functools.partial(reference.moe_experts, x, gate_up, down, w, ids),
+                    device,
+                    max(1, args.repeats // 4),
+                    1,
+                )
+            row.update(
+                reference_ms=round(ref_ms, 4),
+                speedup_vs_reference=round(ref_ms / ms, 2),
+                rel_l2_vs_reference=rel_l2(out, ref),
+            )
         row.update(moe_grouped_mm_row(x, gate_up, down, w, ids, device, args, ms))
         emit(row)
         del x, gate_up, down, w, ids, out
@@ -228,8 +253,9 @@ def bench_nvfp4(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     shape = args.shape or ("26b" if device.type == "cuda" else "small")
     H, I, E, K = MOE_SHAPES[shape]
     counts = [int(c) for c in args.canvases.split(",")]
-    x_all, gate_up, down, w_all, ids_all = moe_problem(H, I, E, K, max(counts) * CANVAS, torch.bfloat16, device,
-                                                       args.seed)
+    x_all, gate_up, down, w_all, ids_all = moe_problem(
+        H, I, E, K, max(counts) * CANVAS, torch.bfloat16, device, args.seed
+    )
     packed = nvfp4_layer(gate_up, down)
     bytes_per_expert = sum(t[0].numel() * t.element_size() for t in packed[:4]) + 12
     measured = copy_gbps(device)
@@ -239,19 +265,38 @@ def bench_nvfp4(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         active = int((torch.bincount(ids.reshape(-1), minlength=E) > 0).sum())
         nbytes = active * bytes_per_expert
         out = ops.nvfp4_moe_experts(x, packed, w, ids)
-        ms = time_ms(lambda: ops.nvfp4_moe_experts(x, packed, w, ids), device, args.repeats, args.warmup)
-        bf16_ms = time_ms(lambda: ops.moe_experts(x, gate_up, down, w, ids), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.nvfp4_moe_experts, x, packed, w, ids), device, args.repeats, args.warmup)
+        bf16_ms = time_ms(
+            functools.partial(ops.moe_experts, x, gate_up, down, w, ids), device, args.repeats, args.warmup
+        )
         gemm_ms = nvfp4_gemm_ms(x, packed, w, ids, device, args)
         gbps = nbytes / (ms * 1e-3) / 1e9
-        row = {"bench": "nvfp4", "device": device_name(device), "shape": shape, "canvases": n, "tokens": T,
-               "pairs": T * K, "hidden": H, "inter": I, "experts": E, "top_k": K, "active_experts": active,
-               "nvfp4_bytes": nbytes, "bf16_bytes": active * 3 * I * H * 2, "path": nvfp4_path(device),
-               "ms": round(ms, 4), "gbps": sig(gbps), "hbm_gbps": args.hbm_gbps,
-               "pct_hbm_roofline": sig(100 * gbps / args.hbm_gbps),
-               "floor_ms_at_hbm": sig(1e3 * nbytes / (args.hbm_gbps * 1e9)),
-               "copy_gbps_measured": sig(measured), "pct_of_measured_copy": sig(100 * gbps / measured),
-               "gemm_ms": None if gemm_ms is None else round(gemm_ms, 4),
-               "bf16_ms": round(bf16_ms, 4), "speedup_vs_bf16": round(bf16_ms / ms, 2)}
+        row = {
+            "bench": "nvfp4",
+            "device": device_name(device),
+            "shape": shape,
+            "canvases": n,
+            "tokens": T,
+            "pairs": T * K,
+            "hidden": H,
+            "inter": I,
+            "experts": E,
+            "top_k": K,
+            "active_experts": active,
+            "nvfp4_bytes": nbytes,
+            "bf16_bytes": active * 3 * I * H * 2,
+            "path": nvfp4_path(device),
+            "ms": round(ms, 4),
+            "gbps": sig(gbps),
+            "hbm_gbps": args.hbm_gbps,
+            "pct_hbm_roofline": sig(100 * gbps / args.hbm_gbps),
+            "floor_ms_at_hbm": sig(1e3 * nbytes / (args.hbm_gbps * 1e9)),
+            "copy_gbps_measured": sig(measured),
+            "pct_of_measured_copy": sig(100 * gbps / measured),
+            "gemm_ms": None if gemm_ms is None else round(gemm_ms, 4),
+            "bf16_ms": round(bf16_ms, 4),
+            "speedup_vs_bf16": round(bf16_ms / ms, 2),
+        }
         if gemm_ms is not None:
             row["gemm_pct_hbm_roofline"] = sig(100 * nbytes / (gemm_ms * 1e-3) / 1e9 / args.hbm_gbps)
         if not args.no_reference and n == counts[0]:
@@ -302,18 +347,32 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
     V = STEP_VOCAB[args.shape]
     for B in [int(c) for c in args.canvases.split(",")]:
         g = torch.Generator().manual_seed(args.seed)
-        inputs = [(4 * torch.randn(B, CANVAS, V, generator=g)).to(dtype), 0.4 + 0.4 * torch.rand(B, generator=g),
-                  torch.randint(0, 2**62, (B,), generator=g), torch.zeros(B, dtype=torch.int64),
-                  torch.full((B,), 16, dtype=torch.int64), torch.full((B,), 0.1)]
+        inputs = [
+            (4 * torch.randn(B, CANVAS, V, generator=g)).to(dtype),
+            0.4 + 0.4 * torch.rand(B, generator=g),
+            torch.randint(0, 2**62, (B,), generator=g),
+            torch.zeros(B, dtype=torch.int64),
+            torch.full((B,), 16, dtype=torch.int64),
+            torch.full((B,), 0.1),
+        ]
         inputs = [t.to(device) for t in inputs]
-        ms = time_ms(lambda: ops.diffusion_step(*inputs), device, args.repeats, args.warmup)
+        ms = time_ms(functools.partial(ops.diffusion_step, *inputs), device, args.repeats, args.warmup)
         nbytes = B * CANVAS * V * (inputs[0].element_size() + 4)
-        row = {"bench": "diffusion_step", "device": device_name(device), "dtype": str(dtype)[6:], "canvases": B,
-               "canvas": CANVAS, "vocab": V, "native": ops.has_native("diffusion_step"), "ms": round(ms, 3),
-               "gb_s": round(nbytes / ms / 1e6, 1), "pct_of_hbm": round(100 * nbytes / ms / 1e6 / args.hbm_gbps, 1)}
+        row = {
+            "bench": "diffusion_step",
+            "device": device_name(device),
+            "dtype": str(dtype)[6:],
+            "canvases": B,
+            "canvas": CANVAS,
+            "vocab": V,
+            "native": ops.has_native("diffusion_step"),
+            "ms": round(ms, 3),
+            "gb_s": round(nbytes / ms / 1e6, 1),
+            "pct_of_hbm": round(100 * nbytes / ms / 1e6 / args.hbm_gbps, 1),
+        }
         if not args.no_reference and (device.type == "cpu" or V <= 32768):
             with ops.native_disabled():
-                ref_ms = time_ms(lambda: ops.diffusion_step(*inputs), device, max(1, args.repeats // 4), 1)
+                ref_ms = time_ms(functools.partial(ops.diffusion_step, *inputs), device, max(1, args.repeats // 4), 1)
             row["reference_ms"] = round(ref_ms, 3)
             row["speedup_vs_reference"] = round(ref_ms / ms, 2)
         emit(row)
@@ -326,14 +385,18 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
 SUBCOMMANDS = {  # name -> (add_args, bench, help)
     "moe": (add_moe_args, bench_moe, "MoE expert block: align, grouped expert GEMMs, combine"),
     "nvfp4": (add_nvfp4_args, bench_nvfp4, "NVFP4 W4A16 experts vs the bf16 expert path"),
-    "diffusion_step": (add_diffusion_step_args, bench_diffusion_step,
-                       "fused sampler step over [B, 256, V] logits vs the PyTorch reference"),
+    "diffusion_step": (
+        add_diffusion_step_args,
+        bench_diffusion_step,
+        "fused sampler step over [B, 256, V] logits vs the PyTorch reference",
+    ),
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="op", required=True)
     for name, (add_args, _, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -12,6 +12,7 @@ count): time to first block (p50/p99), inter-block gap (p50/p99), aggregate toke
 direct path, and the overhead per block = (front-door wall − direct wall) / blocks. Warm-up first.
 Default model: dgserve.default_model_path().
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,14 @@ def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def _requests(n: int, args) -> list[tuple[list[int], dict]]:
     prompt = [2] + [5 + (i * 7) % 250 for i in range(args.prompt_len - 1)]
-    knobs = dict(max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps, ignore_eos=True,
-                 confidence_threshold=1e-30)
+    knobs = dict(
+        max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30
+    )
     return [(prompt, dict(knobs, seed=i)) for i in range(n)]
 
 
@@ -104,8 +106,9 @@ def _start_server(model: str, max_num_seqs: int):
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    cfg = ServiceConfig(model=model, host="127.0.0.1", port=0, http_port=0, max_num_seqs=max_num_seqs,
-                        max_queue_len=1024)
+    cfg = ServiceConfig(
+        model=model, host="127.0.0.1", port=0, http_port=0, max_num_seqs=max_num_seqs, max_queue_len=1024
+    )
 
     async def start():
         s = Server(cfg)
@@ -138,7 +141,7 @@ def main() -> None:
     engine = Engine.from_pretrained(model)
     addresses = {"grpc": f"127.0.0.1:{server.port}", "http": f"http://127.0.0.1:{server.http_port}"}
     doors = args.front_doors.split(",")
-    _direct(engine, _requests(2, args))                                       # warm-up every path
+    _direct(engine, _requests(2, args))  # warm-up every path
     for door in doors:
         asyncio.run(_run(door, addresses[door], [_requests(2, args)]))
     for n in counts:
@@ -149,18 +152,31 @@ def main() -> None:
         for door in doors:
             wall, tokens, ttfb, gaps = asyncio.run(_run(door, addresses[door], per_client))
             blocks = len(ttfb) + len(gaps)
-            print(json.dumps({
-                "bench": "service", "front_door": door, "device": "cpu",
-                "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "model": pathlib.Path(model).name, "clients": n, "requests": len(reqs),
-                "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-                "ttfb_ms_p50": round(_pct(ttfb, 0.5) * 1e3, 2), "ttfb_ms_p99": round(_pct(ttfb, 0.99) * 1e3, 2),
-                "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2), "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
-                "tokens_per_s": round(tokens / wall, 1),
-                "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
-                "overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
-                "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "service",
+                        "front_door": door,
+                        "device": "cpu",
+                        "cpu": platform.processor() or platform.machine(),
+                        "threads": torch.get_num_threads(),
+                        "model": pathlib.Path(model).name,
+                        "clients": n,
+                        "requests": len(reqs),
+                        "max_new_tokens": args.max_new_tokens,
+                        "steps": args.steps,
+                        "ttfb_ms_p50": round(_pct(ttfb, 0.5) * 1e3, 2),
+                        "ttfb_ms_p99": round(_pct(ttfb, 0.99) * 1e3, 2),
+                        "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2),
+                        "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
+                        "tokens_per_s": round(tokens / wall, 1),
+                        "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
+                        "overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
+                        "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
+                    }
+                ),
+                flush=True,
+            )
     asyncio.run_coroutine_threadsafe(server.drain(0), loop).result(60)
 
 

@@ -16,6 +16,7 @@ Phases:
   latency under that load, and the server's RSS (and peak RSS) before and after.
 Default model: the shipped small one (dgserve.default_model_path()).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,10 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "service"))     # the storm driver shared with the test suite
+sys.path.insert(0, str(ROOT / "tests" / "service"))  # the storm driver shared with the test suite
 
 
 def _emit(**kw) -> None:
@@ -49,7 +49,7 @@ def run_storm(srv, stub, args) -> None:
     import storm
 
     tokens = storm.seeded_tokens(stub)
-    storm.storm(stub, srv.target, 100, args.concurrency, seed=1)          # warm-up
+    storm.storm(stub, srv.target, 100, args.concurrency, seed=1)  # warm-up
     before, t0 = srv.stats(), time.perf_counter()
     codes = storm.storm(stub, srv.target, args.streams, args.concurrency, seed=2)
     wall = time.perf_counter() - t0
@@ -58,10 +58,18 @@ def run_storm(srv, stub, args) -> None:
     by_code: dict[str, int] = {}
     for (_, code), n in codes.items():
         by_code[code] = by_code.get(code, 0) + n
-    _emit(phase="storm", streams=args.streams, concurrency=args.concurrency, seconds=round(wall, 1),
-          alive=alive, same_seeded_tokens=same, codes=by_code,
-          unexpected={f"{m}:{c}": n for (m, c), n in codes.items() if c not in storm.STREAM_CODES},
-          before=before, after=srv.stats() if alive else None)
+    _emit(
+        phase="storm",
+        streams=args.streams,
+        concurrency=args.concurrency,
+        seconds=round(wall, 1),
+        alive=alive,
+        same_seeded_tokens=same,
+        codes=by_code,
+        unexpected={f"{m}:{c}": n for (m, c), n in codes.items() if c not in storm.STREAM_CODES},
+        before=before,
+        after=srv.stats() if alive else None,
+    )
 
 
 def run_fuzz(srv, channel, args) -> None:
@@ -70,15 +78,26 @@ def run_fuzz(srv, channel, args) -> None:
     before, t0 = srv.stats(), time.perf_counter()
     codes = storm.fuzz(channel, args.fuzz, concurrency=8, seed=5)
     wall = time.perf_counter() - t0
-    _emit(phase="fuzz", calls=args.fuzz, seconds=round(wall, 1), alive=srv.alive, codes=dict(codes),
-          unexpected={c: n for c, n in codes.items() if c not in storm.FUZZ_CODES},
-          before=before, after=srv.stats() if srv.alive else None)
+    _emit(
+        phase="fuzz",
+        calls=args.fuzz,
+        seconds=round(wall, 1),
+        alive=srv.alive,
+        codes=dict(codes),
+        unexpected={c: n for c, n in codes.items() if c not in storm.FUZZ_CODES},
+        before=before,
+        after=srv.stats() if srv.alive else None,
+    )
 
 
 def _small_latency(stub, pb) -> float:
     t0 = time.perf_counter()
-    list(stub.Generate(pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(
-        max_new_tokens=16, seed=3)), timeout=120))
+    list(
+        stub.Generate(
+            pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_new_tokens=16, seed=3)),
+            timeout=120,
+        )
+    )
     return time.perf_counter() - t0
 
 
@@ -89,7 +108,7 @@ def _big_call(target: str, kind: str, mb: int) -> tuple[float, str]:
     from dgserve.v1 import text_generation_pb2 as pb
     from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-    text = ("The quick brown fox jumps over the lazy dog. " * (mb * 30_000))[:mb * 1_000_000]
+    text = ("The quick brown fox jumps over the lazy dog. " * (mb * 30_000))[: mb * 1_000_000]
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=text)])
     with grpc.insecure_channel(target, [("grpc.max_send_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.TextGenerationStub(ch)
@@ -113,7 +132,7 @@ def run_big_prompt(srv, stub, args) -> None:
     from dgserve.v1 import text_generation_pb2 as pb
 
     for _ in range(2):
-        _small_latency(stub, pb)                                           # warm-up
+        _small_latency(stub, pb)  # warm-up
     baseline = [_small_latency(stub, pb) for _ in range(5)]
     before, peak0 = srv.stats(), _peak_mb(srv.proc.pid)
     kinds = [("generate", "tokenize", "chat")[i % 3] for i in range(args.big_prompts)]
@@ -124,7 +143,7 @@ def run_big_prompt(srv, stub, args) -> None:
             under.append(_small_latency(stub, pb))
 
     with ProcessPoolExecutor(4) as pool:
-        list(pool.map(time.sleep, [0.1] * 4))                              # the workers are up before timing
+        list(pool.map(time.sleep, [0.1] * 4))  # the workers are up before timing
         loop = threading.Thread(target=small_loop)
         loop.start()
         big = list(pool.map(_big_call, [srv.target] * len(kinds), kinds, [args.big_mb] * len(kinds)))
@@ -133,14 +152,23 @@ def run_big_prompt(srv, stub, args) -> None:
     done.set()
     loop.join()
     after = srv.stats()
-    _emit(phase="big_prompt", prompt_mb=args.big_mb, prompts=len(big), codes=sorted({c for _, c in big}),
-          reject_seconds_max=round(max(t for t, _ in big), 3),
-          reject_seconds_median=round(statistics.median(t for t, _ in big), 3),
-          small_stream_seconds_alone=round(statistics.median(baseline), 3),
-          small_stream_seconds_under_load=round(statistics.median(under), 3),
-          small_stream_seconds_under_load_max=round(max(under), 3), small_streams_under_load=len(under),
-          rss_mb_before=before["rss_mb"], rss_mb_after=after["rss_mb"], peak_rss_mb_before=peak0,
-          peak_rss_mb_after=_peak_mb(srv.proc.pid), alive=srv.alive)
+    _emit(
+        phase="big_prompt",
+        prompt_mb=args.big_mb,
+        prompts=len(big),
+        codes=sorted({c for _, c in big}),
+        reject_seconds_max=round(max(t for t, _ in big), 3),
+        reject_seconds_median=round(statistics.median(t for t, _ in big), 3),
+        small_stream_seconds_alone=round(statistics.median(baseline), 3),
+        small_stream_seconds_under_load=round(statistics.median(under), 3),
+        small_stream_seconds_under_load_max=round(max(under), 3),
+        small_streams_under_load=len(under),
+        rss_mb_before=before["rss_mb"],
+        rss_mb_after=after["rss_mb"],
+        peak_rss_mb_before=peak0,
+        peak_rss_mb_after=_peak_mb(srv.proc.pid),
+        alive=srv.alive,
+    )
 
 
 def main() -> int:
@@ -166,8 +194,11 @@ def main() -> int:
             stub = storm.stub_for(ch)
             _emit(phase="start", model=model, stats=srv.stats())
             for phase in args.phases.split(","):
-                {"storm": lambda: run_storm(srv, stub, args), "fuzz": lambda: run_fuzz(srv, ch, args),
-                 "big_prompt": lambda: run_big_prompt(srv, stub, args)}[phase]()
+                {
+                    "storm": lambda: run_storm(srv, stub, args),
+                    "fuzz": lambda: run_fuzz(srv, ch, args),
+                    "big_prompt": lambda: run_big_prompt(srv, stub, args),
+                }[phase]()
                 if not srv.alive:
                     _emit(phase="died", exit_code=srv.proc.returncode, log_tail=srv.lines[-20:])
                     return 1

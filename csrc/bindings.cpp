@@ -60,14 +60,13 @@ void check_arg(const Tensor& t, const char* op, const char* name, std::initializ
   }
   TORCH_CHECK_VALUE(t.dim() == ndim, op, ": `", name, "` must have ", ndim, " dims, got shape ", shape_str(t));
   if (contiguous) {
-    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": `", name, "` must be contiguous (shape ", shape_str(t),
-                      ", strides ", t.strides(), ")");
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": `", name, "` must be contiguous (shape ", shape_str(t), ", strides ",
+                      t.strides(), ")");
   }
 }
 
 void check_shape(const Tensor& t, const char* op, const char* name, at::IntArrayRef expected) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, op, ": `", name, "` must have shape ", expected, ", got ",
-                    shape_str(t));
+  TORCH_CHECK_VALUE(t.sizes() == expected, op, ": `", name, "` must have shape ", expected, ", got ", shape_str(t));
 }
 
 void check_same_device(const Tensor& ref, const Tensor& t, const char* op, const char* name) {
@@ -100,8 +99,7 @@ dg::DType dg_dtype(const Tensor& t) {
 
 // ---- rms_norm --------------------------------------------------------------------------------------------
 
-void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, const Tensor& out,
-              int64_t sum_lanes) {
+void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, const Tensor& out, int64_t sum_lanes) {
   const char* op = "rms_norm";
   check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
   TORCH_CHECK_VALUE(x.size(1) >= 1 && x.stride(1) == 1, op, ": `x` needs a contiguous last dim, got shape ",
@@ -117,17 +115,18 @@ void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, 
     check_same_device(x, *weight, op, "weight");
     w = weight->data_ptr<float>();
   }
-  dg::RmsNormParams p{dg_dtype(x), x.data_ptr(), x.stride(0), w, out.data_ptr(), out.stride(0),
-                      x.size(0), x.size(1), (float)eps, (int)sum_lanes};
-  raise_if_error(run_on_device(x, op, [&] { return dg::rms_norm_cpu(p); },
-                               [&](void* s) {
+  dg::RmsNormParams p{dg_dtype(x),   x.data_ptr(), x.stride(0), w,          out.data_ptr(),
+                      out.stride(0), x.size(0),    x.size(1),   (float)eps, (int)sum_lanes};
+  raise_if_error(run_on_device(
+                     x, op, [&] { return dg::rms_norm_cpu(p); },
+                     [&](void* s) {
 #if defined(DG_WITH_CUDA)
-                                 return dg::rms_norm_cuda(p, s);
+                       return dg::rms_norm_cuda(p, s);
 #else
-                                 (void)s;
-                                 return dg::Status::Ok();
+                       (void)s;
+                       return dg::Status::Ok();
 #endif
-                               }),
+                     }),
                  op);
 }
 
@@ -145,8 +144,8 @@ dg::NoiseParams noise_params(const char* op, const Tensor& seeds, const Tensor& 
   check_same_device(seeds, steps, op, "steps");
   TORCH_CHECK_VALUE(canvas_length >= 0, op, ": `canvas_length` must be >= 0, got ", canvas_length);
   TORCH_CHECK_VALUE(vocab_size >= 1, op, ": `vocab_size` must be >= 1, got ", vocab_size);
-  return dg::NoiseParams{seeds.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), steps.data_ptr<int64_t>(), B,
-                         canvas_length, vocab_size};
+  return dg::NoiseParams{
+      seeds.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), steps.data_ptr<int64_t>(), B, canvas_length, vocab_size};
 }
 
 void canvas_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps, int64_t canvas_length,
@@ -157,15 +156,16 @@ void canvas_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
   check_shape(out, op, "out", {p.batch, canvas_length});
   check_same_device(seeds, out, op, "out");
   int64_t* o = out.data_ptr<int64_t>();
-  raise_if_error(run_on_device(seeds, op, [&] { return dg::canvas_noise_cpu(p, o); },
-                               [&](void* s) {
+  raise_if_error(run_on_device(
+                     seeds, op, [&] { return dg::canvas_noise_cpu(p, o); },
+                     [&](void* s) {
 #if defined(DG_WITH_CUDA)
-                                 return dg::canvas_noise_cuda(p, o, s);
+                       return dg::canvas_noise_cuda(p, o, s);
 #else
-                                 (void)s;
-                                 return dg::Status::Ok();
+                       (void)s;
+                       return dg::Status::Ok();
 #endif
-                               }),
+                     }),
                  op);
 }
 
@@ -177,15 +177,16 @@ void gumbel_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
   check_shape(out, op, "out", {p.batch, canvas_length, vocab_size});
   check_same_device(seeds, out, op, "out");
   float* o = out.data_ptr<float>();
-  raise_if_error(run_on_device(seeds, op, [&] { return dg::gumbel_noise_cpu(p, o); },
-                               [&](void* s) {
+  raise_if_error(run_on_device(
+                     seeds, op, [&] { return dg::gumbel_noise_cpu(p, o); },
+                     [&](void* s) {
 #if defined(DG_WITH_CUDA)
-                                 return dg::gumbel_noise_cuda(p, o, s);
+                       return dg::gumbel_noise_cuda(p, o, s);
 #else
-                                 (void)s;
-                                 return dg::Status::Ok();
+                       (void)s;
+                       return dg::Status::Ok();
 #endif
-                               }),
+                     }),
                  op);
 }
 
@@ -193,8 +194,8 @@ void gumbel_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
 
 void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tensor& seeds, const Tensor& blocks,
                     const Tensor& steps, const Tensor& entropy_bound, const Tensor& canvas, const Tensor& argmax,
-                    const Tensor& entropy, const Tensor& accepted, const Tensor& mean_entropy,
-                    const Tensor& processed, int64_t sum_lanes) {
+                    const Tensor& entropy, const Tensor& accepted, const Tensor& mean_entropy, const Tensor& processed,
+                    int64_t sum_lanes) {
   const char* op = "diffusion_step";
   check_arg(logits, op, "logits", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
   const int64_t B = logits.size(0), C = logits.size(1), V = logits.size(2);
@@ -207,11 +208,16 @@ void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tenso
     at::ScalarType dtype;
     std::vector<int64_t> shape;
   } args[] = {
-      {temperature, "temperature", at::kFloat, {B}},   {seeds, "seeds", at::kLong, {B}},
-      {blocks, "blocks", at::kLong, {B}},              {steps, "steps", at::kLong, {B}},
-      {entropy_bound, "entropy_bound", at::kFloat, {B}}, {canvas, "canvas", at::kLong, {B, C}},
-      {argmax, "argmax", at::kLong, {B, C}},           {entropy, "entropy", at::kFloat, {B, C}},
-      {accepted, "accepted", at::kBool, {B, C}},       {mean_entropy, "mean_entropy", at::kFloat, {B}},
+      {temperature, "temperature", at::kFloat, {B}},
+      {seeds, "seeds", at::kLong, {B}},
+      {blocks, "blocks", at::kLong, {B}},
+      {steps, "steps", at::kLong, {B}},
+      {entropy_bound, "entropy_bound", at::kFloat, {B}},
+      {canvas, "canvas", at::kLong, {B, C}},
+      {argmax, "argmax", at::kLong, {B, C}},
+      {entropy, "entropy", at::kFloat, {B, C}},
+      {accepted, "accepted", at::kBool, {B, C}},
+      {mean_entropy, "mean_entropy", at::kFloat, {B}},
       {processed, "processed", at::kFloat, {B, C, V}},
   };
   for (const auto& a : args) {
@@ -239,15 +245,16 @@ void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tenso
   p.canvas_length = C;
   p.vocab_size = V;
   p.sum_lanes = (int)sum_lanes;
-  raise_if_error(run_on_device(logits, op, [&] { return dg::diffusion_step_cpu(p); },
-                               [&](void* s) {
+  raise_if_error(run_on_device(
+                     logits, op, [&] { return dg::diffusion_step_cpu(p); },
+                     [&](void* s) {
 #if defined(DG_WITH_CUDA)
-                                 return dg::diffusion_step_cuda(p, s);
+                       return dg::diffusion_step_cuda(p, s);
 #else
-                                 (void)s;
-                                 return dg::Status::Ok();
+                       (void)s;
+                       return dg::Status::Ok();
 #endif
-                               }),
+                     }),
                  op);
 }
 
@@ -266,8 +273,7 @@ void moe_route(const Tensor& scores, const Tensor& per_expert_scale, int64_t top
   TORCH_CHECK_VALUE(scores.stride(1) == 1, op, ": `scores` needs a contiguous expert dim, got strides ",
                     scores.strides());
   const int64_t T = scores.size(0), E = scores.size(1);
-  TORCH_CHECK_VALUE(E >= 1 && top_k >= 1 && top_k <= E, op, ": `top_k` must be in [1, experts=", E, "], got ",
-                    top_k);
+  TORCH_CHECK_VALUE(E >= 1 && top_k >= 1 && top_k <= E, op, ": `top_k` must be in [1, experts=", E, "], got ", top_k);
   check_arg(per_expert_scale, op, "per_expert_scale", {at::kFloat}, 1);
   check_shape(per_expert_scale, op, "per_expert_scale", {E});
   check_arg(weights, op, "weights", {at::kFloat}, 2);
@@ -275,20 +281,29 @@ void moe_route(const Tensor& scores, const Tensor& per_expert_scale, int64_t top
   check_arg(ids, op, "ids", {at::kLong}, 2);
   check_shape(ids, op, "ids", {T, top_k});
   for (const Tensor* t : {&per_expert_scale, &weights, &ids}) check_same_device(scores, *t, op, "outputs/scale");
-  const dg::MoeRouteParams p{dg_dtype(scores), scores.data_ptr(), scores.stride(0), from_logits,
-                             per_expert_scale.data_ptr<float>(), weights.data_ptr<float>(),
-                             ids.data_ptr<int64_t>(), T, E, top_k, (int)sum_lanes};
-  raise_if_error(run_on_device(scores, op, [&] { return dg::moe_route_cpu(p); },
-                               [&](void* s) { DG_CUDA_CORE(dg::moe_route_cuda(p, s)); }),
-                 op);
+  const dg::MoeRouteParams p{dg_dtype(scores),
+                             scores.data_ptr(),
+                             scores.stride(0),
+                             from_logits,
+                             per_expert_scale.data_ptr<float>(),
+                             weights.data_ptr<float>(),
+                             ids.data_ptr<int64_t>(),
+                             T,
+                             E,
+                             top_k,
+                             (int)sum_lanes};
+  raise_if_error(
+      run_on_device(
+          scores, op, [&] { return dg::moe_route_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_route_cuda(p, s)); }),
+      op);
 }
 
 void moe_align(const Tensor& ids, int64_t experts, int64_t block_size, const Tensor& counts, const Tensor& offsets,
                const Tensor& sorted_pairs, const Tensor& block_expert) {
   const char* op = "moe_align";
   check_arg(ids, op, "ids", {at::kLong}, 2);
-  TORCH_CHECK_VALUE(experts >= 1 && block_size >= 1, op, ": `experts` and `block_size` must be >= 1, got ",
-                    experts, ", ", block_size);
+  TORCH_CHECK_VALUE(experts >= 1 && block_size >= 1, op, ": `experts` and `block_size` must be >= 1, got ", experts,
+                    ", ", block_size);
   const int64_t P = ids.numel(), cap = dg::moe_align_capacity(P, experts, block_size);
   const struct {
     const Tensor& t;
@@ -303,12 +318,18 @@ void moe_align(const Tensor& ids, int64_t experts, int64_t block_size, const Ten
     check_shape(o.t, op, o.name, {o.size});
     check_same_device(ids, o.t, op, o.name);
   }
-  const dg::MoeAlignParams p{ids.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(),
-                             sorted_pairs.data_ptr<int32_t>(), block_expert.data_ptr<int32_t>(), P, experts,
+  const dg::MoeAlignParams p{ids.data_ptr<int64_t>(),
+                             counts.data_ptr<int32_t>(),
+                             offsets.data_ptr<int32_t>(),
+                             sorted_pairs.data_ptr<int32_t>(),
+                             block_expert.data_ptr<int32_t>(),
+                             P,
+                             experts,
                              block_size};
-  raise_if_error(run_on_device(ids, op, [&] { return dg::moe_align_cpu(p); },
-                               [&](void* s) { DG_CUDA_CORE(dg::moe_align_cuda(p, s)); }),
-                 op);
+  raise_if_error(
+      run_on_device(
+          ids, op, [&] { return dg::moe_align_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_align_cuda(p, s)); }),
+      op);
 }
 
 void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const Tensor& weights,
@@ -324,8 +345,8 @@ void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, con
   check_arg(down, op, "down", {x.scalar_type()}, 3);
   check_shape(down, op, "down", {E, H, I});
   check_arg(weights, op, "weights", {at::kFloat}, 2);
-  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T,
-                    ", K], got ", shape_str(weights));
+  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T, ", K], got ",
+                    shape_str(weights));
   const int64_t K = weights.size(1);
   check_arg(counts, op, "counts", {at::kInt}, 1);
   check_shape(counts, op, "counts", {E});
@@ -340,16 +361,31 @@ void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, con
   const struct {
     const Tensor& t;
     const char* name;
-  } same[] = {{gate_up, "gate_up"}, {down, "down"}, {weights, "weights"}, {counts, "counts"},
-              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"}, {act, "act"}, {y, "y"}};
+  } same[] = {{gate_up, "gate_up"}, {down, "down"},
+              {weights, "weights"}, {counts, "counts"},
+              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"},
+              {act, "act"},         {y, "y"}};
   for (const auto& a : same) check_same_device(x, a.t, op, a.name);
-  const dg::MoeExpertsParams p{dg_dtype(x), x.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-                               weights.data_ptr<float>(), counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(),
-                               sorted_pairs.data_ptr<int32_t>(), act.data_ptr(), y.data_ptr<float>(), T, K, E, H,
-                               I, cap};
-  raise_if_error(run_on_device(x, op, [&] { return dg::moe_experts_cpu(p); },
-                               [&](void* s) { DG_CUDA_CORE(dg::moe_experts_cuda(p, s)); }),
-                 op);
+  const dg::MoeExpertsParams p{dg_dtype(x),
+                               x.data_ptr(),
+                               gate_up.data_ptr(),
+                               down.data_ptr(),
+                               weights.data_ptr<float>(),
+                               counts.data_ptr<int32_t>(),
+                               offsets.data_ptr<int32_t>(),
+                               sorted_pairs.data_ptr<int32_t>(),
+                               act.data_ptr(),
+                               y.data_ptr<float>(),
+                               T,
+                               K,
+                               E,
+                               H,
+                               I,
+                               cap};
+  raise_if_error(
+      run_on_device(
+          x, op, [&] { return dg::moe_experts_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_experts_cuda(p, s)); }),
+      op);
 }
 
 void moe_combine(const Tensor& y, const std::optional<Tensor>& weights, const Tensor& out) {
@@ -368,9 +404,10 @@ void moe_combine(const Tensor& y, const std::optional<Tensor>& weights, const Te
   check_shape(out, op, "out", {T, H});
   check_same_device(y, out, op, "out");
   const dg::MoeCombineParams p{y.data_ptr<float>(), w, dg_dtype(out), out.data_ptr(), T, K, H};
-  raise_if_error(run_on_device(y, op, [&] { return dg::moe_combine_cpu(p); },
-                               [&](void* s) { DG_CUDA_CORE(dg::moe_combine_cuda(p, s)); }),
-                 op);
+  raise_if_error(
+      run_on_device(
+          y, op, [&] { return dg::moe_combine_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_combine_cuda(p, s)); }),
+      op);
 }
 
 #undef DG_CUDA_CORE
@@ -399,11 +436,17 @@ void nvfp4_repack(const Tensor& weight, const Tensor& scale, int64_t interleave_
   check_same_device(weight, scale, op, "scale");
   check_same_device(weight, words, op, "words");
   check_same_device(weight, scales, op, "scales");
-  const dg::Nvfp4RepackParams p{weight.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(),
-                                reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), scales.data_ptr<uint8_t>(),
-                                E, N, kp, interleave_half};
-  raise_if_error(run_on_device(weight, op, [&] { return dg::nvfp4_repack_cpu(p); },
-                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_repack_cuda(p, s)); }),
+  const dg::Nvfp4RepackParams p{weight.data_ptr<uint8_t>(),
+                                scale.data_ptr<uint8_t>(),
+                                reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()),
+                                scales.data_ptr<uint8_t>(),
+                                E,
+                                N,
+                                kp,
+                                interleave_half};
+  raise_if_error(run_on_device(
+                     weight, op, [&] { return dg::nvfp4_repack_cpu(p); },
+                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_repack_cuda(p, s)); }),
                  op);
 }
 
@@ -419,10 +462,14 @@ void nvfp4_decode(const Tensor& words, const Tensor& scales, const Tensor& out) 
   check_same_device(words, scales, op, "scales");
   check_same_device(words, out, op, "out");
   const dg::Nvfp4DecodeParams p{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
-                                scales.data_ptr<uint8_t>(), reinterpret_cast<dg::bf16*>(out.data_ptr()), E,
-                                RT * 16, KC};
-  raise_if_error(run_on_device(words, op, [&] { return dg::nvfp4_decode_cpu(p); },
-                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_decode_cuda(p, s)); }),
+                                scales.data_ptr<uint8_t>(),
+                                reinterpret_cast<dg::bf16*>(out.data_ptr()),
+                                E,
+                                RT * 16,
+                                KC};
+  raise_if_error(run_on_device(
+                     words, op, [&] { return dg::nvfp4_decode_cpu(p); },
+                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_decode_cuda(p, s)); }),
                  op);
 }
 
@@ -448,8 +495,8 @@ void nvfp4_moe_experts(const Tensor& x, const Tensor& w13, const Tensor& s13, co
   check_arg(gs, op, "gs", {at::kFloat}, 2);
   check_shape(gs, op, "gs", {E, 3});
   check_arg(weights, op, "weights", {at::kFloat}, 2);
-  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T,
-                    ", K], got ", shape_str(weights));
+  TORCH_CHECK_VALUE(weights.size(0) == T && weights.size(1) >= 1, op, ": `weights` must have shape [", T, ", K], got ",
+                    shape_str(weights));
   const int64_t K = weights.size(1);
   check_arg(offsets, op, "offsets", {at::kInt}, 1);
   check_shape(offsets, op, "offsets", {E + 1});
@@ -462,17 +509,34 @@ void nvfp4_moe_experts(const Tensor& x, const Tensor& w13, const Tensor& s13, co
   const struct {
     const Tensor& t;
     const char* name;
-  } same[] = {{w13, "w13"}, {s13, "s13"}, {w2, "w2"}, {s2, "s2"}, {gs, "gs"}, {weights, "weights"},
-              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"}, {act, "act"}, {y, "y"}};
+  } same[] = {{w13, "w13"},         {s13, "s13"},
+              {w2, "w2"},           {s2, "s2"},
+              {gs, "gs"},           {weights, "weights"},
+              {offsets, "offsets"}, {sorted_pairs, "sorted_pairs"},
+              {act, "act"},         {y, "y"}};
   for (const auto& a : same) check_same_device(x, a.t, op, a.name);
-  const dg::Nvfp4MoeParams p{dg_dtype(x), x.data_ptr(), x.stride(0),
-                             reinterpret_cast<const uint32_t*>(w13.data_ptr<int32_t>()), s13.data_ptr<uint8_t>(),
-                             reinterpret_cast<const uint32_t*>(w2.data_ptr<int32_t>()), s2.data_ptr<uint8_t>(),
-                             gs.data_ptr<float>(), weights.data_ptr<float>(), sorted_pairs.data_ptr<int32_t>(),
-                             offsets.data_ptr<int32_t>(), reinterpret_cast<dg::bf16*>(act.data_ptr()),
-                             y.data_ptr<float>(), T, K, E, H, I, P};
-  raise_if_error(run_on_device(x, op, [&] { return dg::nvfp4_moe_experts_cpu(p); },
-                               [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_moe_experts_cuda(p, s)); }),
+  const dg::Nvfp4MoeParams p{dg_dtype(x),
+                             x.data_ptr(),
+                             x.stride(0),
+                             reinterpret_cast<const uint32_t*>(w13.data_ptr<int32_t>()),
+                             s13.data_ptr<uint8_t>(),
+                             reinterpret_cast<const uint32_t*>(w2.data_ptr<int32_t>()),
+                             s2.data_ptr<uint8_t>(),
+                             gs.data_ptr<float>(),
+                             weights.data_ptr<float>(),
+                             sorted_pairs.data_ptr<int32_t>(),
+                             offsets.data_ptr<int32_t>(),
+                             reinterpret_cast<dg::bf16*>(act.data_ptr()),
+                             y.data_ptr<float>(),
+                             T,
+                             K,
+                             E,
+                             H,
+                             I,
+                             P};
+  raise_if_error(run_on_device(
+                     x, op, [&] { return dg::nvfp4_moe_experts_cpu(p); },
+                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_moe_experts_cuda(p, s)); }),
                  op);
 }
 
@@ -490,9 +554,8 @@ void philox4x32_10(const Tensor& ctr, const Tensor& key, const Tensor& out) {
   check_shape(out, op, "out", {ctr.size(0), 4});
   TORCH_CHECK_VALUE(ctr.device().is_cpu() && key.device().is_cpu() && out.device().is_cpu(), op,
                     ": test hook takes CPU tensors");
-  raise_if_error(dg::philox_hook(ctr.data_ptr<int64_t>(), key.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
-                                 ctr.size(0)),
-                 op);
+  raise_if_error(
+      dg::philox_hook(ctr.data_ptr<int64_t>(), key.data_ptr<int64_t>(), out.data_ptr<int64_t>(), ctr.size(0)), op);
 }
 
 void dg_logf(const Tensor& x, const Tensor& out) {
@@ -538,9 +601,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dgserve native ops (see csrc/ops/*.h for each contract); call through dgserve.ops";
   m.def("rms_norm", &rms_norm, "RMSNorm x [rows, D] (fp32|bf16) with weight [D] fp32 or None into out [rows, D]",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("sum_lanes") = 8);
-  m.def("canvas_noise", &canvas_noise, "contract canvas tokens into out [B, C] int64 (spec §7.4)",
-        py::arg("seeds"), py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"),
-        py::arg("out"));
+  m.def("canvas_noise", &canvas_noise, "contract canvas tokens into out [B, C] int64 (spec §7.4)", py::arg("seeds"),
+        py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"), py::arg("out"));
   m.def("gumbel_noise", &gumbel_noise, "contract Gumbel noise into out [B, C, V] fp32 (spec §7.5, dg_logf)",
         py::arg("seeds"), py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"),
         py::arg("out"));
@@ -553,8 +615,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &moe_route,
         "router top-k from scores [T, E] (fp32 probabilities, or logits with from_logits) into weights [T, K] "
         "fp32 and ids [T, K] int64",
-        py::arg("scores"), py::arg("per_expert_scale"), py::arg("top_k"), py::arg("from_logits"),
-        py::arg("weights"), py::arg("ids"), py::arg("sum_lanes") = 8);
+        py::arg("scores"), py::arg("per_expert_scale"), py::arg("top_k"), py::arg("from_logits"), py::arg("weights"),
+        py::arg("ids"), py::arg("sum_lanes") = 8);
   m.def("moe_align", &moe_align,
         "group the pairs of ids [T, K] by expert into counts [E], offsets [E+1], sorted_pairs [cap], "
         "block_expert [cap / block_size] (int32)",
@@ -583,8 +645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_moe_experts", &nvfp4_moe_experts,
         "grouped W4A16 expert MLP on repacked NVFP4 weights: act [P, I] bf16 workspace, y [T*K, H] fp32 by pair "
         "(weighted by the routing weight)",
-        py::arg("x"), py::arg("w13"), py::arg("s13"), py::arg("w2"), py::arg("s2"), py::arg("gs"),
-        py::arg("weights"), py::arg("offsets"), py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
+        py::arg("x"), py::arg("w13"), py::arg("s13"), py::arg("w2"), py::arg("s2"), py::arg("gs"), py::arg("weights"),
+        py::arg("offsets"), py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
   m.def("build_info", &build_info,
         "what this build contains: {'cuda': bool, 'openmp': bool, 'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512, "
         "'gumbel_max': float, 'diffusion_step_max_canvas_cuda': int}");

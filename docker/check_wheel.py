@@ -8,6 +8,7 @@ default, and (``--require-ext``) the compiled extension ``dgserve._C``.
 Exit status 1 with the missing members listed, 0 otherwise. Used by the Dockerfile right after ``pip wheel``
 and by tests/test_container.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ REQUIRED = [
     "dgserve/models/small/tokenizer.json",
 ]
 EXTENSION = "dgserve/_C*.so"
-FORBIDDEN = "service/*"   # the app is installed inside our namespace, never as a top-level `service`
+FORBIDDEN = "service/*"  # the app is installed inside our namespace, never as a top-level `service`
 
 
 def missing_members(wheel: str, require_ext: bool) -> list[str]:
@@ -49,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     missing = missing_members(args.wheel, args.require_ext)
     if missing:
-        print(f"check_wheel: {args.wheel} lacks {', '.join(missing)} "
-              "(pyproject.toml [tool.setuptools] packages / package-data; run build.py before building the wheel)",
-              file=sys.stderr)
+        print(
+            f"check_wheel: {args.wheel} lacks {', '.join(missing)} "
+            "(pyproject.toml [tool.setuptools] packages / package-data; run build.py before building the wheel)",
+            file=sys.stderr,
+        )
         return 1
-    print(f"check_wheel: {args.wheel} carries the server, the stubs, the small model"
-          f"{' and dgserve._C' if args.require_ext else ''}")
+    print(
+        f"check_wheel: {args.wheel} carries the server, the stubs, the small model"
+        f"{' and dgserve._C' if args.require_ext else ''}"
+    )
     return 0
 
 

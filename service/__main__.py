@@ -8,6 +8,7 @@ Exit status: 0 after a graceful drain; 2 when startup cannot succeed (a bad flag
 missing or unreadable model, auth or TLS file, a model that fails to load), with one line on stderr naming the
 problem and the flag / env var that fixes it (the traceback too only with ``--log-level debug``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,38 +26,99 @@ _TRUE = {"1", "true", "yes", "on"}
 # (flag, environment variable, ServiceConfig field, parser, help)
 FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--model", "NIM_MODEL_PATH", "model", str, "checkpoint directory (default: the shipped small model)"),
-    ("--served-model-name", "NIM_SERVED_MODEL_NAME", "served_model_name", str,
-     "name clients use in `model`; comma-separated: name,alias,... (default: the model directory's name)"),
+    (
+        "--served-model-name",
+        "NIM_SERVED_MODEL_NAME",
+        "served_model_name",
+        str,
+        "name clients use in `model`; comma-separated: name,alias,... (default: the model directory's name)",
+    ),
     ("--host", "DGSERVE_HOST", "host", str, "address to bind (default 0.0.0.0)"),
     ("--port", "DGSERVE_GRPC_PORT", "port", int, "gRPC port (default 50051; 0 = ephemeral)"),
-    ("--http-port", "NIM_SERVER_PORT", "http_port", str, "HTTP port: OpenAI-compatible API, health, metrics "
-     "(default 8000; 0 = ephemeral; off = none)"),
+    (
+        "--http-port",
+        "NIM_SERVER_PORT",
+        "http_port",
+        str,
+        "HTTP port: OpenAI-compatible API, health, metrics (default 8000; 0 = ephemeral; off = none)",
+    ),
     ("--max-model-len", "NIM_MAX_MODEL_LEN", "max_model_len", int, "context window (default: the model's)"),
     ("--log-level", "NIM_LOG_LEVEL", "log_level", str, "DEBUG | INFO | WARNING | ERROR | CRITICAL"),
     ("--max-num-seqs", "DGSERVE_MAX_NUM_SEQS", "max_num_seqs", int, "requests running at once (default 32)"),
-    ("--max-queue-len", "DGSERVE_MAX_QUEUE_LEN", "max_queue_len", int,
-     "waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default 256)"),
-    ("--drain-timeout", "DGSERVE_DRAIN_TIMEOUT", "drain_timeout", float,
-     "seconds in-flight streams get after SIGTERM (default 30)"),
-    ("--auth-token-file", "DGSERVE_AUTH_TOKEN_FILE", "auth_token_file", str,
-     "accepted bearer tokens, one a line (health and reflection stay open)"),
+    (
+        "--max-queue-len",
+        "DGSERVE_MAX_QUEUE_LEN",
+        "max_queue_len",
+        int,
+        "waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default 256)",
+    ),
+    (
+        "--drain-timeout",
+        "DGSERVE_DRAIN_TIMEOUT",
+        "drain_timeout",
+        float,
+        "seconds in-flight streams get after SIGTERM (default 30)",
+    ),
+    (
+        "--auth-token-file",
+        "DGSERVE_AUTH_TOKEN_FILE",
+        "auth_token_file",
+        str,
+        "accepted bearer tokens, one a line (health and reflection stay open)",
+    ),
     ("--tls-cert", "DGSERVE_TLS_CERT", "tls_cert", str, "server certificate chain (PEM)"),
     ("--tls-key", "DGSERVE_TLS_KEY", "tls_key", str, "server private key (PEM)"),
     ("--tls-client-ca", "DGSERVE_TLS_CLIENT_CA", "tls_client_ca", str, "CA for client certificates: enables mTLS"),
     ("--device", "DGSERVE_DEVICE", "device", str, "torch device (default cpu)"),
-    ("--dtype", "DGSERVE_DTYPE", "dtype", str, f"{' | '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 "
-     "on the CPU; float32 on a GPU only when the weights fit)"),
-    ("--native-ops", "DGSERVE_NATIVE_OPS", "native_ops", str, "auto | off | strict: self-check the native ops at "
-     "start and switch off those that disagree with their reference (auto), use none (off), or refuse to start "
-     "(strict)"),
-    ("--prefill-chunk", "DGSERVE_PREFILL_CHUNK", "prefill_chunk", int,
-     "prompt tokens encoded per chunk and per engine iteration (default 512)"),
-    ("--stall-timeout", "DGSERVE_STALL_TIMEOUT", "stall_timeout", float,
-     "abort a stream whose reader takes nothing this long while blocks wait (default 30)"),
-    ("--max-message-bytes", "DGSERVE_MAX_MESSAGE_BYTES", "max_message_bytes", int,
-     "largest gRPC message accepted or sent (default 16 MiB)"),
-    ("--keepalive-min-ping-ms", "DGSERVE_KEEPALIVE_MIN_PING_MS", "keepalive_min_ping_ms", int,
-     "clients may ping this often without GOAWAY (default 10000)"),
+    (
+        "--dtype",
+        "DGSERVE_DTYPE",
+        "dtype",
+        str,
+        (
+            f"{' | '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 "
+            "on the CPU; float32 on a GPU only when the weights fit)"
+        ),
+    ),
+    (
+        "--native-ops",
+        "DGSERVE_NATIVE_OPS",
+        "native_ops",
+        str,
+        (
+            "auto | off | strict: self-check the native ops at "
+            "start and switch off those that disagree with their reference (auto), use none (off), or refuse to start "
+            "(strict)"
+        ),
+    ),
+    (
+        "--prefill-chunk",
+        "DGSERVE_PREFILL_CHUNK",
+        "prefill_chunk",
+        int,
+        "prompt tokens encoded per chunk and per engine iteration (default 512)",
+    ),
+    (
+        "--stall-timeout",
+        "DGSERVE_STALL_TIMEOUT",
+        "stall_timeout",
+        float,
+        "abort a stream whose reader takes nothing this long while blocks wait (default 30)",
+    ),
+    (
+        "--max-message-bytes",
+        "DGSERVE_MAX_MESSAGE_BYTES",
+        "max_message_bytes",
+        int,
+        "largest gRPC message accepted or sent (default 16 MiB)",
+    ),
+    (
+        "--keepalive-min-ping-ms",
+        "DGSERVE_KEEPALIVE_MIN_PING_MS",
+        "keepalive_min_ping_ms",
+        int,
+        "clients may ping this often without GOAWAY (default 10000)",
+    ),
 ]
 SWITCHES = [  # (flag, environment variable, field, value when set, help)
     ("--json-logs", "NIM_JSONL_LOGGING", "json_logs", True, "JSON-lines logs with the request id on every line"),
@@ -87,18 +149,21 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             raw = raw if raw is not None else env.get(var)
             if raw is not None and raw != "":
                 kw[field] = _convert(field, raw, parse)
-        for flag, var, field, value, _ in SWITCHES:
-            if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE:
-                kw[field] = value
+        kw.update(
+            {
+                field: value
+                for flag, var, field, value, _ in SWITCHES
+                if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE
+            }
+        )
         return ServiceConfig(**kw), args.dry_run
     except ValueError as e:
         raise ValueError(f"{e}{_fix_hint(str(e))}") from None
 
 
 def _fix_hint(message: str) -> str:
-    """" (set --flag / env VAR)" for each config field a ServiceConfig message names; "" when none."""
-    hints = [f"{flag} / env {var}" for flag, var, field, *_ in FLAGS + SWITCHES
-             if re.search(rf"\b{field}\b", message)]
+    """ " (set --flag / env VAR)" for each config field a ServiceConfig message names; "" when none."""
+    hints = [f"{flag} / env {var}" for flag, var, field, *_ in FLAGS + SWITCHES if re.search(rf"\b{field}\b", message)]
     return f" (set {'; '.join(hints)})" if hints else ""
 
 
@@ -119,8 +184,9 @@ def _runtime(config: ServiceConfig) -> dict:
     from dgserve.runtime import describe, plan_runtime
 
     try:
-        return describe(plan_runtime(config.model or default_model_path(), config.device, config.dtype,
-                                     config.native_ops))
+        return describe(
+            plan_runtime(config.model or default_model_path(), config.device, config.dtype, config.native_ops)
+        )
     except Exception as e:  # noqa: BLE001 - a dry run reports, it does not fail
         return {"problem": f"{type(e).__name__}: {e}"}
 

@@ -1,47 +1,54 @@
 """ServiceConfig: everything the server needs, built once in ``service/__main__.py`` (flags + environment) or
 directly by tests and embedders. Frozen; ValueError naming the field on a bad value."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-DTYPES = ("auto", "float32", "bfloat16")   # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.runtime)
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.native_check
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    model: str | None = None                 # checkpoint directory; None = dgserve.default_model_path()
+    model: str | None = None  # checkpoint directory; None = dgserve.default_model_path()
     served_model_name: tuple[str, ...] = ()  # name, then aliases; empty = the model directory's name
     host: str = "0.0.0.0"
-    port: int = 50051                        # gRPC; 0 = ephemeral
-    http_port: int | None = 8000             # OpenAI-compatible API + health + metrics; 0 = ephemeral; None = off
+    port: int = 50051  # gRPC; 0 = ephemeral
+    http_port: int | None = 8000  # OpenAI-compatible API + health + metrics; 0 = ephemeral; None = off
     device: str = "cpu"
     dtype: str = "auto"
-    native_ops: str = "auto"                 # auto: self-check, failing ops off; off: none; strict: refuse to start
-    max_model_len: int | None = None         # None = the model's max_position_embeddings
-    max_num_seqs: int = 32                   # running requests
-    max_queue_len: int = 256                 # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
-    prefill_chunk: int = 512                 # prompt tokens per encoder chunk and per engine iteration
-    drain_timeout: float = 30.0              # seconds in-flight streams get after SIGTERM
-    stall_timeout: float = 30.0              # a reader taking nothing this long while blocks wait is aborted
+    native_ops: str = "auto"  # auto: self-check, failing ops off; off: none; strict: refuse to start
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 32  # running requests
+    max_queue_len: int = 256  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
+    prefill_chunk: int = 512  # prompt tokens per encoder chunk and per engine iteration
+    drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
+    stall_timeout: float = 30.0  # a reader taking nothing this long while blocks wait is aborted
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    tls_client_ca: str | None = None         # given: mTLS (clients must present a certificate it signed)
+    tls_client_ca: str | None = None  # given: mTLS (clients must present a certificate it signed)
     log_level: str = "INFO"
     json_logs: bool = False
-    max_message_bytes: int = 16 << 20        # largest request / response message
-    keepalive_time_ms: int = 60_000          # server pings idle connections this often
-    keepalive_min_ping_ms: int = 10_000      # clients may ping this often (with or without calls)
+    max_message_bytes: int = 16 << 20  # largest request / response message
+    keepalive_time_ms: int = 60_000  # server pings idle connections this often
+    keepalive_min_ping_ms: int = 10_000  # clients may ping this often (with or without calls)
     reflection: bool = True
     warm_up: bool = True
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("port", 0, 65535), ("max_num_seqs", 1, 1 << 20), ("max_queue_len", 0, 1 << 24),
-                             ("prefill_chunk", 1, 1 << 24), ("max_message_bytes", 1024, 1 << 31),
-                             ("keepalive_time_ms", 1000, 1 << 31), ("keepalive_min_ping_ms", 100, 1 << 31)):
+        for name, lo, hi in (
+            ("port", 0, 65535),
+            ("max_num_seqs", 1, 1 << 20),
+            ("max_queue_len", 0, 1 << 24),
+            ("prefill_chunk", 1, 1 << 24),
+            ("max_message_bytes", 1024, 1 << 31),
+            ("keepalive_time_ms", 1000, 1 << 31),
+            ("keepalive_min_ping_ms", 100, 1 << 31),
+        ):
             _int(name, getattr(self, name), lo, hi)
         if self.http_port is not None:
             _int("http_port", self.http_port, 0, 65535)

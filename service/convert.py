@@ -3,6 +3,7 @@
 Every validation message names the proto field (``params.t_max must be > t_min ...``, ``token_ids.ids[3]: ...``)
 so that INVALID_ARGUMENT tells the caller exactly what to fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,27 @@ from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 
-FINISH_REASONS = {FINISH_EOS: pb.FINISH_REASON_EOS, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
-                  FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED}
-_SCALARS = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
-            "confidence_threshold", "seed", "ignore_eos")
+FINISH_REASONS = {
+    FINISH_EOS: pb.FINISH_REASON_EOS,
+    FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+    FINISH_STOP: pb.FINISH_REASON_STOP,
+    FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+_SCALARS = (
+    "max_new_tokens",
+    "max_denoising_steps",
+    "t_min",
+    "t_max",
+    "entropy_bound",
+    "stability_threshold",
+    "confidence_threshold",
+    "seed",
+    "ignore_eos",
+)
 
 
 # ---------------------------------------------------------------------------------------------- requests
+
 
 def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams) -> SamplingParams:
     """The request's knobs over the model defaults; ValueError names ``params.<field>``."""
@@ -49,7 +64,7 @@ def prompt(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) ->
         if not request.prompt:
             raise ValueError("prompt: must not be empty")
         return request.prompt
-    if kind == "token_ids":
+    if kind == "token_ids" and isinstance(request, pb.GenerateRequest):  # a TokenizeRequest has no token_ids
         return token_ids(request.token_ids, vocab_size)
     return chat(request.chat)
 
@@ -69,6 +84,7 @@ def chat(msg: pb.Chat) -> ChatPrompt:
         raise ValueError("chat.messages: must not be empty")
     messages = []
     for i, m in enumerate(msg.messages):
+        content: str | list[dict]
         if m.parts:
             content = [_part(p, f"chat.messages[{i}].parts[{j}]") for j, p in enumerate(m.parts)]
         else:
@@ -95,19 +111,33 @@ def draft_spec(msg: pb.DraftOptions) -> DraftSpec | None:
 
 # ---------------------------------------------------------------------------------------------- responses
 
+
 def response(request_id: str, event) -> pb.GenerateResponse:
     """One stream event (Started, Draft, BlockOutput, Finished) as a GenerateResponse."""
     if isinstance(event, BlockOutput):
         return pb.GenerateResponse(request_id=request_id, block=block(event))
     if isinstance(event, Draft):
         d = event.output
-        return pb.GenerateResponse(request_id=request_id, draft=pb.Draft(
-            block_index=d.index, step=d.step, token_ids=d.token_ids, mean_entropy=_finite(d.mean_entropy),
-            text=event.text))
+        return pb.GenerateResponse(
+            request_id=request_id,
+            draft=pb.Draft(
+                block_index=d.index,
+                step=d.step,
+                token_ids=d.token_ids,
+                mean_entropy=_finite(d.mean_entropy),
+                text=event.text,
+            ),
+        )
     if isinstance(event, Started):
-        return pb.GenerateResponse(request_id=request_id, started=pb.Started(
-            seed=event.seed, prompt_tokens=event.prompt_tokens, params=params_message(event.params),
-            queue_ms=event.queue_seconds * 1e3))
+        return pb.GenerateResponse(
+            request_id=request_id,
+            started=pb.Started(
+                seed=event.seed,
+                prompt_tokens=event.prompt_tokens,
+                params=params_message(event.params),
+                queue_ms=event.queue_seconds * 1e3,
+            ),
+        )
     if isinstance(event, Finished):
         return pb.GenerateResponse(request_id=request_id, finished=finished(event))
     raise TypeError(f"unknown event {type(event).__name__}")
@@ -115,19 +145,36 @@ def response(request_id: str, event) -> pb.GenerateResponse:
 
 def block(b: BlockOutput) -> pb.Block:
     s = b.stats
-    return pb.Block(index=b.index, token_ids=b.token_ids, text=b.text, stats=pb.BlockStats(
-        denoising_steps=s.denoising_steps, tokens_per_forward=s.tokens_per_forward,
-        mean_entropy=_finite(s.mean_entropy), encode_ms=s.encode_seconds * 1e3, denoise_ms=s.denoise_seconds * 1e3))
+    return pb.Block(
+        index=b.index,
+        token_ids=b.token_ids,
+        text=b.text,
+        stats=pb.BlockStats(
+            denoising_steps=s.denoising_steps,
+            tokens_per_forward=s.tokens_per_forward,
+            mean_entropy=_finite(s.mean_entropy),
+            encode_ms=s.encode_seconds * 1e3,
+            denoise_ms=s.denoise_seconds * 1e3,
+        ),
+    )
 
 
 def finished(f: Finished) -> pb.Finished:
     return pb.Finished(
         finish_reason=FINISH_REASONS.get(f.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                       total_tokens=f.prompt_tokens + f.completion_tokens, blocks=f.blocks,
-                       denoising_steps=f.denoising_steps),
-        timing=pb.Timing(queue_ms=f.queue_seconds * 1e3, first_block_ms=_finite(f.first_block_seconds) * 1e3,
-                         total_ms=f.total_seconds * 1e3))
+        usage=pb.Usage(
+            prompt_tokens=f.prompt_tokens,
+            completion_tokens=f.completion_tokens,
+            total_tokens=f.prompt_tokens + f.completion_tokens,
+            blocks=f.blocks,
+            denoising_steps=f.denoising_steps,
+        ),
+        timing=pb.Timing(
+            queue_ms=f.queue_seconds * 1e3,
+            first_block_ms=_finite(f.first_block_seconds) * 1e3,
+            total_ms=f.total_seconds * 1e3,
+        ),
+    )
 
 
 def params_message(p: SamplingParams) -> pb.SamplingParams:
@@ -141,40 +188,72 @@ def _finite(x: float) -> float:
 
 # ---------------------------------------------------------------------------------------------- model info
 
+
 def model_info(engine: Engine, names: tuple[str, ...], sched: SchedulerConfig) -> pb.GetModelInfoResponse:
     cfg, d = engine.model.config, engine.default_params()
     return pb.GetModelInfoResponse(
-        model=names[0], aliases=names[1:], max_model_len=engine.max_model_len, canvas_length=cfg.canvas_length,
-        vocab_size=cfg.vocab_size, precision=str(engine.model.dtype).removeprefix("torch."),
-        eos_token_ids=sorted(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
-        defaults=params_message(d), bounds=bounds(d), max_stop_strings=sp.MAX_STOP_STRINGS,
-        max_stop_length=sp.MAX_STOP_LENGTH, max_num_seqs=sched.max_num_seqs,
+        model=names[0],
+        aliases=names[1:],
+        max_model_len=engine.max_model_len,
+        canvas_length=cfg.canvas_length,
+        vocab_size=cfg.vocab_size,
+        precision=str(engine.model.dtype).removeprefix("torch."),
+        eos_token_ids=sorted(engine.eos_ids),
+        has_tokenizer=engine.tokenizer is not None,
+        defaults=params_message(d),
+        bounds=bounds(d),
+        max_stop_strings=sp.MAX_STOP_STRINGS,
+        max_stop_length=sp.MAX_STOP_LENGTH,
+        max_num_seqs=sched.max_num_seqs,
         max_queue_len=sched.max_queue_len if sched.max_queue_len is not None else 0,
-        deterministic=engine.model.dtype == torch.float32, version=dgserve.__version__, **runtime_fields(engine))
+        deterministic=engine.model.dtype == torch.float32,
+        version=dgserve.__version__,
+        **runtime_fields(engine),
+    )
 
 
 def runtime_fields(engine: Engine) -> dict:
     """GetModelInfoResponse's runtime section (device, dtype's expert format, native ops) from the engine."""
     rt = engine.runtime_info()
-    return dict(device=rt["device"], expert_format=rt["expert_format"], native_ops=rt["native_ops"],
-                native_ops_mode=rt["native_ops_mode"],
-                native_ops_disabled=[pb.NativeOpStatus(op=op, reason=why)
-                                     for op, why in sorted(rt["native_ops_disabled"].items())])
+    return dict(
+        device=rt["device"],
+        expert_format=rt["expert_format"],
+        native_ops=rt["native_ops"],
+        native_ops_mode=rt["native_ops_mode"],
+        native_ops_disabled=[
+            pb.NativeOpStatus(op=op, reason=why) for op, why in sorted(rt["native_ops_disabled"].items())
+        ],
+    )
 
 
 def bounds(d: SamplingParams) -> list[pb.KnobBounds]:
     K = pb.KnobBounds
     return [
-        K(name="max_new_tokens", min=1, max=sp.MAX_NEW_TOKENS_LIMIT, integer=True, default_value=d.max_new_tokens,
-          note="prompt tokens + whole canvases must fit in max_model_len"),
-        K(name="max_denoising_steps", min=1, max=sp.MAX_DENOISING_STEPS_LIMIT, integer=True,
-          default_value=d.max_denoising_steps),
+        K(
+            name="max_new_tokens",
+            min=1,
+            max=sp.MAX_NEW_TOKENS_LIMIT,
+            integer=True,
+            default_value=d.max_new_tokens,
+            note="prompt tokens + whole canvases must fit in max_model_len",
+        ),
+        K(
+            name="max_denoising_steps",
+            min=1,
+            max=sp.MAX_DENOISING_STEPS_LIMIT,
+            integer=True,
+            default_value=d.max_denoising_steps,
+        ),
         K(name="t_min", min=0, max=math.inf, default_value=d.t_min, note="t_min < t_max"),
         K(name="t_max", min=0, max=math.inf, min_exclusive=True, default_value=d.t_max, note="t_max > t_min"),
         K(name="entropy_bound", min=0, max=math.inf, min_exclusive=True, default_value=d.entropy_bound),
-        K(name="stability_threshold", min=0, max=sp.MAX_DENOISING_STEPS_LIMIT, integer=True,
-          default_value=d.stability_threshold),
-        K(name="confidence_threshold", min=0, max=math.inf, min_exclusive=True,
-          default_value=d.confidence_threshold),
+        K(
+            name="stability_threshold",
+            min=0,
+            max=sp.MAX_DENOISING_STEPS_LIMIT,
+            integer=True,
+            default_value=d.stability_threshold,
+        ),
+        K(name="confidence_threshold", min=0, max=math.inf, min_exclusive=True, default_value=d.confidence_threshold),
         K(name="seed", min=0, max=float(sp.SEED_LIMIT - 1), integer=True, note="unset: random, reported in Started"),
     ]

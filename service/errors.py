@@ -5,6 +5,7 @@ nothing else in the service picks a status code. Statuses carry google.rpc detai
 field for INVALID_ARGUMENT, ``RetryInfo`` for RESOURCE_EXHAUSTED (plus the ``grpc-retry-pushback-ms`` trailer of
 gRPC's retry design A6), ``ErrorInfo{reason}`` always. Internal errors never leak tracebacks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,12 +79,22 @@ def to_status(exc: BaseException) -> grpc.Status:
     trailers: list[tuple[str, str]] = []
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         field = _FIELD.match(message)
-        details.append(error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(
-            field=field.group(1) if field else "", description=message)]))
+        details.append(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=field.group(1) if field else "", description=message
+                    )
+                ]
+            )
+        )
     if isinstance(exc, QueueFullError):
         ms = max(1, int(exc.retry_after_s * 1000))
-        details.append(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
-            seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)))
+        details.append(
+            error_details_pb2.RetryInfo(
+                retry_delay=duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+            )
+        )
         trailers.append((RETRY_PUSHBACK_KEY, str(ms)))
     status = status_pb2.Status(code=_CODE_NUMBERS[code], message=message)
     for d in details:

@@ -6,6 +6,7 @@ wrapper needs from the call (peer, caller identity, deadline) is read once, when
 our generator later, after the core call is released — ``context.peer()`` at that point read freed memory and
 crashed the server (SIGSEGV; grpc/grpc#29069). After a call ends nothing here touches its context again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,7 @@ log = logging.getLogger("dgserve.access")
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OUR_PREFIX = "/dgserve.v1."
 REQUEST_ID_HEADER = "x-request-id"
-DEADLINE_SLACK_S = 0.25     # a cancel this close to the deadline is the deadline (CallInfo.expired)
+DEADLINE_SLACK_S = 0.25  # a cancel this close to the deadline is the deadline (CallInfo.expired)
 
 
 def load_tokens(path: str) -> list[str]:
@@ -56,7 +57,7 @@ class BearerAuth:
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(digest or b"", d)
-        if not ok:
+        if not ok or digest is None:  # no token: never ok (no digest equals b"")
             raise errors.UnauthenticatedError(_DENIED)
         return digest.hex()
 
@@ -77,14 +78,15 @@ def _token_digest(metadata: dict) -> bytes | None:
 @dataclass
 class CallInfo:
     """What the wrapper and the servicer know about a call, read when it starts (see the module docstring)."""
+
     method: str
     peer: str
-    owner: str | None           # the caller's identity for Abort scoping; None when calls are not authenticated
-    deadline: float | None      # time.monotonic() seconds; None without a deadline
+    owner: str | None  # the caller's identity for Abort scoping; None when calls are not authenticated
+    deadline: float | None  # time.monotonic() seconds; None without a deadline
     t0: float
-    request_id: str = ""        # for the access log (the request's own id, else a valid x-request-id header)
-    outcome: str = "OK"         # the status code name the call ended with
-    ended: bool = False         # the call is over: its context must not be used any more
+    request_id: str = ""  # for the access log (the request's own id, else a valid x-request-id header)
+    outcome: str = "OK"  # the status code name the call ended with
+    ended: bool = False  # the call is over: its context must not be used any more
 
     def expired(self) -> bool:
         """The deadline has passed, or nearly: the client's own deadline fires first (it started the clock
@@ -135,10 +137,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             try:
                 self._admit(call, request, metadata, context)
                 return await behavior(request, context)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 self._fail(e, context, call)
             finally:
                 self._exit(call)
+
         return wrapper
 
     def _stream(self, behavior, method, metadata):
@@ -151,10 +154,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 async with contextlib.aclosing(behavior(request, context)) as items:
                     async for item in items:
                         yield item
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - _fail re-raises all but Exceptions (a status)
                 self._fail(e, context, call)
             finally:
                 self._exit(call)
+
         return wrapper
 
     # ---------------------------------------------------------------- steps of a call
@@ -163,8 +167,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     def _enter(method: str, context) -> CallInfo:
         """Read everything needed from the (still live) call; mark the CallInfo ended when the call is done."""
         remaining = context.time_remaining()
-        call = CallInfo(method, context.peer(), None,
-                        None if remaining is None else time.monotonic() + remaining, time.perf_counter())
+        call = CallInfo(
+            method,
+            context.peer(),
+            None,
+            None if remaining is None else time.monotonic() + remaining,
+            time.perf_counter(),
+        )
         context.add_done_callback(lambda _ctx: setattr(call, "ended", True))
         _call_var.set(call)
         request_id_var.set("")
@@ -190,7 +199,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     def _fail(e: BaseException, context, call: CallInfo) -> None:
         """Re-raise what ends the call under us; turn an Exception into the call's status (the handler returns)."""
-        if isinstance(e, (asyncio.CancelledError, GeneratorExit)):   # the call ended under us
+        if isinstance(e, (asyncio.CancelledError, GeneratorExit)):  # the call ended under us
             call.outcome = "DEADLINE_EXCEEDED" if call.expired() else "CANCELLED"
             raise e
         if isinstance(e, grpc.aio.AbortError):
@@ -199,7 +208,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if not isinstance(e, Exception):
             raise e
         call.outcome = errors.classify(e)[0].name
-        if call.ended:                       # nobody to tell, and the call must not be touched
+        if call.ended:  # nobody to tell, and the call must not be touched
             raise e
         errors.set_status(context, e)
 
@@ -207,9 +216,19 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         dt = time.perf_counter() - call.t0
         code = call.outcome
         # request_id explicitly: grpc.aio may finish a cancelled call's generator in another task's context
-        log.info("%s %s %.1f ms", call.method, code, dt * 1e3,
-                 extra={"rpc": call.method, "code": code, "duration_ms": round(dt * 1e3, 3), "peer": call.peer,
-                        "request_id": call.request_id})
+        log.info(
+            "%s %s %.1f ms",
+            call.method,
+            code,
+            dt * 1e3,
+            extra={
+                "rpc": call.method,
+                "code": code,
+                "duration_ms": round(dt * 1e3, 3),
+                "peer": call.peer,
+                "request_id": call.request_id,
+            },
+        )
         if self.metrics is not None:
             self.metrics.on_rpc(call.method, code, dt)
 
@@ -225,6 +244,7 @@ def _peer_identity(context) -> str | None:
 class _Undecodable:
     """Stands in for a request whose bytes are not a valid message (grpcio would answer UNKNOWN and log a
     traceback; we answer INVALID_ARGUMENT)."""
+
     request_id = ""
 
     def __init__(self, error: Exception):
@@ -240,6 +260,7 @@ def _tolerant(deserializer):
             return deserializer(data)
         except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError (and others on odd input)
             return _Undecodable(e)
+
     return deserialize
 
 

@@ -5,6 +5,7 @@ Log lines carry text that clients chose (ids, prompts in error messages, peer st
 so that no client can forge or split a line. JSON escapes control characters by itself; the text format writes
 each non-printable character of the message and the request id as its Python escape (``\n``, ``\x00``).
 Tracebacks are ours and keep their lines."""
+
 from __future__ import annotations
 
 import contextvars
@@ -28,9 +29,13 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request_id, extra fields, exception."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
-               "level": record.levelname, "logger": record.name, "message": record.getMessage(),
-               "request_id": getattr(record, "request_id", "")}
+        out = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", ""),
+        }
         out.update({k: v for k, v in record.__dict__.items() if k not in _STD and k not in out})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
@@ -50,7 +55,7 @@ class TextFormatter(logging.Formatter):
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - the logging API
+    def formatMessage(self, record: logging.LogRecord) -> str:
         safe = logging.makeLogRecord(record.__dict__)
         safe.message = escape(record.message)
         safe.request_id = escape(str(getattr(record, "request_id", "")))

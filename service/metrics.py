@@ -3,6 +3,7 @@
 
 Names follow the NIM / vLLM conventions with a ``dgserve_`` prefix; "first token" is the first committed block.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,21 +30,24 @@ class Metrics(EngineObserver):
         self.running = Gauge(p + "num_requests_running", "Requests running (holding a slot)", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.max_running = Gauge(p + "num_request_max", "Running slots (max_num_seqs)", registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Time waiting for a slot", buckets=_LATENCY,
-                                    registry=r)
-        self.ttfb = Histogram(p + "time_to_first_block_seconds", "Arrival to first committed block",
-                              buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds", "Time waiting for a slot", buckets=_LATENCY, registry=r
+        )
+        self.ttfb = Histogram(
+            p + "time_to_first_block_seconds", "Arrival to first committed block", buckets=_LATENCY, registry=r
+        )
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens returned", registry=r)
         self.finished = Counter(p + "request_finish", "Finished requests by finish reason", ["reason"], registry=r)
-        self.steps_per_block = Histogram(p + "denoise_steps_per_block", "Denoising steps per committed block",
-                                         buckets=_STEPS, registry=r)
-        self.tokens_per_forward = Histogram(p + "tokens_per_forward", "Tokens per decoder forward, per block",
-                                            buckets=_TPF, registry=r)
+        self.steps_per_block = Histogram(
+            p + "denoise_steps_per_block", "Denoising steps per committed block", buckets=_STEPS, registry=r
+        )
+        self.tokens_per_forward = Histogram(
+            p + "tokens_per_forward", "Tokens per decoder forward, per block", buckets=_TPF, registry=r
+        )
         self.aborted = Counter(p + "request_aborted", "Requests stopped before finishing", ["reason"], registry=r)
-        self.drafts_dropped = Counter(p + "drafts_dropped", "Drafts replaced before the reader took them",
-                                      registry=r)
+        self.drafts_dropped = Counter(p + "drafts_dropped", "Drafts replaced before the reader took them", registry=r)
         self.step_time = Histogram(p + "engine_step_seconds", "Engine iteration time", buckets=_LATENCY, registry=r)
         self.rpcs = Counter(p + "rpc", "Finished RPCs by method and status code", ["method", "code"], registry=r)
         r.register(NvmlCollector())
@@ -95,8 +99,9 @@ class NativeOpsCollector:
     def collect(self):
         from dgserve import ops
 
-        g = GaugeMetricFamily("dgserve_native_op_disabled", "Native op switched off (its torch reference runs)",
-                              labels=["op"])
+        g = GaugeMetricFamily(
+            "dgserve_native_op_disabled", "Native op switched off (its torch reference runs)", labels=["op"]
+        )
         for op in sorted(ops.switched_off()):
             g.add_metric([op], 1)
         yield g

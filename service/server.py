@@ -12,6 +12,7 @@ or 503 (HTTP), in-flight streams of both front doors get ``drain_timeout`` secon
 stops. An engine fault fails in-flight calls (INTERNAL / 500) and turns both liveness and readiness off, so an
 orchestrator restarts the process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ from dgserve.engine import Engine
 from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+
 from . import convert
 from .config import ServiceConfig
 from .http.app import Gate
@@ -38,7 +40,7 @@ from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name   # "dgserve.v1.TextGeneration"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
 MAX_METADATA_BYTES = 16 << 10
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -48,8 +50,12 @@ class StartupError(Exception):
 
 
 def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_queue_len=cfg.max_queue_len,
-                           prefill_chunk=cfg.prefill_chunk, max_prefill_tokens=cfg.prefill_chunk)
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_queue_len=cfg.max_queue_len,
+        prefill_chunk=cfg.prefill_chunk,
+        max_prefill_tokens=cfg.prefill_chunk,
+    )
 
 
 def load_engine(cfg: ServiceConfig) -> Engine:
@@ -57,8 +63,14 @@ def load_engine(cfg: ServiceConfig) -> Engine:
     from dgserve.default_model import default_model_path
 
     path = cfg.model or default_model_path()
-    return Engine.from_pretrained(path, device=cfg.device, dtype=cfg.dtype, native_ops=cfg.native_ops,
-                                  scheduler_config=scheduler_config(cfg), max_model_len=cfg.max_model_len)
+    return Engine.from_pretrained(
+        path,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        native_ops=cfg.native_ops,
+        scheduler_config=scheduler_config(cfg),
+        max_model_len=cfg.max_model_len,
+    )
 
 
 def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
@@ -89,7 +101,7 @@ class Server:
         self.port: int | None = None
         self.http_port: int | None = None
         self.live = True
-        self.loaded = asyncio.Event()           # set when loading ended (ready or failed)
+        self.loaded = asyncio.Event()  # set when loading ended (ready or failed)
         self.load_error: Exception | None = None
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpFrontDoor | None = None
@@ -106,51 +118,55 @@ class Server:
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
         interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
-        self._grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
+        self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         try:
-            await self._start_grpc(creds)
+            await self._start_grpc(server, creds)
             if cfg.http_port is not None:
-                await self._start_http(auth)
+                await self._start_http(cfg.http_port, auth)
         except BaseException:
-            await self._grpc.stop(None)
+            await server.stop(None)
             raise
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
-        log.info("listening: gRPC %s:%s%s, HTTP %s", cfg.host, self.port, " (TLS)" if cfg.tls_cert else "",
-                 self.http_port if self.http_port is not None else "off")
+        log.info(
+            "listening: gRPC %s:%s%s, HTTP %s",
+            cfg.host,
+            self.port,
+            " (TLS)" if cfg.tls_cert else "",
+            self.http_port if self.http_port is not None else "off",
+        )
         self._load_task = asyncio.create_task(self._load())
 
-    async def _start_grpc(self, creds) -> None:
+    async def _start_grpc(self, server: grpc.aio.Server, creds: grpc.ServerCredentials | None) -> None:
         cfg = self.config
-        pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self._grpc)
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{cfg.host}:{cfg.port}"
         fix = "(choose another with --port / env DGSERVE_GRPC_PORT)"
-        if cfg.port != 0:               # grpc says only "Failed to bind" (and logs a core error line): probe first
+        if cfg.port != 0:  # grpc says only "Failed to bind" (and logs a core error line): probe first
             try:
                 bind(cfg.host, cfg.port).close()
             except OSError as e:
                 raise StartupError(f"gRPC port {address}: {describe_bind_error(e)} {fix}") from None
         try:
-            self.port = (self._grpc.add_insecure_port(address) if creds is None
-                         else self._grpc.add_secure_port(address, creds))
+            self.port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
         except RuntimeError:
             raise StartupError(f"gRPC port {address}: cannot bind {fix}") from None
-        await self._grpc.start()
+        await server.start()
 
-    async def _start_http(self, auth: BearerAuth | None) -> None:
+    async def _start_http(self, port: int, auth: BearerAuth | None) -> None:
         cfg = self.config
         try:
-            sock = bind(cfg.host, cfg.http_port)
+            sock = bind(cfg.host, port)
         except OSError as e:
-            raise StartupError(f"HTTP port {cfg.host}:{cfg.http_port}: {describe_bind_error(e)} (choose another "
-                               "with --http-port / env NIM_SERVER_PORT, or 'off')") from None
+            raise StartupError(
+                f"HTTP port {cfg.host}:{port}: {describe_bind_error(e)} (choose another "
+                "with --http-port / env NIM_SERVER_PORT, or 'off')"
+            ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
-        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner,
-                    max_body_bytes=cfg.max_message_bytes)
+        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner, max_body_bytes=cfg.max_message_bytes)
         self._http = HttpFrontDoor(gate, sock)
         await self._http.start()
         self.http_port = self._http.port
@@ -158,21 +174,23 @@ class Server:
     async def _load(self) -> None:
         try:
             engine = await asyncio.to_thread(self.engine_factory)
-            aengine = AsyncEngine(engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics,
-                                  on_fault=self._on_fault)
+            aengine = AsyncEngine(
+                engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics, on_fault=self._on_fault
+            )
             if self.config.warm_up:
                 await asyncio.to_thread(aengine.warm_up)
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
             self.state.info = convert.model_info(engine, self.state.names, engine.scheduler.config)
-            self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting,
-                                      engine.scheduler.config.max_num_seqs)
+            self.metrics.track_engine(
+                lambda: aengine.num_running, lambda: aengine.num_waiting, engine.scheduler.config.max_num_seqs
+            )
             self.state.engine = aengine
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
-        except Exception as e:  # noqa: BLE001 - never ready: run() ends the process with this one line
+        except Exception as e:
             log.debug("model load failed", exc_info=True)
             path = self.config.model or "the shipped default model"
             detail = " ".join(f"{type(e).__name__}: {e}".split())
@@ -212,7 +230,8 @@ class Server:
         end = loop.time() + grace
         waits = [self._engine_idle(end)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
         await asyncio.gather(*waits)
-        await self._grpc.stop(max(0.0, end - loop.time()))
+        if self._grpc is not None:  # None: drained before start()
+            await self._grpc.stop(max(0.0, end - loop.time()))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:
@@ -225,7 +244,7 @@ class Server:
     async def _engine_idle(self, end: float) -> None:
         """Until no request is running or waiting in the engine, or the loop's clock passes ``end``."""
         loop = asyncio.get_running_loop()
-        while sum(self._load_counts()) and loop.time() < end:
+        while sum(self._load_counts()) and loop.time() < end:  # noqa: ASYNC110 - engine thread's counts: no event
             await asyncio.sleep(0.05)
 
     def _load_counts(self) -> tuple[int, int]:
@@ -283,16 +302,20 @@ def _credentials(cfg: ServiceConfig) -> grpc.ServerCredentials | None:
     """Server TLS credentials (mTLS with a client CA), the files read now; None without TLS."""
     if cfg.tls_cert is None:
         return None
+    assert cfg.tls_key is not None, "ServiceConfig: tls_cert and tls_key are given together"
     key = _read(cfg.tls_key, "TLS key", "--tls-key / env DGSERVE_TLS_KEY")
     cert = _read(cfg.tls_cert, "TLS certificate", "--tls-cert / env DGSERVE_TLS_CERT")
-    ca = _read(cfg.tls_client_ca, "TLS client CA", "--tls-client-ca / env DGSERVE_TLS_CLIENT_CA") \
-        if cfg.tls_client_ca else None
+    ca = (
+        _read(cfg.tls_client_ca, "TLS client CA", "--tls-client-ca / env DGSERVE_TLS_CLIENT_CA")
+        if cfg.tls_client_ca
+        else None
+    )
     try:
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
     except Exception as e:  # noqa: BLE001 - grpc raises plain errors on unusable PEM data
-        raise StartupError(f"TLS certificate {cfg.tls_cert} / key {cfg.tls_key}: unusable ({e}) "
-                           "(--tls-cert, --tls-key)") from None
+        raise StartupError(
+            f"TLS certificate {cfg.tls_cert} / key {cfg.tls_key}: unusable ({e}) (--tls-cert, --tls-key)"
+        ) from None
 
 
 def _check_model_dir(path: str | None) -> None:
@@ -302,8 +325,9 @@ def _check_model_dir(path: str | None) -> None:
         return
     fix = "set --model / env NIM_MODEL_PATH to a checkpoint directory"
     if not os.path.isdir(path):
-        raise StartupError(f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} "
-                           f"({fix})")
+        raise StartupError(
+            f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} ({fix})"
+        )
     if not os.access(path, os.R_OK | os.X_OK):
         raise StartupError(f"model {path}: permission denied ({fix})")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -2,6 +2,7 @@
 
 Errors are raised as domain exceptions and mapped to status codes by the call interceptor (service/errors.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from dgserve.async_engine import ABORT_CANCELLED, AsyncEngine
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+
 from . import convert
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
 from .interceptors import CallInfo, current_call
@@ -19,7 +21,8 @@ from .interceptors import CallInfo, current_call
 @dataclass
 class ServingState:
     """What the servicer serves; filled in by the server once the model is loaded and warmed up."""
-    names: tuple[str, ...] = ()                 # served name, then aliases
+
+    names: tuple[str, ...] = ()  # served name, then aliases
     engine: AsyncEngine | None = None
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False
@@ -31,6 +34,12 @@ class ServingState:
         if self.engine is None:
             raise NotReadyError(f"not ready: {self.loading_error or 'model is loading'}")
         return self.engine
+
+    def ready_info(self) -> pb.GetModelInfoResponse:
+        """The served model's description (set just before the engine, so present once ready_engine() passes)."""
+        if self.info is None:
+            raise NotReadyError(f"not ready: {self.loading_error or 'model is loading'}")
+        return self.info
 
     def check_model(self, name: str) -> None:
         if name and name not in self.names:
@@ -44,37 +53,45 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        vocab = self.state.info.vocab_size
+        vocab = self.state.ready_info().vocab_size
         prompt = convert.prompt(request, vocab)
         params = convert.sampling_params(request.params, engine.engine.default_params())
         call = _call(context)
-        stream = await engine.submit(prompt, params, request.request_id or None, timeout_s=call.time_remaining(),
-                                     drafts=convert.draft_spec(request.drafts), owner=call.owner)
+        stream = await engine.submit(
+            prompt,
+            params,
+            request.request_id or None,
+            timeout_s=call.time_remaining(),
+            drafts=convert.draft_spec(request.drafts),
+            owner=call.owner,
+        )
         try:
             async for event in stream:
                 yield convert.response(stream.request_id, event)
-        finally:   # the call may be over here: use what was read at its start, never the context
+        finally:  # the call may be over here: use what was read at its start, never the context
             stream.cancel("deadline" if call.expired() else "client_cancelled")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         outcome = self.state.ready_engine().abort(request.request_id, owner=_call(context).owner, reason="abort_rpc")
-        if outcome is None:    # unknown, or another caller's: the same answer, so ids cannot be probed
+        if outcome is None:  # unknown, or another caller's: the same answer, so ids cannot be probed
             raise RequestNotFoundError(f"request_id: {request.request_id!r} is not known to this server")
-        return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED
-                                else pb.ABORT_OUTCOME_ALREADY_FINISHED)
+        return pb.AbortResponse(
+            outcome=pb.ABORT_OUTCOME_CANCELLED if outcome == ABORT_CANCELLED else pb.ABORT_OUTCOME_ALREADY_FINISHED
+        )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        prompt = convert.prompt(request, self.state.info.vocab_size)
+        prompt = convert.prompt(request, self.state.ready_info().vocab_size)
         # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
-        ids = await asyncio.get_running_loop().run_in_executor(None, engine.engine.prompt_ids, prompt,
-                                                               engine.engine.max_model_len)
+        ids = await asyncio.get_running_loop().run_in_executor(
+            None, engine.engine.prompt_ids, prompt, engine.engine.max_model_len
+        )
         return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.engine.max_model_len)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         self.state.ready_engine()
-        return self.state.info
+        return self.state.ready_info()
 
 
 def _call(context) -> CallInfo:

@@ -2,13 +2,13 @@
 
 transformers is a test-only dependency; it is the reference we must match (spec §6).
 """
+
 from __future__ import annotations
 
 import pathlib
 
 import pytest
 import torch
-
 from cuda_policy import cuda_test_failure
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model, tiny_config  # noqa: F401 (re-exported)
 
@@ -35,8 +35,7 @@ def hf_model_loader():
     from transformers import DiffusionGemmaForBlockDiffusion
 
     def load(path, dtype=torch.float32, attn="eager"):
-        return DiffusionGemmaForBlockDiffusion.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn).eval()
+        return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, attn_implementation=attn).eval()
 
     return load
 

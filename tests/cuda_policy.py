@@ -1,4 +1,5 @@
 """The `cuda` test policy shared by tests/conftest.py and its test (a module of its own: `conftest` names clash)."""
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ Batch size 1 (per-request semantics, spec §4.5).
 `hf_generate` also measures how far every decision of the run is from a tie (`Margins`): a fixture whose tokens
 are compared exactly with another implementation must not sit on a near-tie (DESIGN Decision 2, spec §6.5).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,6 @@ from transformers.models.diffusion_gemma import generation_diffusion_gemma as ge
 
 from dgserve.ops import reference
 from dgserve.sampler import to_signed64
-
 
 # What another implementation may differ by, per decision of a denoising step (the bounds the margins are
 # measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):
@@ -44,11 +44,12 @@ class Margins:
     accept  entropy-bound slack |cum - H - beta| / (ENTROPY_REL_TOL·max(1, beta)), and the entropy gap between
             neighbours across the accepted/rejected boundary / (ENTROPY_REL_TOL·max(1, H))
     stop    |mean(H) - tau| / (ENTROPY_REL_TOL·max(1, tau)), at every step"""
+
     sample: float = math.inf
     argmax: float = math.inf
     accept: float = math.inf
     stop: float = math.inf
-    _block: list = dataclasses.field(default_factory=list, repr=False)   # [(argmax ratio, confident)] per step
+    _block: list = dataclasses.field(default_factory=list, repr=False)  # [(argmax ratio, confident)] per step
 
     def end_block(self, window: int) -> None:
         """Fold the finished block's argmax margins at the steps that count (see `argmax`)."""
@@ -87,8 +88,9 @@ class _Recorder(LogitsProcessor):
 
 
 @contextlib.contextmanager
-def contract_noise(model, seed: int, margins: Margins | None = None, temperature=None, bound=None, tau=None,
-                   window: int = 1):
+def contract_noise(
+    model, seed: int, margins: Margins | None = None, temperature=None, bound=None, tau=None, window: int = 1
+):
     """Patch `model.generate` (transformers) so its randomness is the dgserve contract for `seed`. With
     `margins`, also record the run's distances to a tie into it; `temperature(k)` gives step k's temperature,
     `bound` and `tau` the entropy bound and confidence threshold, `window` the stability threshold."""
@@ -106,49 +108,63 @@ def contract_noise(model, seed: int, margins: Margins | None = None, temperature
             margins.end_block(window)
         state["block"] += 1
         b = torch.tensor([state["block"]])
-        return reference.canvas_noise(seeds, b, torch.tensor([0]), self.canvas_length,
-                                      self.vocab_size).expand(batch_size, -1).clone().to(device)
+        return (
+            reference.canvas_noise(seeds, b, torch.tensor([0]), self.canvas_length, self.vocab_size)
+            .expand(batch_size, -1)
+            .clone()
+            .to(device)
+        )
 
     def renoise(self, accepted_canvas, cur_step):
         b, k = torch.tensor([state["block"]]), torch.tensor([int(cur_step)])
         noise = reference.canvas_noise(seeds, b, k, self.canvas_length, self.vocab_size)
         if margins is not None:
-            _measure(margins, rec.processed.float(), state.pop("z"), self.accepted_token_mask,
-                     temperature(int(cur_step)), bound, tau)
+            _measure(
+                margins,
+                rec.processed.float(),
+                state.pop("z"),
+                self.accepted_token_mask,
+                temperature(int(cur_step)),
+                bound,
+                tau,
+            )
         return torch.where(~self.accepted_token_mask, noise.to(accepted_canvas.device), accepted_canvas)
 
     def multinomial(probs, num_samples, *args, **kwargs):
         proc = rec.processed.float()
         B, C, V = proc.shape
-        g = reference.gumbel_noise(seeds.expand(B), torch.tensor([state["block"]] * B),
-                                   torch.tensor([rec.step] * B), C, V)
+        g = reference.gumbel_noise(
+            seeds.expand(B), torch.tensor([state["block"]] * B), torch.tensor([rec.step] * B), C, V
+        )
         state["z"] = (proc + g, g)
         return torch.argmax(proc + g, dim=-1).view(B * C, 1)
 
-    with mock.patch.object(model, "_prepare_logits_processor", prepare), \
-            mock.patch.object(gen.EntropyBoundSampler, "initialize_canvas", init_canvas), \
-            mock.patch.object(gen.EntropyBoundSampler, "renoise_canvas", renoise), \
-            mock.patch.object(gen.torch, "multinomial", multinomial):
+    with (
+        mock.patch.object(model, "_prepare_logits_processor", prepare),
+        mock.patch.object(gen.EntropyBoundSampler, "initialize_canvas", init_canvas),
+        mock.patch.object(gen.EntropyBoundSampler, "renoise_canvas", renoise),
+        mock.patch.object(gen.torch, "multinomial", multinomial),
+    ):
         yield
 
 
 def _measure(m: Margins, proc: torch.Tensor, zg, accepted: torch.Tensor, T: float, beta: float, tau: float):
     """Fold one denoising step (proc [1, C, V] processed logits, z = proc + g, accepted [1, C]) into `m`."""
     z, g = zg
-    dy = LOGIT_TOL / T                                          # a logit error, in processed units
+    dy = LOGIT_TOL / T  # a logit error, in processed units
     top = torch.topk(z.double(), 1, dim=-1).indices
     g_top = torch.maximum(_ulp(g.gather(-1, top)[..., 0]), _ulp(g.max(-1).values)).double()
     sample = _top2_gap(z) / (2 * dy + 4 * g_top)
     if accepted.any():
         m.sample = min(m.sample, sample[accepted].min().item())
-    h = reference.entropy(proc).double()[0]                     # [C]
+    h = reference.entropy(proc).double()[0]  # [C]
     confident = tau is not None and h.mean().item() < tau * (1 + ENTROPY_REL_TOL) + ENTROPY_REL_TOL
     m._block.append(((_top2_gap(proc) / (2 * dy)).min().item(), confident))
     s, order = torch.sort(h, stable=True)
     slack = (torch.cumsum(s, 0) - s - beta).abs() / (ENTROPY_REL_TOL * max(1.0, abs(beta)))
     m.accept = min(m.accept, slack.min().item())
     keep = accepted[0][order]
-    edge = (keep[:-1] != keep[1:]).nonzero()[:, 0]              # neighbours on either side of the boundary
+    edge = (keep[:-1] != keep[1:]).nonzero()[:, 0]  # neighbours on either side of the boundary
     if len(edge):
         gap = (s[edge + 1] - s[edge]) / (ENTROPY_REL_TOL * s[edge + 1].clamp_min(1.0))
         m.accept = min(m.accept, gap.min().item())
@@ -156,24 +172,49 @@ def _measure(m: Margins, proc: torch.Tensor, zg, accepted: torch.Tensor, T: floa
         m.stop = min(m.stop, abs(h.mean().item() - tau) / (ENTROPY_REL_TOL * max(1.0, tau)))
 
 
-def hf_generate(model, prompt_ids, seed: int, *, max_new_tokens, steps, t_min=0.4, t_max=0.8, entropy_bound=0.1,
-                stability_threshold=1, confidence_threshold=0.005, eos_ids=(1,), pad_id=0,
-                margins: Margins | None = None):
+def hf_generate(
+    model,
+    prompt_ids,
+    seed: int,
+    *,
+    max_new_tokens,
+    steps,
+    t_min=0.4,
+    t_max=0.8,
+    entropy_bound=0.1,
+    stability_threshold=1,
+    confidence_threshold=0.005,
+    eos_ids=(1,),
+    pad_id=0,
+    margins: Margins | None = None,
+):
     """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward).
     With `margins`, the run's distances to a tie are recorded into it (see `Margins`)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     prompt = torch.tensor([list(prompt_ids)])
 
-    def temperature(k):                                          # spec §4.2: t at remaining-steps counter k
+    def temperature(k):  # spec §4.2: t at remaining-steps counter k
         return t_min + (t_max - t_min) * (k / steps)
-    with torch.no_grad(), contract_noise(model, seed, margins, temperature, float(entropy_bound),
-                                         float(confidence_threshold), stability_threshold):
+
+    with (
+        torch.no_grad(),
+        contract_noise(
+            model, seed, margins, temperature, float(entropy_bound), float(confidence_threshold), stability_threshold
+        ),
+    ):
         out = model.generate(
-            prompt, max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_min=t_min, t_max=t_max,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            max_denoising_steps=steps,
+            t_min=t_min,
+            t_max=t_max,
             sampler_config=EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound)),
-            stability_threshold=stability_threshold, confidence_threshold=confidence_threshold,
-            eos_token_id=list(eos_ids) if eos_ids else None, pad_token_id=pad_id)
+            stability_threshold=stability_threshold,
+            confidence_threshold=confidence_threshold,
+            eos_token_id=list(eos_ids) if eos_ids else None,
+            pad_token_id=pad_id,
+        )
     if margins is not None:
         margins.end_block(stability_threshold)
-    return out.sequences[0, prompt.shape[1]:].tolist(), float(out.tokens_per_forward[0])
+    return out.sequences[0, prompt.shape[1] :].tolist(), float(out.tokens_per_forward[0])

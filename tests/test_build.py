@@ -1,4 +1,5 @@
 """build.py: its help, and (where nvcc exists) that every csrc/ops/*.cu compiles alone with nvcc -arch=sm_90a."""
+
 from __future__ import annotations
 
 import pathlib
@@ -12,8 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_build(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "build.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_documents_the_flags():
@@ -50,8 +52,8 @@ def test_arches_cover_the_seeds_hardware_plus_ptx():
     b = _build_module()
     names = [n for n, _ in b.CUDA_ARCHES]
     assert names[:3] == ["sm_90a", "sm_80", "sm_100a"]
-    assert "sm_120" in names and "sm_121" in names            # RTX 5090 / RTX PRO 6000, DGX Spark
-    assert b.PTX_ARCH == "compute_80"                          # JIT for sm_103, sm_110 and later parts
+    assert "sm_120" in names and "sm_121" in names  # RTX 5090 / RTX PRO 6000, DGX Spark
+    assert b.PTX_ARCH == "compute_80"  # JIT for sm_103, sm_110 and later parts
     assert b.gencode("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
     assert b.gencode("sm_121") == "-gencode=arch=compute_121,code=sm_121"
     assert b.gencode("compute_80") == "-gencode=arch=compute_80,code=compute_80"

@@ -1,5 +1,6 @@
 """dgserve.checkpoint: loads transformers-written checkpoints under canonical names with the exact values
 transformers uses (spec §2), writes checkpoints transformers loads, and names the culprit in every error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +10,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model
-from dgserve.checkpoint import (CheckpointError, expected_shapes, hf_names, load_weights,
-                                save_weights)
+
+from dgserve.checkpoint import CheckpointError, expected_shapes, hf_names, load_weights, save_weights
 from dgserve.config import ModelConfig
 
 ENC = "model.encoder.language_model."
@@ -54,6 +54,7 @@ def base(tiny_checkpoint):
 
 # ---------------------------------------------------------------------------------------- parity with transformers
 
+
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_names_shapes_and_values_match_transformers(tiny_checkpoint, hf_model_loader, variant):
     path = tiny_checkpoint(variant)
@@ -65,8 +66,7 @@ def test_names_shapes_and_values_match_transformers(tiny_checkpoint, hf_model_lo
     for i in range(cfg.num_hidden_layers):  # both scalar sets are real and distinct (spec §2.2)
         assert not torch.equal(ours[f"layers.{i}.layer_scalar"], ours[f"layers.{i}.encoder_layer_scalar"])
     assert "lm_head.weight" not in ours
-    assert all(f"layers.{i}.self_attn.v_proj.weight" in ours for i in range(cfg.num_hidden_layers)
-               if cfg.is_sliding(i))
+    assert all(f"layers.{i}.self_attn.v_proj.weight" in ours for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i))
 
 
 def test_bf16_load(base, hf_model_loader):
@@ -87,8 +87,9 @@ def test_sharded_checkpoint(base, tmp_path):
 
 
 def _is_shared(name: str) -> bool:
-    return (name.startswith(DEC) and not name.endswith(".layer_scalar")
-            and not name.startswith(DEC + "self_conditioning."))
+    return (
+        name.startswith(DEC) and not name.endswith(".layer_scalar") and not name.startswith(DEC + "self_conditioning.")
+    )
 
 
 def test_encoder_prefixed_layout_loads_identically(base, tmp_path):
@@ -127,6 +128,7 @@ def test_lm_head_kept_only_when_different(base, tmp_path):
 
 # --------------------------------------------------------------------------------------------------------- saving
 
+
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_save_weights_loads_in_transformers(tiny_checkpoint, tmp_path, variant):
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -147,8 +149,9 @@ def test_save_weights_bf16_and_lm_head(base, tmp_path):
     path, cfg, weights = base
     save_weights(tmp_path / "bf16", cfg, weights, torch.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert_same(load_weights(tmp_path / "bf16", cfg, torch.bfloat16),
-                {k: v.to(torch.bfloat16) for k, v in weights.items()})
+    assert_same(
+        load_weights(tmp_path / "bf16", cfg, torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    )
     head = torch.randn(cfg.vocab_size, cfg.hidden_size)
     save_weights(tmp_path / "head", cfg, dict(weights, **{"lm_head.weight": head}))
     assert torch.equal(load_weights(tmp_path / "head", cfg)["lm_head.weight"], head)
@@ -156,11 +159,14 @@ def test_save_weights_bf16_and_lm_head(base, tmp_path):
     assert "lm_head.weight" not in load_file(tmp_path / "tied" / "model.safetensors")
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda w: w.pop("layers.1.mlp.up_proj.weight"), "layers.1.mlp.up_proj.weight"),
-    (lambda w: w.update({"layers.2.self_attn.v_proj.weight": torch.zeros(32, 64)}), "layers.2.self_attn.v_proj"),
-    (lambda w: w.update({"norm.weight": torch.zeros(65)}), "norm.weight"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda w: w.pop("layers.1.mlp.up_proj.weight"), "layers.1.mlp.up_proj.weight"),
+        (lambda w: w.update({"layers.2.self_attn.v_proj.weight": torch.zeros(32, 64)}), "layers.2.self_attn.v_proj"),
+        (lambda w: w.update({"norm.weight": torch.zeros(65)}), "norm.weight"),
+    ],
+)
 def test_save_weights_rejects_bad_dicts(base, tmp_path, edit, needle):
     _, cfg, weights = base
     weights = dict(weights)
@@ -173,11 +179,14 @@ def test_hf_names():
     assert hf_names("layers.3.encoder_layer_scalar") == (ENC + "layers.3.layer_scalar",)
     assert hf_names("layers.3.layer_scalar") == (DEC + "layers.3.layer_scalar",)
     assert hf_names("self_conditioning.up_proj.weight") == (DEC + "self_conditioning.up_proj.weight",)
-    assert hf_names("layers.0.experts.down_proj") == (DEC + "layers.0.experts.down_proj",
-                                                      ENC + "layers.0.experts.down_proj")
+    assert hf_names("layers.0.experts.down_proj") == (
+        DEC + "layers.0.experts.down_proj",
+        ENC + "layers.0.experts.down_proj",
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- errors
+
 
 def _expect_error(path, cfg, *needles):
     with pytest.raises(CheckpointError) as e:
@@ -203,7 +212,7 @@ def test_index_listing_missing_shard(base, tmp_path):
     shard = sorted(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
     (tmp_path / shard).unlink()
     _expect_error(tmp_path, cfg, shard)
-    (tmp_path / "model.safetensors.index.json").write_text("{\"weight_map\": ")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')
     _expect_error(tmp_path, cfg, "model.safetensors.index.json")
 
 
@@ -212,14 +221,14 @@ def test_garbled_file(base, tmp_path, garble):
     path, cfg, _ = base
     shutil.copy(path / "config.json", tmp_path)
     data = (path / "model.safetensors").read_bytes()
-    data = {"truncate": data[: len(data) // 2], "garbage": b"this is not a safetensors file" * 9,
-            "empty": b""}[garble]
+    data = {"truncate": data[: len(data) // 2], "garbage": b"this is not a safetensors file" * 9, "empty": b""}[garble]
     (tmp_path / "model.safetensors").write_bytes(data)
     _expect_error(tmp_path, cfg, "model.safetensors")
 
 
 def _nvfp4_layer0(experts=range(4), scale_byte=0x38):
     """Replace layer 0's fused experts by per-expert NVFP4 tensors (scale byte 0x38 = 1.0, 0x7F = NaN)."""
+
     def edit(sd):
         for name in [n for n in sd if n.startswith(DEC + "layers.0.experts.")]:
             del sd[name]
@@ -227,30 +236,59 @@ def _nvfp4_layer0(experts=range(4), scale_byte=0x38):
             for proj, (n, k) in {"gate_proj": (32, 64), "up_proj": (32, 64), "down_proj": (64, 32)}.items():
                 p = f"{DEC}layers.0.experts.{e}.{proj}."
                 sd[p + "weight"] = torch.zeros(n, k // 2, dtype=torch.uint8)
-                sd[p + "weight_scale"] = torch.full((n, k // 16), scale_byte, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                sd[p + "weight_scale"] = torch.full((n, k // 16), scale_byte, dtype=torch.uint8).view(
+                    torch.float8_e4m3fn
+                )
                 sd[p + "weight_scale_2"] = torch.ones(1)
                 sd[p + "input_scale"] = torch.ones(1)
+
     return edit
 
 
 ERRORS = [
     ("missing tensor", lambda sd: sd.pop(DEC + "layers.1.mlp.up_proj.weight"), DEC + "layers.1.mlp.up_proj.weight"),
-    ("missing self-conditioning", lambda sd: sd.pop(DEC + "self_conditioning.down_proj.weight"),
-     DEC + "self_conditioning.down_proj.weight"),
+    (
+        "missing self-conditioning",
+        lambda sd: sd.pop(DEC + "self_conditioning.down_proj.weight"),
+        DEC + "self_conditioning.down_proj.weight",
+    ),
     ("missing encoder scalar", lambda sd: sd.pop(ENC + "layers.0.layer_scalar"), ENC + "layers.0.layer_scalar"),
     ("missing decoder scalar", lambda sd: sd.pop(DEC + "layers.2.layer_scalar"), DEC + "layers.2.layer_scalar"),
-    ("shape mismatch", lambda sd: sd.update({DEC + "layers.0.self_attn.q_norm.weight": torch.ones(17)}),
-     DEC + "layers.0.self_attn.q_norm.weight", "[16]", "[17]"),
-    ("expert shape", lambda sd: sd.update({DEC + "layers.2.experts.gate_up_proj": torch.ones(4, 32, 64)}),
-     DEC + "layers.2.experts.gate_up_proj", "[4, 64, 64]"),
-    ("v_proj on full layer", lambda sd: sd.update({DEC + "layers.2.self_attn.v_proj.weight": torch.ones(32, 64)}),
-     DEC + "layers.2.self_attn.v_proj.weight", "full"),
-    ("attention bias", lambda sd: sd.update({DEC + "layers.0.self_attn.q_proj.bias": torch.ones(64)}),
-     DEC + "layers.0.self_attn.q_proj.bias"),
-    ("layer out of range", lambda sd: sd.update({DEC + "layers.3.layer_scalar": torch.ones(1)}),
-     DEC + "layers.3.layer_scalar"),
-    ("integer weight", lambda sd: sd.update({DEC + "norm.weight": torch.ones(64, dtype=torch.int32)}),
-     DEC + "norm.weight", "I32"),
+    (
+        "shape mismatch",
+        lambda sd: sd.update({DEC + "layers.0.self_attn.q_norm.weight": torch.ones(17)}),
+        DEC + "layers.0.self_attn.q_norm.weight",
+        "[16]",
+        "[17]",
+    ),
+    (
+        "expert shape",
+        lambda sd: sd.update({DEC + "layers.2.experts.gate_up_proj": torch.ones(4, 32, 64)}),
+        DEC + "layers.2.experts.gate_up_proj",
+        "[4, 64, 64]",
+    ),
+    (
+        "v_proj on full layer",
+        lambda sd: sd.update({DEC + "layers.2.self_attn.v_proj.weight": torch.ones(32, 64)}),
+        DEC + "layers.2.self_attn.v_proj.weight",
+        "full",
+    ),
+    (
+        "attention bias",
+        lambda sd: sd.update({DEC + "layers.0.self_attn.q_proj.bias": torch.ones(64)}),
+        DEC + "layers.0.self_attn.q_proj.bias",
+    ),
+    (
+        "layer out of range",
+        lambda sd: sd.update({DEC + "layers.3.layer_scalar": torch.ones(1)}),
+        DEC + "layers.3.layer_scalar",
+    ),
+    (
+        "integer weight",
+        lambda sd: sd.update({DEC + "norm.weight": torch.ones(64, dtype=torch.int32)}),
+        DEC + "norm.weight",
+        "I32",
+    ),
     ("nvfp4 expert missing", _nvfp4_layer0(range(3)), DEC + "layers.0.experts.3.gate_proj.weight"),
     ("nvfp4 NaN scale", _nvfp4_layer0(scale_byte=0x7F), "layers.0.experts.0.gate_proj.weight_scale", "NaN"),
     ("nvfp4 negative scale", _nvfp4_layer0(scale_byte=0xB8), "weight_scale", "negative"),
@@ -267,8 +305,13 @@ def test_tensor_errors_name_the_tensor(base, tmp_path, case, edit, needles):
 def test_vision_tensors_are_ignored(base, tmp_path):
     path, cfg, ref = base
     assert any("vision_tower" in n for n in load_file(path / "model.safetensors"))
-    rewrite(path, tmp_path, lambda sd: sd.update({"model.encoder.embed_vision.extra.weight": torch.ones(3),
-                                                  "model.vision_tower.anything": torch.ones(2)}))
+    rewrite(
+        path,
+        tmp_path,
+        lambda sd: sd.update(
+            {"model.encoder.embed_vision.extra.weight": torch.ones(3), "model.vision_tower.anything": torch.ones(2)}
+        ),
+    )
     assert_same(load_weights(tmp_path, cfg), ref)
 
 

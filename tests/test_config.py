@@ -1,5 +1,6 @@
 """dgserve.config: ModelConfig resolves config.json exactly as transformers 5.23 does (spec §1), rejects what
 dgserve cannot run with a message naming the field, and GenerationDefaults follows spec §1.3."""
+
 from __future__ import annotations
 
 import copy
@@ -7,8 +8,8 @@ import dataclasses
 import json
 
 import pytest
-
 from tiny_models import TINY_VARIANTS, tiny_config
+
 from dgserve.config import FULL, SLIDING, ConfigError, GenerationDefaults, ModelConfig
 
 
@@ -19,8 +20,10 @@ def _variant_config(variant: str):
 
 def _hf_geometry(text) -> list[tuple[str, int, int]]:
     """(layer type, head_dim, kv heads) per layer, as transformers' text config reports them."""
-    return [(text.layer_types[i], text.per_layer_config[i].head_dim, text.per_layer_config[i].num_key_value_heads)
-            for i in range(text.num_hidden_layers)]
+    return [
+        (text.layer_types[i], text.per_layer_config[i].head_dim, text.per_layer_config[i].num_key_value_heads)
+        for i in range(text.num_hidden_layers)
+    ]
 
 
 def _our_geometry(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -51,6 +54,7 @@ def base_dict(saved_configs) -> dict:
 
 # --------------------------------------------------------------------------------------------- parity with transformers
 
+
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_from_pretrained_matches_transformers(saved_configs, variant):
     from transformers import DiffusionGemmaConfig
@@ -60,10 +64,23 @@ def test_from_pretrained_matches_transformers(saved_configs, variant):
     text = hf.text_config
     assert _our_geometry(ours) == _hf_geometry(text)
     assert ours.canvas_length == hf.canvas_length
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts",
-                 "top_k_experts", "num_hidden_layers", "num_attention_heads", "sliding_window", "rms_norm_eps",
-                 "max_position_embeddings", "final_logit_softcapping", "pad_token_id", "eos_token_id",
-                 "bos_token_id"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "top_k_experts",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "sliding_window",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "final_logit_softcapping",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+    ):
         assert getattr(ours, name) == getattr(text, name), name
     assert ours.rope_theta_sliding == text.rope_parameters[SLIDING]["rope_theta"]
     assert ours.rope_theta_full == text.rope_parameters[FULL]["rope_theta"]
@@ -84,17 +101,30 @@ def test_to_dict_round_trips_and_transformers_loads_it(saved_configs, variant):
     assert hf.text_config.final_logit_softcapping == ours.final_logit_softcapping
 
 
-@pytest.mark.parametrize("extra", [
-    dict(global_head_dim=32, num_global_key_value_heads=1),
-    dict(global_head_dim=64),                        # kv heads of full layers default to num_key_value_heads
-    dict(),                                          # global_head_dim defaults to 512
-    dict(num_hidden_layers=7, layer_types=None),     # (i+1) % 6 rule, last layer forced full
-    dict(num_hidden_layers=4, layer_types=[SLIDING] * 4),   # last layer forced full
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(global_head_dim=32, num_global_key_value_heads=1),
+        dict(global_head_dim=64),  # kv heads of full layers default to num_key_value_heads
+        dict(),  # global_head_dim defaults to 512
+        dict(num_hidden_layers=7, layer_types=None),  # (i+1) % 6 rule, last layer forced full
+        dict(num_hidden_layers=4, layer_types=[SLIDING] * 4),  # last layer forced full
+    ],
+)
 def test_global_keys_and_layer_type_defaults_match_transformers(extra):
-    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                top_k_experts=2, num_hidden_layers=3, layer_types=[SLIDING, SLIDING, FULL], num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16)
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        top_k_experts=2,
+        num_hidden_layers=3,
+        layer_types=[SLIDING, SLIDING, FULL],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     text.update(extra)
     if text["layer_types"] is None:
         del text["layer_types"]
@@ -105,10 +135,20 @@ def test_global_keys_and_layer_type_defaults_match_transformers(extra):
 
 
 def test_zero_padded_per_layer_config_keys_and_layer_pattern():
-    text = dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32, num_hidden_layers=12, hidden_size=64,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                per_layer_config={"05": {"head_dim": 64, "num_key_value_heads": 1},
-                                  "11": {"head_dim": 64, "num_key_value_heads": 1}})
+    text = dict(
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        num_hidden_layers=12,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        per_layer_config={
+            "05": {"head_dim": 64, "num_key_value_heads": 1},
+            "11": {"head_dim": 64, "num_key_value_heads": 1},
+        },
+    )
     ours = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text})
     assert [i for i in range(12) if not ours.is_sliding(i)] == [5, 11]
     assert (ours.full_head_dim, ours.full_num_kv_heads, ours.sliding_head_dim) == (64, 1, 16)
@@ -141,8 +181,14 @@ def test_softcapping_rope_default_and_eos_list(base_dict):
 def test_ignores_vision_bookkeeping_and_gemma4_keys(base_dict):
     d = copy.deepcopy(base_dict)
     d.update(eos_token_id=[9, 9], vision_soft_tokens_per_image=280, initializer_range=0.5)
-    d["text_config"].update(attention_k_eq_v=False, enable_moe_block=False, num_kv_shared_layers=3,
-                            hidden_size_per_layer_input=0, use_double_wide_mlp=True, attention_dropout=0.1)
+    d["text_config"].update(
+        attention_k_eq_v=False,
+        enable_moe_block=False,
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=0,
+        use_double_wide_mlp=True,
+        attention_dropout=0.1,
+    )
     assert ModelConfig.from_dict(d) == ModelConfig.from_dict(base_dict)
 
 
@@ -158,6 +204,7 @@ def test_per_layer_helpers_frozen_and_hashable(base_dict):
 
 # -------------------------------------------------------------------------------------------------------- rejections
 
+
 def _set(path: str, value):
     def mutate(d):
         *parents, last = path.split(".")
@@ -168,6 +215,7 @@ def _set(path: str, value):
             del node[last]
         else:
             node[last] = value
+
     return mutate
 
 
@@ -196,17 +244,32 @@ REJECTIONS = [
     ("text_config.per_layer_config", {"0": {"head_dim": 32}}, "text_config.per_layer_config"),
     ("text_config.layer_types", [SLIDING, FULL], "text_config.layer_types"),
     ("text_config.layer_types", [SLIDING, "chunked", FULL], "text_config.layer_types"),
-    ("text_config.rope_parameters.full_attention.rope_type", "yarn",
-     "text_config.rope_parameters.full_attention.rope_type"),
-    ("text_config.rope_parameters.sliding_attention.rope_type", "linear",
-     "text_config.rope_parameters.sliding_attention.rope_type"),
-    ("text_config.rope_parameters.full_attention.partial_rotary_factor", 0.0,
-     "text_config.rope_parameters.full_attention.partial_rotary_factor"),
-    ("text_config.rope_parameters.full_attention.partial_rotary_factor", 1.5,
-     "text_config.rope_parameters.full_attention.partial_rotary_factor"),
+    (
+        "text_config.rope_parameters.full_attention.rope_type",
+        "yarn",
+        "text_config.rope_parameters.full_attention.rope_type",
+    ),
+    (
+        "text_config.rope_parameters.sliding_attention.rope_type",
+        "linear",
+        "text_config.rope_parameters.sliding_attention.rope_type",
+    ),
+    (
+        "text_config.rope_parameters.full_attention.partial_rotary_factor",
+        0.0,
+        "text_config.rope_parameters.full_attention.partial_rotary_factor",
+    ),
+    (
+        "text_config.rope_parameters.full_attention.partial_rotary_factor",
+        1.5,
+        "text_config.rope_parameters.full_attention.partial_rotary_factor",
+    ),
     ("text_config.rope_parameters.full_attention.factor", 8.0, "text_config.rope_parameters.full_attention.factor"),
-    ("text_config.rope_parameters.full_attention.rope_theta", _DELETE,
-     "text_config.rope_parameters.full_attention.rope_theta"),
+    (
+        "text_config.rope_parameters.full_attention.rope_theta",
+        _DELETE,
+        "text_config.rope_parameters.full_attention.rope_theta",
+    ),
     ("text_config.rope_parameters.sliding_attention", _DELETE, "text_config.rope_parameters.sliding_attention"),
     ("text_config.rms_norm_eps", 0.0, "text_config.rms_norm_eps"),
     ("text_config.final_logit_softcapping", -1.0, "text_config.final_logit_softcapping"),
@@ -226,25 +289,26 @@ def test_rejections_name_the_field(base_dict, path, value, field):
 
 
 def test_from_pretrained_file_errors_name_the_file(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path)
 
 
 def test_direct_construction_is_validated(base_dict):
     cfg = ModelConfig.from_dict(base_dict)
-    with pytest.raises(ConfigError, match="text_config.top_k_experts"):
+    with pytest.raises(ConfigError, match=r"text_config\.top_k_experts"):
         dataclasses.replace(cfg, top_k_experts=9)
-    with pytest.raises(ConfigError, match="text_config.layer_types"):
+    with pytest.raises(ConfigError, match=r"text_config\.layer_types"):
         dataclasses.replace(cfg, layer_types=(SLIDING, FULL, SLIDING))
 
 
 # ------------------------------------------------------------------------------------------------ GenerationDefaults
+
 
 def test_generation_defaults_absent_file_and_transformers_nulls(tmp_path, saved_configs, tiny_checkpoint):
     assert GenerationDefaults.from_pretrained(tmp_path) == GenerationDefaults()
@@ -254,39 +318,64 @@ def test_generation_defaults_absent_file_and_transformers_nulls(tmp_path, saved_
 
 
 def test_generation_defaults_values(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({
-        "max_new_tokens": 64, "max_denoising_steps": 8, "t_min": 0.1, "t_max": 0.9, "stability_threshold": 0,
-        "confidence_threshold": 0.01, "eos_token_id": [1, 106, 50], "pad_token_id": 0, "max_length": None,
-        "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.25},
-        "return_dict_in_generate": True, "transformers_version": "5.23.0"}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "max_new_tokens": 64,
+                "max_denoising_steps": 8,
+                "t_min": 0.1,
+                "t_max": 0.9,
+                "stability_threshold": 0,
+                "confidence_threshold": 0.01,
+                "eos_token_id": [1, 106, 50],
+                "pad_token_id": 0,
+                "max_length": None,
+                "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.25},
+                "return_dict_in_generate": True,
+                "transformers_version": "5.23.0",
+            }
+        )
+    )
     g = GenerationDefaults.from_pretrained(tmp_path)
-    assert g == GenerationDefaults(max_new_tokens=64, max_denoising_steps=8, t_min=0.1, t_max=0.9,
-                                   entropy_bound=0.25, stability_threshold=0, confidence_threshold=0.01,
-                                   eos_token_ids=(1, 106, 50), pad_token_id=0)
+    assert g == GenerationDefaults(
+        max_new_tokens=64,
+        max_denoising_steps=8,
+        t_min=0.1,
+        t_max=0.9,
+        entropy_bound=0.25,
+        stability_threshold=0,
+        confidence_threshold=0.01,
+        eos_token_ids=(1, 106, 50),
+        pad_token_id=0,
+    )
 
 
 def test_generation_defaults_eos_int_and_null_sampler():
     g = GenerationDefaults.from_dict({"eos_token_id": 1, "sampler_config": None, "pad_token_id": None})
     assert g.eos_token_ids == (1,) and g.entropy_bound == 0.1 and g.pad_token_id is None
-    g = GenerationDefaults.from_dict({"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig",
-                                                         "entropy_bound": None}})
+    g = GenerationDefaults.from_dict(
+        {"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": None}}
+    )
     assert g.entropy_bound == 0.1
     assert GenerationDefaults.from_dict({"eos_token_id": []}).eos_token_ids == ()
 
 
-@pytest.mark.parametrize("d,field", [
-    ({"sampler_config": {"_cls_name": "TopKSamplerConfig", "k": 3}}, "sampler_config._cls_name"),
-    ({"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.0}}, "entropy_bound"),
-    ({"t_min": 0.9}, "t_max"),
-    ({"t_min": -0.1}, "t_min"),
-    ({"max_denoising_steps": 0}, "max_denoising_steps"),
-    ({"max_new_tokens": 2.5}, "max_new_tokens"),
-    ({"stability_threshold": -1}, "stability_threshold"),
-    ({"confidence_threshold": 0}, "confidence_threshold"),
-    ({"eos_token_id": "x"}, "eos_token_id"),
-    ({"eos_token_id": [1, None]}, "eos_token_id"),
-    ({"pad_token_id": -1}, "pad_token_id"),
-])
+@pytest.mark.parametrize(
+    "d,field",
+    [
+        ({"sampler_config": {"_cls_name": "TopKSamplerConfig", "k": 3}}, "sampler_config._cls_name"),
+        ({"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.0}}, "entropy_bound"),
+        ({"t_min": 0.9}, "t_max"),
+        ({"t_min": -0.1}, "t_min"),
+        ({"max_denoising_steps": 0}, "max_denoising_steps"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens"),
+        ({"stability_threshold": -1}, "stability_threshold"),
+        ({"confidence_threshold": 0}, "confidence_threshold"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"eos_token_id": [1, None]}, "eos_token_id"),
+        ({"pad_token_id": -1}, "pad_token_id"),
+    ],
+)
 def test_generation_defaults_rejections_name_the_field(d, field):
     with pytest.raises(ConfigError, match=field):
         GenerationDefaults.from_dict(d)
@@ -294,8 +383,8 @@ def test_generation_defaults_rejections_name_the_field(d, field):
 
 def test_generation_defaults_bad_json_names_file(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
-    with pytest.raises(ConfigError, match="generation_config.json"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
         GenerationDefaults.from_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"t_min": "hot"}))
-    with pytest.raises(ConfigError, match="generation_config.json"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
         GenerationDefaults.from_pretrained(tmp_path)

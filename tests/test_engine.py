@@ -1,4 +1,5 @@
 """Engine behaviour: batch invariance, streaming, output rules (EOS, length, stop strings), seeds, validation."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,10 @@ from dgserve.default_model import train_tokenizer
 from dgserve.outputs import OutputTracker
 from dgserve.tiny import make_random_checkpoint
 
-CORPUS = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",
-          "A diffusion model writes a whole canvas of tokens at once and refines it over a few steps."]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",
+    "A diffusion model writes a whole canvas of tokens at once and refines it over a few steps.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +36,14 @@ def _params(**kw):
 def test_batch_equals_alone(engine):
     """generate_batch gives exactly what each request gives alone (different lengths, knobs, seeds)."""
     prompts = [[5, 6, 7], list(range(3, 40)), [9], "the dog"]
-    params = [_params(seed=1), _params(seed=2, max_new_tokens=70, t_min=0.1),
-              _params(seed=3, max_denoising_steps=9, entropy_bound=1.0), _params(seed=4, ignore_eos=True)]
+    params = [
+        _params(seed=1),
+        _params(seed=2, max_new_tokens=70, t_min=0.1),
+        _params(seed=3, max_denoising_steps=9, entropy_bound=1.0),
+        _params(seed=4, ignore_eos=True),
+    ]
     together = engine.generate_batch(prompts, params)
-    for prompt, p, res in zip(prompts, params, together):
+    for prompt, p, res in zip(prompts, params, together, strict=True):
         alone = engine.generate(prompt, p)
         assert res.token_ids == alone.token_ids and res.finish_reason == alone.finish_reason
         assert [b.stats.denoising_steps for b in res.blocks] == [b.stats.denoising_steps for b in alone.blocks]
@@ -47,7 +54,7 @@ def test_stream_blocks_partition_result(engine):
     blocks = list(engine.stream([5, 6, 7], p))
     res = engine.generate([5, 6, 7], p)
     assert [t for b in blocks for t in b.token_ids] == res.token_ids
-    assert [len(b.token_ids) for b in blocks] == [16, 16, 13]   # 45 is not a multiple of C = 16
+    assert [len(b.token_ids) for b in blocks] == [16, 16, 13]  # 45 is not a multiple of C = 16
     assert [b.finish_reason for b in blocks] == [None, None, "length"]
     assert "".join(b.text for b in blocks) == res.text
     for b in blocks:
@@ -89,7 +96,7 @@ def test_stop_string_spanning_blocks(engine):
     full = free.text
     # a stop string that starts in block 0 and ends in block 1
     cut = len(first_block_text)
-    stop = full[cut - 2: cut + 2]
+    stop = full[cut - 2 : cut + 2]
     assert len(stop) == 4 and full.find(stop) >= 0
     start = full.find(stop)
     res = engine.generate([5, 6, 7], SamplingParams(**{**p.__dict__, "stop": (stop,)}))
@@ -115,26 +122,41 @@ def test_abort_frees_request(engine):
     assert not engine.abort(rid)
 
 
-@pytest.mark.parametrize("prompt, match", [
-    ([], "prompt: must contain"),
-    ([5, 300], "prompt: token id 300"),
-    ([-1], "prompt: token id -1"),
-    (list(range(3, 300)) * 14, "context window"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ([], "prompt: must contain"),
+        ([5, 300], "prompt: token id 300"),
+        ([-1], "prompt: token id -1"),
+        (list(range(3, 300)) * 14, "context window"),
+    ],
+)
 def test_bad_prompts(engine, prompt, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompt, _params())
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=1.5), "max_new_tokens"),
-    (dict(max_denoising_steps=0), "max_denoising_steps"), (dict(max_denoising_steps=True), "max_denoising_steps"),
-    (dict(t_min=-0.1), "t_min"), (dict(t_min=0.8, t_max=0.8), "t_max"), (dict(t_max=float("nan")), "t_max"),
-    (dict(entropy_bound=0.0), "entropy_bound"), (dict(stability_threshold=-1), "stability_threshold"),
-    (dict(confidence_threshold=0), "confidence_threshold"), (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"),
-    (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop=("",)), r"stop\[0\]"), (dict(stop=("a",) * 17), "stop"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=1.5), "max_new_tokens"),
+        (dict(max_denoising_steps=0), "max_denoising_steps"),
+        (dict(max_denoising_steps=True), "max_denoising_steps"),
+        (dict(t_min=-0.1), "t_min"),
+        (dict(t_min=0.8, t_max=0.8), "t_max"),
+        (dict(t_max=float("nan")), "t_max"),
+        (dict(entropy_bound=0.0), "entropy_bound"),
+        (dict(stability_threshold=-1), "stability_threshold"),
+        (dict(confidence_threshold=0), "confidence_threshold"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(stop=("",)), r"stop\[0\]"),
+        (dict(stop=("a",) * 17), "stop"),
+    ],
+)
 def test_sampling_params_validation_names_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
@@ -158,6 +180,7 @@ def test_checkpoint_defaults_outside_request_limits_fail_at_load(tiny_checkpoint
 
 class _CharTokenizer:
     """id i ↔ chr(ord('a') + i - 10) for i ≥ 10; ids < 10 decode to nothing (specials)."""
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + i - 10) for i in ids if i >= 10)
 
@@ -169,7 +192,7 @@ def _ids(s):
 def test_tracker_holds_back_partial_stop_and_cuts():
     t = OutputTracker(100, frozenset({1}), False, ("xyz",), _CharTokenizer())
     toks, delta = t.add_block(_ids("abcx"))
-    assert delta == "abc" and t.finish_reason is None   # "x" may start the stop string
+    assert delta == "abc" and t.finish_reason is None  # "x" may start the stop string
     toks, delta = t.add_block(_ids("yzqq"))
     assert toks == _ids("yz") and delta == "" and t.text == "abc" and t.finish_reason == "stop"
     assert t.token_ids == _ids("abcxyz")
@@ -178,7 +201,7 @@ def test_tracker_holds_back_partial_stop_and_cuts():
 def test_tracker_released_partial_match_and_eos_first():
     t = OutputTracker(100, frozenset({1}), False, ("xyz",), _CharTokenizer())
     assert t.add_block(_ids("abx"))[1] == "ab"
-    assert t.add_block(_ids("yq"))[1] == "xyq"          # not a match after all: released
+    assert t.add_block(_ids("yq"))[1] == "xyq"  # not a match after all: released
     toks, delta = t.add_block([*_ids("c"), 1, *_ids("xyz")])
     assert toks == [*_ids("c"), 1] and delta == "c" and t.finish_reason == "eos"
 

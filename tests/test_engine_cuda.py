@@ -2,6 +2,7 @@
 alone and several batched. fp32 tokens equal the CPU engine's (DESIGN Decision 2; fixtures avoid near-ties); bf16
 is compared through its logits (a near-tie may flip a bf16 token), and the native self-check must pass on the
 device. `cuda`: skipped without a device, failed when dgserve._C lacks CUDA (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,10 +36,12 @@ def _first_logits(engine, prompts):
 
     m = engine.model
     rows = [RowCache() for _ in prompts]
-    for p, row in zip(prompts, rows):
+    for p, row in zip(prompts, rows, strict=True):
         m.encode_row(torch.tensor(p, device=m.device), row)
-    states = [BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
-              for i in range(len(prompts))]
+    states = [
+        BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
+        for i in range(len(prompts))
+    ]
     return m.denoise(KVCache(rows), torch.stack([s.canvas for s in states])).cpu()
 
 
@@ -46,8 +49,8 @@ def test_fp32_cuda_tokens_equal_cpu_alone_and_batched(checkpoint):
     cpu = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32)
     gpu = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32)
     params = [_params(s) for s in (1, 2, 3)]
-    want = [cpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params)]
-    alone = [gpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params)]
+    want = [cpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params, strict=True)]
+    alone = [gpu.generate(p, sp).token_ids for p, sp in zip(PROMPTS, params, strict=True)]
     batched = [r.token_ids for r in gpu.generate_batch(PROMPTS, params)]
     assert alone == want
     assert batched == want
@@ -60,7 +63,7 @@ def test_bf16_cuda_logits_close_alone_and_batched(checkpoint):
     want = _first_logits(ref, PROMPTS)
     batched = _first_logits(gpu, PROMPTS)
     alone = torch.cat([_first_logits(gpu, [p]) for p in PROMPTS])
-    assert _rel_l2(batched, want) <= 3e-2 and _rel_l2(alone, want) <= 3e-2   # bf16 weights and activations
+    assert _rel_l2(batched, want) <= 3e-2 and _rel_l2(alone, want) <= 3e-2  # bf16 weights and activations
     assert _rel_l2(batched, alone) <= 1e-2
     results = gpu.generate_batch(PROMPTS, [_params(s) for s in (1, 2, 3)])
     assert all(len(r.token_ids) == 40 and r.finish_reason == "length" for r in results)

@@ -5,6 +5,7 @@ Exact tokens hold only away from near-ties (spec §6.5, §7.6): every run also m
 far each decision (Gumbel race at accepted positions, committed argmax, entropy-bound acceptance, stop test) is
 from a tie, and the test asserts it is beyond what the implementations may differ by (hf_reference.Margins). A
 fixture that lands on a near-tie fails on that assertion, not by a flaky token mismatch on some machine."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ CASES = [
     (33, 12, 0.001, 0.002, 1000.0, 2, 6.0),
     (48, 12, 0.01, 0.02, 2.0, 1, 0.05),
 ]
-EARLY = {3, 4, 5}   # indices of CASES where some block must stop before its step budget
+EARLY = {3, 4, 5}  # indices of CASES where some block must stop before its step budget
 # Offsets of the prompt generator's seed, per case index, chosen so every run stays clear of near-ties (the
 # margins asserted in _check are >= 1.7x the spec's near-tie bounds here; case 0's first prompts gave 1.09x).
 PROMPT_SALT = {0: 4}
@@ -43,27 +44,46 @@ def models(tiny_checkpoint, hf_model_loader):
 def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
     max_new, steps, t_min, t_max, beta, S, tau = case
     margins = Margins()
-    ref, ref_tpf = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=t_min, t_max=t_max,
-                               entropy_bound=beta, stability_threshold=S, confidence_threshold=tau,
-                               eos_ids=None if ignore_eos else eos_ids, pad_id=None if ignore_eos else 0,
-                               margins=margins)
+    ref, ref_tpf = hf_generate(
+        hf,
+        prompt,
+        seed,
+        max_new_tokens=max_new,
+        steps=steps,
+        t_min=t_min,
+        t_max=t_max,
+        entropy_bound=beta,
+        stability_threshold=S,
+        confidence_threshold=tau,
+        eos_ids=None if ignore_eos else eos_ids,
+        pad_id=None if ignore_eos else 0,
+        margins=margins,
+    )
     # the fixture must stay clear of near-ties, or exact tokens are not promised (DESIGN Decision 2, spec §6.5)
     assert margins.worst() > 1, f"seed {seed} case {case} prompt {prompt}: near-tie {margins}"
-    params = SamplingParams(max_new_tokens=max_new, max_denoising_steps=steps, t_min=t_min, t_max=t_max,
-                            entropy_bound=beta, stability_threshold=S, confidence_threshold=tau, seed=seed,
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        max_denoising_steps=steps,
+        t_min=t_min,
+        t_max=t_max,
+        entropy_bound=beta,
+        stability_threshold=S,
+        confidence_threshold=tau,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
     res = engine.generate(prompt, params)
     assert res.seed == seed
     assert res.token_ids == ref[: len(res.token_ids)], f"seed {seed} case {case}"
     C = engine.model.config.canvas_length
     if res.finish_reason == "eos":
         assert res.token_ids[-1] in eos_ids and not set(res.token_ids[:-1]) & set(eos_ids)
-        assert len(ref) == len(res.blocks) * C and all(t == 0 for t in ref[len(res.token_ids):])
+        assert len(ref) == len(res.blocks) * C and all(t == 0 for t in ref[len(res.token_ids) :])
         n_valid = sum(t != 0 for t in ref)
         assert ref_tpf == pytest.approx(n_valid / res.denoising_steps, rel=1e-6)
     else:
         assert res.finish_reason == "length" and len(res.token_ids) == max_new
-        assert len(ref) == -(-max_new // C) * C      # transformers returns whole canvases
+        assert len(ref) == -(-max_new // C) * C  # transformers returns whole canvases
         if ignore_eos:
             assert ref_tpf == pytest.approx(len(ref) / res.denoising_steps, rel=1e-6)
     return res

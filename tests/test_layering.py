@@ -1,4 +1,5 @@
 """The architecture's boundaries (DESIGN.md, Layout), checked on the source tree."""
+
 from __future__ import annotations
 
 import pathlib
@@ -13,8 +14,7 @@ def _py_files(base: pathlib.Path):
 
 
 def _imports(path: pathlib.Path) -> str:
-    return "\n".join(line for line in path.read_text().splitlines()
-                     if re.match(r"\s*(import|from)\s", line))
+    return "\n".join(line for line in path.read_text().splitlines() if re.match(r"\s*(import|from)\s", line))
 
 
 def test_no_grpc_in_package_except_stubs_and_client():

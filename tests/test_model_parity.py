@@ -4,6 +4,7 @@ fp32: within 1e-4 absolute (the project's bar; measured ~1e-6). bf16: compared a
 eager attention path, which rounds exactly where we do; we require ≤ 2 bf16 ulps of the logit magnitude
 (measured: bit-identical), because GEMM blocking may legally differ between builds.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,11 +23,13 @@ def _hf_logits(hf, prompt, canvas, sc, P, C):
         hf.model.encoder(input_ids=prompt, past_key_values=cache, position_ids=torch.arange(P)[None])
         pos = torch.arange(P, P + C)[None]
         step1 = hf(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
-        stepn = hf(decoder_input_ids=canvas, past_key_values=cache, self_conditioning_logits=sc,
-                   decoder_position_ids=pos).logits
+        stepn = hf(
+            decoder_input_ids=canvas, past_key_values=cache, self_conditioning_logits=sc, decoder_position_ids=pos
+        ).logits
         hf.model.encoder(input_ids=canvas, past_key_values=cache, position_ids=pos)
-        block2 = hf(decoder_input_ids=canvas, past_key_values=cache,
-                    decoder_position_ids=torch.arange(P + C, P + 2 * C)[None]).logits
+        block2 = hf(
+            decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=torch.arange(P + C, P + 2 * C)[None]
+        ).logits
     return step1, stepn, block2, [layer.keys.shape[-2] for layer in cache.layers]
 
 
@@ -43,7 +46,7 @@ def _ours(model, prompt, canvas, sc):
 @pytest.mark.parametrize("prompt_len", [1, 5, 13])
 def test_fp32_logits_match_transformers(tiny_checkpoint, hf_model_loader, variant, prompt_len):
     path = tiny_checkpoint(variant)
-    hf = hf_model_loader(path, torch.float32, attn="sdpa")   # transformers' default attention
+    hf = hf_model_loader(path, torch.float32, attn="sdpa")  # transformers' default attention
     model = DiffusionGemma.from_pretrained(path)
     C, V = model.config.canvas_length, model.config.vocab_size
     g = torch.Generator().manual_seed(prompt_len)
@@ -52,7 +55,7 @@ def test_fp32_logits_match_transformers(tiny_checkpoint, hf_model_loader, varian
     sc = torch.randn(2, C, V, generator=g)
     ref, ours = _hf_logits(hf, prompt, canvas, sc, prompt_len, C), _ours(model, prompt, canvas, sc)
     assert ours[3] == ref[3], "cache lengths per layer (sliding layers keep W-1)"
-    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3]):
+    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3], strict=True):
         assert a.dtype == torch.float32 and a.shape == b.shape
         err = (a - b).abs().max().item()
         assert err <= FP32_TOL, f"{variant} {name}: max |Δlogit| = {err:.3g}"
@@ -69,7 +72,7 @@ def test_bf16_logits_match_transformers_eager(tiny_checkpoint, hf_model_loader, 
     canvas = torch.randint(0, V, (1, C), generator=g)
     sc = torch.randn(1, C, V, generator=g).to(torch.bfloat16)
     ref, ours = _hf_logits(hf, prompt, canvas, sc, 11, C), _ours(model, prompt, canvas, sc)
-    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3]):
+    for name, a, b in zip(("step1", "self-conditioned", "block2"), ours[:3], ref[:3], strict=True):
         ulp = 2 * torch.finfo(torch.bfloat16).eps * b.abs().clamp(min=1.0)
         assert ((a - b).abs() <= ulp).all(), f"{variant} {name}: max |Δ| = {(a - b).abs().max().item():.3g}"
 
@@ -108,8 +111,9 @@ def test_batch_rows_are_independent(tiny_checkpoint):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, V, (1, n), generator=g) for n in (3, 9, 30)]
     canvases = torch.randint(0, V, (3, C), generator=g)
-    alone = [model.denoise(model.prefill(p), canvases[i:i + 1]) for i, p in enumerate(prompts)]
+    alone = [model.denoise(model.prefill(p), canvases[i : i + 1]) for i, p in enumerate(prompts)]
     from dgserve.model import KVCache
+
     batch_cache = KVCache([model.prefill(p).rows[0] for p in prompts])
     together = model.denoise(batch_cache, canvases)
     for i in range(3):

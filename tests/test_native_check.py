@@ -1,6 +1,7 @@
 """The start-up self-check of the native ops (issue 20, item 3), on the CPU by injecting wrong results into
 dgserve._C: auto switches the op off (error log, the reference runs, metric and GetModelInfo entries), strict
 refuses to start, off uses no native op."""
+
 from __future__ import annotations
 
 import logging
@@ -38,10 +39,11 @@ class _Injected:
             out = attr(*args)
             self._corrupt(args)
             return out
+
         return wrapped
 
 
-def _bump_canvas(args):          # _C.diffusion_step(logits, T, seeds, blocks, steps, bound, canvas, ...)
+def _bump_canvas(args):  # _C.diffusion_step(logits, T, seeds, blocks, steps, bound, canvas, ...)
     args[6][..., 0] += 1
 
 
@@ -75,7 +77,7 @@ def test_auto_switches_a_wrong_op_off(wrong_step, caplog):
     # the op now runs its reference: the injected error is gone
     args = nc._step_args("cpu", torch.float32)
     got, want = ops.diffusion_step(*args), reference.diffusion_step(*args)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_crashing_op_is_switched_off(monkeypatch):
@@ -116,7 +118,7 @@ def test_engine_strict_refuses_to_start(wrong_step):
 
 def test_engine_reports_the_switched_off_op(wrong_step):
     engine = Engine(_model(), native_ops="auto")
-    assert engine.native_report is None                     # auto on the CPU: no check at start
+    assert engine.native_report is None  # auto on the CPU: no check at start
     nc.run_self_check("cpu", "auto")
     info = engine.runtime_info()
     assert "diffusion_step" in info["native_ops_disabled"] and "diffusion_step" not in info["native_ops"]
@@ -128,8 +130,8 @@ def test_model_info_and_metric_show_the_switched_off_op(wrong_step):
     from prometheus_client import generate_latest
 
     from dgserve.scheduler import SchedulerConfig
-    from service import convert
     from dgserve.service.metrics import Metrics
+    from service import convert
 
     engine = Engine(_model())
     nc.run_self_check("cpu", "auto")

@@ -6,6 +6,7 @@ Why the two paths differ at all: the packed path is the kernels' contract (kerne
 weights with the fp32 global scale applied after the sums, and the GEMM1 activation rounded once to bf16 before
 GEMM2; the dequantized path rounds the weights to the model dtype and keeps the activation in it. For fp32 that
 is one bf16 rounding of the activation (2^-9 relative) on the expert branch only."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,8 +56,9 @@ def test_loader_keeps_the_experts_packed(quantized):
         gate_up = nvfp4.decode_repacked(p.w13, p.s13)[:, torch.argsort(nvfp4.interleave_rows(2 * p.inter))]
         gs = p.gs[:, :2].repeat_interleave(p.inter, dim=1)[..., None]
         # (E2M1·s)·gs here vs E2M1·(s·gs) in the loader: one fp32 rounding apart
-        torch.testing.assert_close(gate_up[..., :cfg.hidden_size] * gs, deq[f"layers.{i}.experts.gate_up_proj"],
-                                   rtol=2.5e-7, atol=0)
+        torch.testing.assert_close(
+            gate_up[..., : cfg.hidden_size] * gs, deq[f"layers.{i}.experts.gate_up_proj"], rtol=2.5e-7, atol=0
+        )
         break
 
 
@@ -99,13 +101,13 @@ def test_engine_generates_on_packed_experts(quantized):
 
     model = DiffusionGemma.from_pretrained(quantized, nvfp4_packed=True)
     res = Engine(model, None, GenerationDefaults()).generate(
-        [5, 6, 7], SamplingParams(max_new_tokens=20, max_denoising_steps=4, seed=1, ignore_eos=True))
+        [5, 6, 7], SamplingParams(max_new_tokens=20, max_denoising_steps=4, seed=1, ignore_eos=True)
+    )
     assert len(res.token_ids) == 20
 
 
 def test_each_shard_is_opened_once_per_layer(quantized, tmp_path, monkeypatch):
-    quantize_checkpoint(_src_of(quantized), tmp_path, torch.float32,
-                        shard_bytes=200_000)
+    quantize_checkpoint(_src_of(quantized), tmp_path, torch.float32, shard_bytes=200_000)
     cfg = ModelConfig.from_pretrained(tmp_path)
     shards = len(list(tmp_path.glob("*.safetensors")))
     opened = []

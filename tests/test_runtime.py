@@ -1,6 +1,7 @@
 """Safe runtime defaults (issue 20, item 1): bf16 on CUDA unless asked otherwise, fp32 on a GPU only when it fits
 (a ConfigError before loading otherwise), and the resolved device / dtype / expert format / native ops shown by
 --dry-run and the engine."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def _headers(config):
 def test_the_26b_checkpoint_in_fp32_does_not_fit_an_h100_but_bf16_does():
     h = _headers(preset("26b-a4b"))
     fp32, bf16 = runtime.estimate_weight_bytes(h, "float32", False), runtime.estimate_weight_bytes(h, "bfloat16", False)
-    assert 100e9 < fp32 < 110e9 and bf16 == fp32 // 2           # ≈ 104 GB vs ≈ 52 GB
+    assert 100e9 < fp32 < 110e9 and bf16 == fp32 // 2  # ≈ 104 GB vs ≈ 52 GB
     h100 = 80 << 30
     assert fp32 > h100 * (1 - runtime.HEADROOM_FRACTION) - runtime.HEADROOM_BYTES
     assert bf16 < h100 * (1 - runtime.HEADROOM_FRACTION) - runtime.HEADROOM_BYTES
@@ -56,9 +57,9 @@ def test_cpu_plan(tiny):
 
 
 def test_fp32_on_a_gpu_that_is_too_small_is_refused_before_loading(tiny, monkeypatch):
-    monkeypatch.setattr(runtime, "_free_bytes", lambda device: 3 << 30)      # 3 GB free: 0.7 GB after headroom
+    monkeypatch.setattr(runtime, "_free_bytes", lambda device: 3 << 30)  # 3 GB free: 0.7 GB after headroom
     plan = runtime.plan_runtime(tiny, "cuda", "float32")
-    assert plan.problem is None                                             # the tiny model fits
+    assert plan.problem is None  # the tiny model fits
     monkeypatch.setattr(runtime, "HEADROOM_BYTES", (3 << 30) - 1000)
     plan = runtime.plan_runtime(tiny, "cuda", "float32")
     assert "float32" in plan.problem and "--dtype bfloat16" in plan.problem
@@ -66,7 +67,7 @@ def test_fp32_on_a_gpu_that_is_too_small_is_refused_before_loading(tiny, monkeyp
     monkeypatch.setattr("dgserve.model.DiffusionGemma.from_pretrained", lambda *a, **k: loaded.append(1))
     with pytest.raises(ConfigError, match="weights need"):
         Engine.from_pretrained(tiny, device="cuda", dtype="float32")
-    assert loaded == []                                                     # refused before loading
+    assert loaded == []  # refused before loading
 
 
 def test_engine_from_pretrained_defaults_and_runtime_info(tiny):
@@ -80,14 +81,24 @@ def test_engine_from_pretrained_defaults_and_runtime_info(tiny):
 def test_dry_run_shows_the_resolved_runtime(tiny):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
     env.update(NIM_MODEL_PATH=str(tiny), DGSERVE_DEVICE="cuda")
-    out = subprocess.run([sys.executable, "-m", "dgserve.service", "--dry-run", "--native-ops", "strict"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "dgserve.service", "--dry-run", "--native-ops", "strict"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert cfg["dtype"] == "auto" and cfg["native_ops"] == "strict"
     rt = cfg["runtime"]
-    assert (rt["device"], rt["dtype"], rt["expert_format"], rt["native_ops_mode"]) == \
-        ("cuda", "bfloat16", "dense bfloat16", "strict")
+    assert (rt["device"], rt["dtype"], rt["expert_format"], rt["native_ops_mode"]) == (
+        "cuda",
+        "bfloat16",
+        "dense bfloat16",
+        "strict",
+    )
     assert "native_ops" in rt and rt["weight_bytes"] > 0
 
 

@@ -1,4 +1,5 @@
 """Scheduler: admission, bounded queue, FIFO, deadlines, abort, chunked prefill planning (no model, no torch)."""
+
 from __future__ import annotations
 
 import threading
@@ -39,13 +40,13 @@ def test_queue_full_rejects_at_once_with_retry_estimate():
     s.add("b", 1)
     with pytest.raises(QueueFullError) as e:
         s.add("c", 1)
-    assert e.value.retry_after_s == pytest.approx(1.0)          # no history yet: the default
+    assert e.value.retry_after_s == pytest.approx(1.0)  # no history yet: the default
     assert "max_num_seqs 1" in str(e.value) and "max_queue_len 1" in str(e.value)
-    s.schedule()                                                 # a runs, b waits
+    s.schedule()  # a runs, b waits
     clock.t += 4.0
-    s.finish("a")                                                # a served in 4 s
-    assert s.retry_after_s() == pytest.approx(8.0)               # b waits for a slot, then a new arrival
-    s.schedule()                                                 # b runs
+    s.finish("a")  # a served in 4 s
+    assert s.retry_after_s() == pytest.approx(8.0)  # b waits for a slot, then a new arrival
+    s.schedule()  # b runs
     assert s.retry_after_s() == pytest.approx(4.0)
     s.add("c", 1)
     assert len(s) == 2
@@ -160,11 +161,16 @@ def test_chunk_boundaries_independent_of_other_requests():
     assert plan(0) == plan(3) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(max_num_seqs=0), "max_num_seqs"), (dict(prefill_chunk=0), "prefill_chunk"),
-    (dict(max_prefill_tokens=-1), "max_prefill_tokens"), (dict(max_queue_len=-1), "max_queue_len"),
-    (dict(max_num_seqs=True), "max_num_seqs"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(prefill_chunk=0), "prefill_chunk"),
+        (dict(max_prefill_tokens=-1), "max_prefill_tokens"),
+        (dict(max_queue_len=-1), "max_queue_len"),
+        (dict(max_num_seqs=True), "max_num_seqs"),
+    ],
+)
 def test_config_validation_names_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**kw)
@@ -203,8 +209,9 @@ def test_capacity_message_states_running_waiting_and_limits_exactly():
         s.add(rid, 1)
     with pytest.raises(QueueFullError) as e:
         s.add("d", 1)
-    assert str(e.value) == ("server at capacity: 0 running + 3 waiting = 3 requests, the limit of max_num_seqs 1 + "
-                            "max_queue_len 2")
+    assert str(e.value) == (
+        "server at capacity: 0 running + 3 waiting = 3 requests, the limit of max_num_seqs 1 + max_queue_len 2"
+    )
     s.schedule()
     with pytest.raises(QueueFullError, match=r": 1 running \+ 2 waiting = 3 requests"):
         s.add("d", 1)

@@ -3,6 +3,7 @@
 It must load in dgserve and in transformers 5.23.0 (no missing or unexpected keys), generate the same tokens in both
 for the same seed under the noise contract (fp32, DESIGN Decision 5), fit in 25 MB, and produce text.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ HELD_OUT_PROMPTS = (
     "A deprecated alias of TimeoutError, raised when",
     "The modules described in this chapter provide some basic services operations for",
 )
-FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-         "README.md")
+FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+)
 
 pytestmark = pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="small model not exported")
 
@@ -40,8 +47,7 @@ pytestmark = pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reas
 def hf_small():
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(SMALL, dtype=torch.float32,
-                                                                  output_loading_info=True)
+    model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(SMALL, dtype=torch.float32, output_loading_info=True)
     return model.eval(), info
 
 
@@ -89,8 +95,11 @@ def test_dgserve_loads_the_same_weights(hf_small):
 def test_tokenizer_round_trips_and_chat_template():
     tok = Tokenizer.from_pretrained(SMALL)
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
-    for text in ["Return a new list containing all items from the iterable in ascending order.",
-                 "Hello, world! 123 — naïve café\n\ttabs", ""]:
+    for text in [
+        "Return a new list containing all items from the iterable in ascending order.",
+        "Hello, world! 123 — naïve café\n\ttabs",
+        "",
+    ]:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
     ids = tok.encode("The pathspec syntax", add_special_tokens=True)
@@ -122,12 +131,24 @@ def test_engine_matches_transformers_generate(hf_small, engine, seed):
     prompt = engine.tokenizer.encode("This function returns a new object, and the caller", add_special_tokens=True)
     steps, max_new = 12, 32
     margins = Margins()
-    ref, _ = hf_generate(hf, prompt, seed, max_new_tokens=max_new, steps=steps, t_min=0.4, t_max=0.8,
-                         entropy_bound=0.5, eos_ids=(1, 4), pad_id=0, margins=margins)
+    ref, _ = hf_generate(
+        hf,
+        prompt,
+        seed,
+        max_new_tokens=max_new,
+        steps=steps,
+        t_min=0.4,
+        t_max=0.8,
+        entropy_bound=0.5,
+        eos_ids=(1, 4),
+        pad_id=0,
+        margins=margins,
+    )
     # exact tokens are promised only away from near-ties (DESIGN Decision 2, spec §6.5): the fixture must be
     assert margins.worst() > 1, f"seed {seed}: the fixture sits on a near-tie {margins}"
-    params = SamplingParams(max_new_tokens=max_new, max_denoising_steps=steps, t_min=0.4, t_max=0.8,
-                            entropy_bound=0.5, seed=seed)
+    params = SamplingParams(
+        max_new_tokens=max_new, max_denoising_steps=steps, t_min=0.4, t_max=0.8, entropy_bound=0.5, seed=seed
+    )
     res = engine.generate(prompt, params)
     assert res.token_ids and res.token_ids == ref[: len(res.token_ids)]
 
@@ -135,8 +156,10 @@ def test_engine_matches_transformers_generate(hf_small, engine, seed):
 def test_generation_returns_text(engine):
     res = engine.generate("The default value is", engine.default_params(max_new_tokens=32, seed=1))
     assert res.text.strip()
-    res = engine.generate(ChatPrompt(({"role": "user", "content": "What does this function return?"},)),
-                          engine.default_params(max_new_tokens=32, seed=2))
+    res = engine.generate(
+        ChatPrompt(({"role": "user", "content": "What does this function return?"},)),
+        engine.default_params(max_new_tokens=32, seed=2),
+    )
     assert res.token_ids and res.finish_reason in ("eos", "length")
 
 
@@ -149,8 +172,9 @@ def test_writes_mostly_real_words(engine):
     unigram distribution. A model that learned only token frequencies, or a broken export, fails this bar.
     """
     vocab = set(LEXICON.read_text().split())
-    params = [engine.default_params(max_new_tokens=48, seed=100 + i, ignore_eos=True)
-              for i in range(len(HELD_OUT_PROMPTS))]
+    params = [
+        engine.default_params(max_new_tokens=48, seed=100 + i, ignore_eos=True) for i in range(len(HELD_OUT_PROMPTS))
+    ]
     outs = engine.generate_batch(list(HELD_OUT_PROMPTS), params)
     words = [w.lower() for o in outs for w in re.findall(r"[A-Za-z]+", o.text)]
     assert len(words) >= 150, words

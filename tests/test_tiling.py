@@ -1,5 +1,6 @@
 """The LM head, self-conditioning and sampler in tiles of canvases (issue 20, item 5): the step's [B, C, V]
 temporaries are bounded by a tile, and tiling changes no result the engine returns."""
+
 from __future__ import annotations
 
 import copy
@@ -58,7 +59,7 @@ def test_logits_tiles_cover_every_row_and_denoise_is_unchanged_per_row():
     sc = [torch.randn(C, m.config.vocab_size) for _ in range(B)]
     logits = m.denoise(KVCache(rows), canvas, self_cond_logits=sc)
     want = torch.stack([m.decode_row(r, canvas[b], sc[b], None) for b, r in enumerate(rows)])
-    assert torch.equal(logits, want)                          # CPU: one canvas per tile, bit for bit
+    assert torch.equal(logits, want)  # CPU: one canvas per tile, bit for bit
     hidden = m.denoise_hidden(KVCache(rows), canvas, self_cond_logits=sc)
     m.canvas_tile = 2
     tiles = list(m.logits_tiles(hidden))
@@ -74,7 +75,7 @@ def test_batched_self_conditioning_in_tiles_matches_untiled():
     sc = [torch.randn(C, V) for _ in range(B)]
     la = a.denoise(KVCache(_rows(a, B)), canvas, self_cond_logits=sc)
     lb = b.denoise(KVCache(_rows(b, B)), canvas, self_cond_logits=sc)
-    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)   # only GEMM row counts differ
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)  # only GEMM row counts differ
 
 
 def test_sampler_in_tiles_equals_one_call():
@@ -86,6 +87,6 @@ def test_sampler_in_tiles_equals_one_call():
     Sampler(torch.float32).step(whole, logits)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
         Sampler(torch.float32).step(tiled[rows], logits[rows])
-    for x, y in zip(whole, tiled):
+    for x, y in zip(whole, tiled, strict=True):
         assert torch.equal(x.canvas, y.canvas) and torch.equal(x.argmax, y.argmax)
         assert torch.equal(x.self_cond, y.self_cond) and x.mean_entropy == y.mean_entropy and x.done == y.done

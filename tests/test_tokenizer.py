@@ -3,6 +3,7 @@
 The tokenizer is a tiny byte-level BPE trained here on inline text, saved as tokenizer.json (with and without a
 tokenizer_config.json), so the tests need no download.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,22 @@ from dgserve.tokenizer import IncrementalDecoder, Tokenizer
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
 
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog. A diffusion model writes a whole canvas of tokens at once, "
-    "starting from noise and refining every position in parallel until the confident tokens are kept.",
-    "Once upon a time there was a little model that wanted to speak. It read many books about the sea, the "
-    "mountains and the rivers, and it learned that words follow each other in patterns.",
-    "The user asked a question and the model answered politely. Then the user asked another question, and the "
-    "model thought about it for a while before it wrote its answer in the reply.",
-    "Servers stream each committed block to the caller as soon as it is final. Requests are batched together, "
-    "and every active canvas advances one denoising step per iteration of the engine loop.",
+    (
+        "The quick brown fox jumps over the lazy dog. A diffusion model writes a whole canvas of tokens at once, "
+        "starting from noise and refining every position in parallel until the confident tokens are kept."
+    ),
+    (
+        "Once upon a time there was a little model that wanted to speak. It read many books about the sea, the "
+        "mountains and the rivers, and it learned that words follow each other in patterns."
+    ),
+    (
+        "The user asked a question and the model answered politely. Then the user asked another question, and the "
+        "model thought about it for a while before it wrote its answer in the reply."
+    ),
+    (
+        "Servers stream each committed block to the caller as soon as it is final. Requests are batched together, "
+        "and every active canvas advances one denoising step per iteration of the engine loop."
+    ),
 ]
 
 TEXTS = [
@@ -48,15 +57,20 @@ SYSTEM_CHAT = [
 def tokenizer_json(tmp_path_factory) -> pathlib.Path:
     """A trained byte-level BPE tokenizer (~400 ids; specials get ids 0..7 in SPECIALS order) whose post-processor
     prepends <bos>, as the shipped model's does."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from dgserve.default_model import add_bos_post_processor
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     add_bos_post_processor(tok)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -102,15 +116,21 @@ def test_special_ids_and_vocab(tok, tokenizer_json):
 
 
 def test_config_special_tokens_as_dicts(make_dir):
-    tok = Tokenizer.from_pretrained(make_dir({"bos_token": {"content": "<bos>"}, "eos_token": "<turn|>",
-                                              "pad_token": {"content": "<pad>", "lstrip": False}}))
+    tok = Tokenizer.from_pretrained(
+        make_dir(
+            {
+                "bos_token": {"content": "<bos>"},
+                "eos_token": "<turn|>",
+                "pad_token": {"content": "<pad>", "lstrip": False},
+            }
+        )
+    )
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 4, 0)
 
 
 @pytest.mark.parametrize("post_bos", [True, False])
 @pytest.mark.parametrize("config_bos", [True, False, None])
-def test_post_processor_decides_bos_and_disagreement_warns_once(tmp_path, tokenizer_json, caplog, post_bos,
-                                                                config_bos):
+def test_post_processor_decides_bos_and_disagreement_warns_once(tmp_path, tokenizer_json, caplog, post_bos, config_bos):
     """transformers 5.23 ignores tokenizer_config.json's add_bos_token when tokenizer.json exists: the
     post-processor alone adds BOS. dgserve does the same, and warns once at load when the two files disagree."""
     data = json.loads(tokenizer_json.read_text())
@@ -179,22 +199,27 @@ def test_matches_transformers(tok, tokenizer_json):
 def test_fallback_exact(tok):
     assert tok.apply_chat_template(SYSTEM_CHAT) == (
         "<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\nHello.<turn|>\n"
-        "<|turn>user\nHow are you?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+        "<|turn>user\nHow are you?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT, add_generation_prompt=False) == (
         "<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\nHello.<turn|>\n"
-        "<|turn>user\nHow are you?<turn|>\n")
+        "<|turn>user\nHow are you?<turn|>\n"
+    )
     model_role = [dict(m, role="model") if m["role"] == "assistant" else m for m in SYSTEM_CHAT]
     assert tok.apply_chat_template(model_role) == tok.apply_chat_template(SYSTEM_CHAT)
 
 
 def test_fallback_thinking(tok):
     assert tok.apply_chat_template(SYSTEM_CHAT[:2], enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|>You are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n")
+        "<bos><|turn>system\n<|think|>You are terse.<turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n"
+    )
     # no system message: a system turn holding only <|think|> is created
     assert tok.apply_chat_template([{"role": "user", "content": "Hi!"}], enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n")
+        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi!<turn|>\n<|turn>model\n"
+    )
     assert tok.apply_chat_template([{"role": "user", "content": "Hi!"}]) == (
-        "<bos><|turn>user\nHi!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+        "<bos><|turn>user\nHi!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
 
 
 def test_fallback_uses_config_bos(make_dir):
@@ -212,8 +237,9 @@ def test_encode_chat_special_tokens_are_single_ids(tok):
     assert ids.count(specials["<|channel>"]) == 1 and ids.count(specials["<channel|>"]) == 1
     assert tok.encode("<|think|>") == [specials["<|think|>"]]
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == text.replace("<bos>", "").replace("<|turn>", "").replace("<turn|>", "") \
-        .replace("<|channel>", "").replace("<channel|>", "")
+    assert tok.decode(ids) == text.replace("<bos>", "").replace("<|turn>", "").replace("<turn|>", "").replace(
+        "<|channel>", ""
+    ).replace("<channel|>", "")
 
 
 # ---------------------------------------------------------------------- checkpoint templates
@@ -232,17 +258,21 @@ def test_custom_template_from_config(make_dir):
     tok = Tokenizer.from_pretrained(make_dir({"chat_template": CUSTOM, "eos_token": "<eos>"}))
     assert tok.chat_template == CUSTOM
     assert tok.apply_chat_template(SYSTEM_CHAT[:2]) == "<bos>[system]You are terse.<eos>\n[user]Hi!<eos>\n[model]"
-    assert tok.apply_chat_template(SYSTEM_CHAT[3:], enable_thinking=True) == \
-        "<bos>[user]How are you?<eos>\n[model]<|think|>"
+    assert (
+        tok.apply_chat_template(SYSTEM_CHAT[3:], enable_thinking=True)
+        == "<bos>[user]How are you?<eos>\n[model]<|think|>"
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT[1:2], add_generation_prompt=False) == "<bos>[user]Hi!<eos>\n"
     ids = tok.encode_chat(SYSTEM_CHAT[1:2], enable_thinking=True)
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.token_to_id("<|think|>")
 
 
 def test_trim_blocks_and_helpers(make_dir):
-    template = ("{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}\n"
-                "{{ m | tojson }}|{{ strftime_now('%Y') | length }}\n{% endfor %}\n"
-                "{% set ns = namespace(n=0) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}")
+    template = (
+        "{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}\n"
+        "{{ m | tojson }}|{{ strftime_now('%Y') | length }}\n{% endfor %}\n"
+        "{% set ns = namespace(n=0) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}"
+    )
     tok = Tokenizer.from_pretrained(make_dir(jinja=template))
     out = tok.apply_chat_template([{"role": "user", "content": "é"}, {"role": "user", "content": "2"}])
     assert out == '{"role": "user", "content": "é"}|4\n1'
@@ -285,8 +315,9 @@ def test_jinja_file_takes_precedence(make_dir):
 
 
 def test_config_template_list(make_dir):
-    tok = Tokenizer.from_pretrained(make_dir({"chat_template": [{"name": "tool_use", "template": "T"},
-                                                                {"name": "default", "template": "D"}]}))
+    tok = Tokenizer.from_pretrained(
+        make_dir({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    )
     assert tok.apply_chat_template(SYSTEM_CHAT) == "D"
     with pytest.raises(ValueError, match="default"):
         Tokenizer.from_pretrained(make_dir({"chat_template": [{"name": "x", "template": "T"}]}))
@@ -301,16 +332,19 @@ def test_raise_exception_is_value_error(make_dir):
         tok2.apply_chat_template(bad)
 
 
-@pytest.mark.parametrize("template", [
-    "{{ ''.__class__.__mro__ }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ cycler.__init__.__globals__ }}",
-    "{{ raise_exception.__globals__['os'] }}",
-    "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}ok",
-    "{{ messages[0].update({'role': 'hacked'}) }}",
-    "{% set _ = messages[0]['content'].clear() %}ok",
-    "{% set ns = namespace() %}{% set ns._x = 1 %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{{ raise_exception.__globals__['os'] }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}ok",
+        "{{ messages[0].update({'role': 'hacked'}) }}",
+        "{% set _ = messages[0]['content'].clear() %}ok",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+    ],
+)
 def test_sandbox_blocks_escapes_and_mutation(make_dir, template):
     tok = Tokenizer.from_pretrained(make_dir(jinja=template))
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
@@ -328,28 +362,38 @@ def test_template_cannot_touch_callers_objects(make_dir):
 
 
 def test_template_syntax_error_names_file(make_dir):
-    with pytest.raises(ValueError, match="chat_template.jinja"):
+    with pytest.raises(ValueError, match=r"chat_template\.jinja"):
         Tokenizer.from_pretrained(make_dir(jinja="{% for m in messages %}"))
-    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template"):
         Tokenizer.from_pretrained(make_dir({"chat_template": "{{ x "}))
 
 
 # ---------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("messages, exc, match", [
-    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], ValueError, r"messages\[1\]\.role"),
-    ([{"content": "a"}], ValueError, r"messages\[0\]\.role"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, r"messages\[1\]\.role"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "url": "x.png"}]}],
-     NotImplementedError, r"messages\[0\]\.content\[1\]\.type"),
-    ([{"role": "user"}], ValueError, r"messages\[0\]\.content"),
-    ([{"role": "user", "content": 3}], ValueError, r"messages\[0\]\.content"),
-    ([{"role": "user", "content": [{"type": "text", "text": None}]}], ValueError, r"messages\[0\]\.content\[0\]\.text"),
-    ([{"role": "user", "content": ["a"]}], ValueError, r"messages\[0\]\.content\[0\]"),
-    (["hello"], ValueError, r"messages\[0\]"),
-    ([], ValueError, "messages"),
-])
+@pytest.mark.parametrize(
+    "messages, exc, match",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], ValueError, r"messages\[1\]\.role"),
+        ([{"content": "a"}], ValueError, r"messages\[0\]\.role"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, r"messages\[1\]\.role"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "url": "x.png"}]}],
+            NotImplementedError,
+            r"messages\[0\]\.content\[1\]\.type",
+        ),
+        ([{"role": "user"}], ValueError, r"messages\[0\]\.content"),
+        ([{"role": "user", "content": 3}], ValueError, r"messages\[0\]\.content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            ValueError,
+            r"messages\[0\]\.content\[0\]\.text",
+        ),
+        ([{"role": "user", "content": ["a"]}], ValueError, r"messages\[0\]\.content\[0\]"),
+        (["hello"], ValueError, r"messages\[0\]"),
+        ([], ValueError, "messages"),
+    ],
+)
 def test_message_validation(tok, make_dir, messages, exc, match):
     templated = Tokenizer.from_pretrained(make_dir({"chat_template": CUSTOM}))
     for t in (tok, templated):
@@ -362,17 +406,17 @@ def test_message_validation(tok, make_dir, messages, exc, match):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         Tokenizer.from_pretrained(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Tokenizer.from_pretrained(tmp_path)
 
 
 def test_garbled_files(make_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
-    with pytest.raises(ValueError, match="tokenizer.json"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
         Tokenizer.from_pretrained(tmp_path)
     d = make_dir()
     (d / "tokenizer_config.json").write_text("{bos_token: <bos>")
-    with pytest.raises(ValueError, match="tokenizer_config.json"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
         Tokenizer.from_pretrained(d)
     with pytest.raises(ValueError, match="bos_token"):
         Tokenizer.from_pretrained(make_dir({"bos_token": "<s>"}))
@@ -405,7 +449,7 @@ def test_incremental_decoder_matches_full_decode(tok):
         for size in sizes:
             if pos >= len(ids):
                 break
-            delta = dec.push(ids[pos:pos + size])
+            delta = dec.push(ids[pos : pos + size])
             pos += size
             assert "\ufffd" not in delta
             assert STREAM_TEXT.startswith(dec.text)
@@ -472,7 +516,7 @@ def test_output_tracker_windowed_text_equals_full_decode(tok, stop):
         for size in sizes:
             if pos >= len(stream) or ref.finish_reason is not None:
                 break
-            block = stream[pos:pos + size]
+            block = stream[pos : pos + size]
             pos += size
             assert fast.add_block(block) == ref.add_block(block)
             assert (fast.text, fast.token_ids, fast.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
@@ -497,7 +541,8 @@ def test_max_token_bytes_bounds_every_token(tok, tokenizer_json):
 def test_no_byte_bound_where_text_can_vanish(tokenizer_json):
     """Pipelines that may delete input (whitespace splitting, Strip) or fold any word into one token (WordLevel)
     have no bound per token."""
-    from tokenizers import Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers
 
     from dgserve.token_bounds import max_token_bytes
 
@@ -523,7 +568,7 @@ def test_encode_with_max_tokens_is_exact_at_the_limit(tok):
 def test_huge_text_is_rejected_by_its_length_without_tokenizing(tok, monkeypatch):
     calls = []
     monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))
-    text = "word " * 3_000_000                     # 15 MB
+    text = "word " * 3_000_000  # 15 MB
     with pytest.raises(ValueError, match=r"^prompt: at least \d+ tokens \(15000000 bytes, a token covers at most"):
         tok.encode(text, max_tokens=4096)
     with pytest.raises(ValueError, match=r"^prompt: at least \d+ tokens \(150000\d\d bytes"):
@@ -539,14 +584,14 @@ def test_long_text_without_byte_bound_is_counted_in_bounded_chunks(tok, monkeypa
     calls = []
     monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))
     tok.max_token_bytes = None
-    text = " ".join(CORPUS) * 2000                   # ~1.5 MB
+    text = " ".join(CORPUS) * 2000  # ~1.5 MB
     with pytest.raises(ValueError, match=r"counted in the first 1 chunks"):
         tok.encode(text, max_tokens=1000)
     assert len(calls) == 1 and max(calls) <= COUNT_CHUNK_CHARS
-    fits = " ".join(CORPUS) * 300                    # ~100 k characters: counted, then encoded whole
+    fits = " ".join(CORPUS) * 300  # ~100 k characters: counted, then encoded whole
     calls.clear()
     assert tok.encode(fits, max_tokens=10**6) == tok._tok.encode(fits, add_special_tokens=False).ids
-    assert calls[-2:] == [len(fits)] * 2 and max(calls[:-2]) <= COUNT_CHUNK_CHARS   # chunks, whole, reference
+    assert calls[-2:] == [len(fits)] * 2 and max(calls[:-2]) <= COUNT_CHUNK_CHARS  # chunks, whole, reference
 
 
 class _Spy:

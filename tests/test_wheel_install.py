@@ -7,6 +7,7 @@ No network and no second torch: the fresh venv sees this environment's already-i
 ``.pth`` line (not the editable dgserve: that one is activated by a .pth file this path does not process), and the
 wheel is installed with ``--no-deps --no-index``.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,17 +47,29 @@ def installed(tmp_path_factory) -> pathlib.Path:
         shutil.copy2(ROOT / name, src / name)
     for tree in ("python", "service"):
         shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-          "--wheel-dir", str(tmp / "dist"), str(src)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(tmp / "dist"),
+            str(src),
+        ]
+    )
     (wheel,) = (tmp / "dist").glob("dgserve-*.whl")
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     py = venv / "bin" / "python"
     site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     (pathlib.Path(site) / "outer_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)],
-         cwd=tmp)
-    shutil.rmtree(src)                       # nothing of the source tree is left to import from
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)], cwd=tmp)
+    shutil.rmtree(src)  # nothing of the source tree is left to import from
     return venv / "bin"
 
 
@@ -72,8 +85,13 @@ def test_the_wheel_holds_the_server_in_our_namespace(installed, tmp_path):
 
 
 def test_installed_dgserve_serve_from_anywhere(installed, tmp_path):
-    proc = subprocess.Popen([str(installed / "dgserve"), "serve", "--host", "127.0.0.1", "--port", "0",
-                             "--http-port", "0"], cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(installed / "dgserve"), "serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"],
+        cwd=tmp_path,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     ports: dict[str, int] = {}
     seen = threading.Event()
@@ -109,11 +127,33 @@ def _both_front_doors(installed, ports, tmp_path) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="unused", max_retries=0)
-    chunks = list(client.chat.completions.create(
-        model="dgserve-small", messages=[{"role": "user", "content": "Tell me about the sea."}], stream=True,
-        max_tokens=16, seed=1, extra_body={"max_denoising_steps": 4}))
+    chunks = list(
+        client.chat.completions.create(
+            model="dgserve-small",
+            messages=[{"role": "user", "content": "Tell me about the sea."}],
+            stream=True,
+            max_tokens=16,
+            seed=1,
+            extra_body={"max_denoising_steps": 4},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip() and chunks[-1].choices[0].finish_reason in ("stop", "length")
-    r = _run([str(installed / "dgserve"), "generate", "The sea", "--server", f"127.0.0.1:{ports['grpc']}",
-              "--max-new-tokens", "16", "--max-denoising-steps", "4", "--seed", "1"], cwd=tmp_path, env=_env())
+    r = _run(
+        [
+            str(installed / "dgserve"),
+            "generate",
+            "The sea",
+            "--server",
+            f"127.0.0.1:{ports['grpc']}",
+            "--max-new-tokens",
+            "16",
+            "--max-denoising-steps",
+            "4",
+            "--seed",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+    )
     assert r.stdout.strip() and "# finished:" in r.stderr

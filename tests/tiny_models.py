@@ -1,4 +1,5 @@
 """Tiny random DiffusionGemma models built with transformers (the parity reference, spec §1.4)."""
+
 from __future__ import annotations
 
 import torch
@@ -8,13 +9,18 @@ TINY_VARIANTS: dict[str, dict] = {
     # spec §1.4: C=16 > W=8, two sliding layers and one full layer, 4 experts top-2
     "base": {},
     # every layer full (k_eq_v everywhere), more experts, top-1
-    "full": dict(layer_types=["full_attention", "full_attention"], num_hidden_layers=2,
-                 num_experts=5, top_k_experts=1),
+    "full": dict(layer_types=["full_attention", "full_attention"], num_hidden_layers=2, num_experts=5, top_k_experts=1),
     # window longer than the canvas, canvas 8, more experts and heads
-    "wide": dict(sliding_window=24, num_experts=6, top_k_experts=3, num_attention_heads=4,
-                 num_key_value_heads=4, canvas_length=8,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                 num_hidden_layers=4),
+    "wide": dict(
+        sliding_window=24,
+        num_experts=6,
+        top_k_experts=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        canvas_length=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_hidden_layers=4,
+    ),
 }
 
 
@@ -22,23 +28,41 @@ def tiny_config(canvas_length: int = 16, **overrides):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
     text_kw = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=4, top_k_experts=2, num_hidden_layers=3,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        top_k_experts=2,
+        num_hidden_layers=3,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        global_head_dim=32, num_global_key_value_heads=1,
-        sliding_window=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        use_bidirectional_attention="vision", pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        use_bidirectional_attention="vision",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                               "rope_theta": 1000000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
         },
     )
     text_kw.update(overrides)
     text = DiffusionGemmaTextConfig(**text_kw)
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    vision = Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length)
 
 

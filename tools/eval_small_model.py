@@ -19,9 +19,11 @@ Needs the corpus built by `tools/train_small_model.py` (`--work`, default /work/
     python tools/eval_small_model.py [--model DIR] [--work /work/train] [--json out.json]
     python tools/eval_small_model.py --skip-loss --gen entropy_bound=0.5 --gen t_max=0.6   # try sampler knobs
 """
+
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import re
@@ -49,7 +51,7 @@ def lexicon(texts: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
         for line in t.split("\n"):
             ws = words_of(line)
             vocab.update(ws)
-            pairs.update(zip(ws, ws[1:]))
+            pairs.update(itertools.pairwise(ws))
     return vocab, pairs
 
 
@@ -62,7 +64,7 @@ def text_quality(texts: list[str], vocab: set[str], pairs: set[tuple[str, str]])
         n_w += len(ws)
         n_known += sum(w in vocab for w in ws)
         n_p += max(0, len(ws) - 1)
-        n_pk += sum(p in pairs for p in zip(ws, ws[1:]))
+        n_pk += sum(p in pairs for p in itertools.pairwise(ws))
     return {"words": n_w, "known_words": n_known / max(1, n_w), "known_pairs": n_pk / max(1, n_p)}
 
 
@@ -78,30 +80,40 @@ def quality_prompts(held_ids: np.ndarray, n: int, prompt_len: int, cont_len: int
     out = []
     while len(out) < n:
         s = int(rng.integers(0, len(held_ids) - prompt_len - cont_len))
-        w = held_ids[s:s + prompt_len + cont_len]
+        w = held_ids[s : s + prompt_len + cont_len]
         if (w < len(T.SPECIALS)).any():
             continue
         out.append((w[:prompt_len].tolist(), w[prompt_len:].tolist()))
     return out
 
 
-def quality_report(engine, tok, corpus: dict, train_ids: np.ndarray, held_ids: np.ndarray, n: int,
-                   max_new_tokens: int, overrides: dict) -> dict:
+def quality_report(
+    engine, tok, corpus: dict, train_ids: np.ndarray, held_ids: np.ndarray, n: int, max_new_tokens: int, overrides: dict
+) -> dict:
     vocab, pairs = lexicon(corpus["train_plain"])
     prompts = quality_prompts(held_ids, n, 24, max_new_tokens)
-    params = [engine.default_params(max_new_tokens=max_new_tokens, seed=1000 + i, ignore_eos=True, **overrides)
-              for i in range(n)]
+    params = [
+        engine.default_params(max_new_tokens=max_new_tokens, seed=1000 + i, ignore_eos=True, **overrides)
+        for i in range(n)
+    ]
     outs = engine.generate_batch([p for p, _ in prompts], params)
     model_texts = [o.text for o in outs]
     true_texts = [tok.decode(c) for _, c in prompts]
     counts = np.bincount(train_ids, minlength=tok.get_vocab_size()).astype(np.float64)
     counts[: len(T.SPECIALS)] = 0
     rng = np.random.default_rng(5)
-    uni_texts = [tok.decode(rng.choice(len(counts), size=max_new_tokens, p=counts / counts.sum()).tolist())
-                 for _ in range(n)]
-    return {"n": n, "max_new_tokens": max_new_tokens, "overrides": overrides,
-            "model": text_quality(model_texts, vocab, pairs), "true_continuation": text_quality(true_texts, vocab, pairs),
-            "unigram_tokens": text_quality(uni_texts, vocab, pairs), "examples": model_texts[:3]}
+    uni_texts = [
+        tok.decode(rng.choice(len(counts), size=max_new_tokens, p=counts / counts.sum()).tolist()) for _ in range(n)
+    ]
+    return {
+        "n": n,
+        "max_new_tokens": max_new_tokens,
+        "overrides": overrides,
+        "model": text_quality(model_texts, vocab, pairs),
+        "true_continuation": text_quality(true_texts, vocab, pairs),
+        "unigram_tokens": text_quality(uni_texts, vocab, pairs),
+        "examples": model_texts[:3],
+    }
 
 
 def main(argv=None):
@@ -112,13 +124,21 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--quality", type=int, default=40, metavar="N", help="continuations scored for text quality")
-    ap.add_argument("--gen", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a generation default for the samples and the quality score (repeatable)")
+    ap.add_argument(
+        "--gen",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a generation default for the samples and the quality score (repeatable)",
+    )
     ap.add_argument("--skip-loss", action="store_true", help="only samples and the quality score")
     ap.add_argument("--no-per-prefix", action="store_true", help="skip the loss split by prefix length")
-    ap.add_argument("--write-lexicon", default=None, metavar="FILE",
-                    help="write the train-text word list (one per line, sorted) used by tests/test_small_model.py, "
-                         "and exit")
+    ap.add_argument(
+        "--write-lexicon",
+        default=None,
+        metavar="FILE",
+        help="write the train-text word list (one per line, sorted) used by tests/test_small_model.py, and exit",
+    )
     ap.add_argument("--json", default=None, help="write the figures and samples here")
     args = ap.parse_args(argv)
     overrides = {}
@@ -149,19 +169,33 @@ def main(argv=None):
         uni = T.unigram_baseline(train, batches, V)
         res, mean = T.heldout_loss(hf, batches, V)
         res_sc, mean_sc = T.heldout_loss(hf, batches, V, sc=True)
-        per_prefix = ({} if args.no_per_prefix else
-                      {P: T.heldout_loss(hf, [(P, w)], V, ts=(0.5, 1.0))[0] for P, w in batches})
+        per_prefix = (
+            {} if args.no_per_prefix else {P: T.heldout_loss(hf, [(P, w)], V, ts=(0.5, 1.0))[0] for P, w in batches}
+        )
         n_tok = sum(w[:, P:].numel() for P, w in batches)
         print(f"held-out canvas tokens: {n_tok} ({len(batches)} prefix lengths x {batches[0][1].shape[0]} windows)")
         print(f"unigram baseline (train frequencies): {uni:.4f} nats/token")
-        print("held-out loss, no self-conditioning:   "
-              + "  ".join(f"t={k}: {v:.4f}" for k, v in res.items()) + f"  mean: {mean:.4f}")
+        print(
+            "held-out loss, no self-conditioning:   "
+            + "  ".join(f"t={k}: {v:.4f}" for k, v in res.items())
+            + f"  mean: {mean:.4f}"
+        )
         for P, r in per_prefix.items():
             print(f"  prefix {P:3d} tokens: t=0.5: {r[0.5]:.4f}  t=1.0: {r[1.0]:.4f}")
-        print("held-out loss, self-conditioned (2 passes): "
-              + "  ".join(f"t={k}: {v:.4f}" for k, v in res_sc.items()) + f"  mean: {mean_sc:.4f}")
-        report.update(unigram=uni, heldout=res, heldout_mean=mean, heldout_sc=res_sc, heldout_sc_mean=mean_sc,
-                      per_prefix=per_prefix, canvas_tokens=n_tok)
+        print(
+            "held-out loss, self-conditioned (2 passes): "
+            + "  ".join(f"t={k}: {v:.4f}" for k, v in res_sc.items())
+            + f"  mean: {mean_sc:.4f}"
+        )
+        report.update(
+            unigram=uni,
+            heldout=res,
+            heldout_mean=mean,
+            heldout_sc=res_sc,
+            heldout_sc_mean=mean_sc,
+            per_prefix=per_prefix,
+            canvas_tokens=n_tok,
+        )
         del hf
 
     engine = Engine.from_pretrained(args.model)
@@ -176,7 +210,7 @@ def main(argv=None):
     else:
         rng = np.random.default_rng(7)
         prompts = []
-        for i in range(args.samples):
+        for _ in range(args.samples):
             ch = held_plain[int(rng.integers(len(held_plain)))].split("\n")
             words = ch[int(rng.integers(len(ch)))].split()
             prompts.append(" ".join(words[: max(3, len(words) // 2)]))
@@ -184,16 +218,20 @@ def main(argv=None):
     for i, prompt in enumerate(prompts):
         p = engine.default_params(max_new_tokens=args.max_new_tokens, seed=i, **overrides)
         out = engine.generate(prompt, p)
-        samples.append({"kind": "continuation", "prompt": prompt, "seed": i, "text": out.text,
-                        "finish_reason": out.finish_reason})
+        samples.append(
+            {"kind": "continuation", "prompt": prompt, "seed": i, "text": out.text, "finish_reason": out.finish_reason}
+        )
     for i, q in enumerate(chat_prompts):
         p = engine.default_params(max_new_tokens=args.max_new_tokens, seed=100 + i, **overrides)
         out = engine.generate(ChatPrompt(({"role": "user", "content": q},)), p)
-        samples.append({"kind": "chat", "prompt": q, "seed": 100 + i, "text": out.text,
-                        "finish_reason": out.finish_reason})
-    print(f"\nsamples (dgserve.Engine, max_new_tokens={args.max_new_tokens}; steps={params.max_denoising_steps}, "
-          f"t={params.t_min}..{params.t_max}, entropy_bound={params.entropy_bound}, "
-          f"stability={params.stability_threshold}, confidence={params.confidence_threshold}):")
+        samples.append(
+            {"kind": "chat", "prompt": q, "seed": 100 + i, "text": out.text, "finish_reason": out.finish_reason}
+        )
+    print(
+        f"\nsamples (dgserve.Engine, max_new_tokens={args.max_new_tokens}; steps={params.max_denoising_steps}, "
+        f"t={params.t_min}..{params.t_max}, entropy_bound={params.entropy_bound}, "
+        f"stability={params.stability_threshold}, confidence={params.confidence_threshold}):"
+    )
     for s in samples:
         print(f"[{s['kind']}, seed {s['seed']}, {s['finish_reason']}] {s['prompt']!r} -> {s['text']!r}")
     report["samples"] = samples
@@ -201,12 +239,15 @@ def main(argv=None):
         from tokenizers import Tokenizer
 
         raw_tok = Tokenizer.from_file(str(pathlib.Path(args.model) / "tokenizer.json"))
-        q = quality_report(engine, raw_tok, corpus, train, held, args.quality, args.max_new_tokens,
-                           overrides)
-        print(f"\ntext quality over {q['n']} held-out continuations of {q['max_new_tokens']} tokens "
-              "(fraction of words known / of word pairs seen in the train text):")
+        q = quality_report(engine, raw_tok, corpus, train, held, args.quality, args.max_new_tokens, overrides)
+        print(
+            f"\ntext quality over {q['n']} held-out continuations of {q['max_new_tokens']} tokens "
+            "(fraction of words known / of word pairs seen in the train text):"
+        )
         for k in ("model", "true_continuation", "unigram_tokens"):
-            print(f"  {k:18s} words {q[k]['known_words']:.3f}  pairs {q[k]['known_pairs']:.3f}  ({q[k]['words']} words)")
+            print(
+                f"  {k:18s} words {q[k]['known_words']:.3f}  pairs {q[k]['known_pairs']:.3f}  ({q[k]['words']} words)"
+            )
         report["quality"] = q
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2))

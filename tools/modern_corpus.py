@@ -15,6 +15,7 @@ whitespace-normalised; the first occurrence in the sorted document order wins, a
 occurs in a train document is dropped from the held-out side). Whole documents are held out: the documents are
 sorted by (source, path) and every 20th one (index % 20 == 19) is held out.
 """
+
 from __future__ import annotations
 
 import glob
@@ -27,9 +28,25 @@ SOURCES = [
     ("git-doc", "/usr/share/doc/git/html", "GPL-2"),
     ("debian-reference-en", "/usr/share/debian-reference", "GPL-2+"),
 ]
-SKIP_CLASSES = {"footer", "related", "sphinxsidebar", "sphinxsidebarwrapper", "navigation", "navheader",
-                "navfooter", "toc", "highlight", "admonition-title", "copyright", "headerlink", "header",
-                "toctree-wrapper", "versionmodified deprecated", "mobile-nav", "menu-wrapper"}
+SKIP_CLASSES = {
+    "footer",
+    "related",
+    "sphinxsidebar",
+    "sphinxsidebarwrapper",
+    "navigation",
+    "navheader",
+    "navfooter",
+    "toc",
+    "highlight",
+    "admonition-title",
+    "copyright",
+    "headerlink",
+    "header",
+    "toctree-wrapper",
+    "versionmodified deprecated",
+    "mobile-nav",
+    "menu-wrapper",
+}
 SKIP_TAGS = {"pre", "script", "style", "table", "nav", "head", "title", "footer"}
 VOID = {"br", "img", "hr", "meta", "link", "input", "area", "base", "col", "embed", "source", "track", "wbr"}
 
@@ -37,7 +54,7 @@ VOID = {"br", "img", "hr", "meta", "link", "input", "area", "base", "col", "embe
 class _Paragraphs(html.parser.HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
-        self.stack: list[bool] = []      # per open element: does it start a skipped region?
+        self.stack: list[bool] = []  # per open element: does it start a skipped region?
         self.skip = 0
         self.in_p = 0
         self.buf: list[str] = []
@@ -86,7 +103,7 @@ def clean(p: str) -> str | None:
     letters = sum(c.isalpha() or c == " " for c in p)
     if letters < 0.8 * len(p):
         return None
-    if sum(1 for c in p if ord(c) > 127) > 0.05 * len(p):      # mostly non-English pages / symbols
+    if sum(1 for c in p if ord(c) > 127) > 0.05 * len(p):  # mostly non-English pages / symbols
         return None
     return p
 
@@ -108,8 +125,13 @@ def list_documents() -> list[tuple[str, str]]:
             if name == "debian-reference-en" and not path.endswith(".en.html"):
                 continue
             base = os.path.basename(path)
-            if ("/_static/" in path or "/_sources/" in path or "/_downloads/" in path or base.startswith("genindex")
-                    or base in ("search.html", "py-modindex.html", "changelog.html")):
+            if (
+                "/_static/" in path
+                or "/_sources/" in path
+                or "/_downloads/" in path
+                or base.startswith("genindex")
+                or base in ("search.html", "py-modindex.html", "changelog.html")
+            ):
                 continue
             docs.append((name, path))
     return docs
@@ -124,7 +146,7 @@ def build(hold_every: int = 20) -> dict:
     parsed = [html_paragraphs(p) for _, p in docs]
     key = lambda s: re.sub(r"\W+", " ", s.lower()).strip()  # noqa: E731
     for is_held in (False, True):
-        for (name, path), paras, h in zip(docs, parsed, split):
+        for (name, path), paras, h in zip(docs, parsed, split, strict=True):
             if h != is_held:
                 continue
             keep = []
@@ -137,7 +159,9 @@ def build(hold_every: int = 20) -> dict:
             if not keep:
                 continue
             (held if h else train).append("\n".join(keep))
-            (held_src if h else train_src).append(f"{name}:{os.path.relpath(path, dict((n, r) for n, r, _ in SOURCES)[name])}")
+            (held_src if h else train_src).append(
+                f"{name}:{os.path.relpath(path, {n: r for n, r, _ in SOURCES}[name])}"
+            )
     return {"train_plain": train, "held_plain": held, "train_docs": train_src, "held_docs": held_src}
 
 

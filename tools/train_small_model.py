@@ -29,6 +29,7 @@ Usage:
 Reproducible with `--seed` (data order, noise and init all come from seeded generators; a resumed run restores the
 RNG states, so it follows the same trajectory up to floating-point thread effects).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,8 @@ PAD, EOS, BOS, SOT, EOT = range(5)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
     "<|turn>{{ role }}\n"
     "{% if message['content'] is string %}{{ message['content'] | trim }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
@@ -66,6 +68,7 @@ CHAT_TEMPLATE = (
 
 
 # ----------------------------------------------------------------------------- corpus
+
 
 def extract_kjv(work: pathlib.Path) -> list[tuple[str, list[str]]]:
     """[(chapter title, [verse text, ...]), ...] in canonical order, from the `bible` program."""
@@ -105,15 +108,19 @@ def build_modern_corpus(work: pathlib.Path, seed: int) -> dict:
         for d in docs:
             for para in d.split("\n"):
                 ss = SENTENCE_END.split(para)
-                pool += [ss[i:i + 3] for i in range(len(ss) - 1)]
+                pool += [ss[i : i + 3] for i in range(len(ss) - 1)]
         out = []
         for ss in rng.sample(pool, n):
             k = rng.choice([1, 1, 2])
-            out.append(f"<|turn>user\n{ss[0]}<turn|>\n<|turn>model\n{' '.join(ss[1:1 + k])}<turn|>\n")
+            out.append(f"<|turn>user\n{ss[0]}<turn|>\n<|turn>model\n{' '.join(ss[1 : 1 + k])}<turn|>\n")
         return out
 
-    corpus.update(train_chat=chat(corpus["train_plain"], 4000), held_chat=chat(corpus["held_plain"], 80),
-                  n_docs=[len(corpus["train_plain"]), len(corpus["held_plain"])], source="modern")
+    corpus.update(
+        train_chat=chat(corpus["train_plain"], 4000),
+        held_chat=chat(corpus["held_plain"], 80),
+        n_docs=[len(corpus["train_plain"]), len(corpus["held_plain"])],
+        source="modern",
+    )
     return corpus
 
 
@@ -139,13 +146,15 @@ def build_corpus(work: pathlib.Path, seed: int, source: str = "kjv") -> dict:
         for ci, vi in rng.sample(pool, n):
             vs = chs[ci][1]
             k = rng.choice([1, 1, 2])
-            answer = " ".join(vs[vi + 1: vi + 1 + k])
+            answer = " ".join(vs[vi + 1 : vi + 1 + k])
             out.append(f"<|turn>user\n{vs[vi]}<turn|>\n<|turn>model\n{answer}<turn|>\n")
         return out
 
     corpus = {
-        "train_plain": plain(train_ch), "held_plain": plain(held_ch),
-        "train_chat": chat(train_ch, 4000), "held_chat": chat(held_ch, 80),
+        "train_plain": plain(train_ch),
+        "held_plain": plain(held_ch),
+        "train_chat": chat(train_ch, 4000),
+        "held_chat": chat(held_ch, 80),
         "n_chapters": [len(train_ch), len(held_ch)],
         "n_verses": [sum(len(v) for _, v in train_ch), sum(len(v) for _, v in held_ch)],
         "held_titles": [t for t, _ in held_ch],
@@ -165,11 +174,16 @@ def train_tokenizer(work: pathlib.Path, corpus: dict, vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus["train_plain"], trainer=trainer)
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))
-    add_bos_post_processor(tok)   # text encodes as <bos> + text everywhere (transformers, tokenizers, dgserve)
+    add_bos_post_processor(tok)  # text encodes as <bos> + text everywhere (transformers, tokenizers, dgserve)
     tok.save(str(path))
     return tok
 
@@ -196,6 +210,7 @@ def build_data(work: pathlib.Path, seed: int, vocab_size: int, source: str = "kj
 
 # ----------------------------------------------------------------------------- model
 
+
 def make_config(args, vocab_size: int):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
@@ -203,29 +218,59 @@ def make_config(args, vocab_size: int):
     layer_types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)]
     layer_types[-1] = "full_attention"
     text = DiffusionGemmaTextConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        moe_intermediate_size=args.moe_intermediate, num_experts=args.experts, top_k_experts=args.top_k,
-        num_hidden_layers=n, layer_types=layer_types,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        global_head_dim=2 * args.head_dim, num_global_key_value_heads=1,
-        sliding_window=args.window, max_position_embeddings=2048, rms_norm_eps=1e-6,
-        use_bidirectional_attention="vision", pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        moe_intermediate_size=args.moe_intermediate,
+        num_experts=args.experts,
+        top_k_experts=args.top_k,
+        num_hidden_layers=n,
+        layer_types=layer_types,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        global_head_dim=2 * args.head_dim,
+        num_global_key_value_heads=1,
+        sliding_window=args.window,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        use_bidirectional_attention="vision",
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
         tie_word_embeddings=True,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                               "rope_theta": 1000000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
         },
     )
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=8)
-    return DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=args.canvas,
-                                tie_word_embeddings=True, pad_token_id=PAD, eos_token_id=[EOS, EOT],
-                                bos_token_id=BOS)
+    vision = Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    return DiffusionGemmaConfig(
+        text_config=text,
+        vision_config=vision,
+        canvas_length=args.canvas,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+        eos_token_id=[EOS, EOT],
+        bos_token_id=BOS,
+    )
 
 
-def canvas_logits(model, prefix: torch.Tensor, canvas: torch.Tensor, sc_mask: torch.Tensor | None,
-                  sc_logits: torch.Tensor | None = None, first_pass: bool = True):
+def canvas_logits(
+    model,
+    prefix: torch.Tensor,
+    canvas: torch.Tensor,
+    sc_mask: torch.Tensor | None,
+    sc_logits: torch.Tensor | None = None,
+    first_pass: bool = True,
+):
     """Decoder logits for `canvas` after encoding `prefix` (one encoder pass; its cache keeps the graph).
 
     With `sc_mask` (bool [B]) and `first_pass`, a first decoder pass without gradient produces the
@@ -236,8 +281,9 @@ def canvas_logits(model, prefix: torch.Tensor, canvas: torch.Tensor, sc_mask: to
     cache = enc.past_key_values
 
     def decode(c, sc, mask):
-        h = inner.decoder(decoder_input_ids=c, past_key_values=cache, self_conditioning_logits=sc,
-                          self_conditioning_mask=mask).last_hidden_state
+        h = inner.decoder(
+            decoder_input_ids=c, past_key_values=cache, self_conditioning_logits=sc, self_conditioning_mask=mask
+        ).last_hidden_state
         z = model.lm_head(h).float()
         cap = model.final_logit_softcapping
         return torch.tanh(z / cap) * cap
@@ -258,15 +304,12 @@ def corrupt(target: torch.Tensor, t: torch.Tensor, vocab: int, gen: torch.Genera
 
 def sample_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> torch.Tensor:
     starts = rng.integers(0, len(stream) - length, size=batch)
-    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]))
+    return torch.from_numpy(np.stack([stream[s : s + length] for s in starts]))
 
 
 def heldout_batches(held: np.ndarray, C: int, n: int = 96, prefix_lens=(16, 48, 96), seed: int = 1234):
     rng = np.random.default_rng(seed)
-    out = []
-    for P in prefix_lens:
-        out.append((P, sample_windows(held, n, P + C, rng)))
-    return out
+    return [(P, sample_windows(held, n, P + C, rng)) for P in prefix_lens]
 
 
 @torch.no_grad()
@@ -323,6 +366,7 @@ def remap_embeddings(model, init_dir, new_tok):
 
 # ----------------------------------------------------------------------------- checkpoints / export
 
+
 def latest_ckpt(out: pathlib.Path):
     cks = sorted(glob.glob(str(out / "step_*.pt")))
     return pathlib.Path(cks[-1]) if cks else None
@@ -345,23 +389,41 @@ def export_hf(model, tok_path: pathlib.Path, dest: pathlib.Path, args, dtype: to
     dest.mkdir(parents=True, exist_ok=True)
     m = model.to(dtype)
     m.generation_config = GenerationConfig(
-        eos_token_id=[EOS, EOT], pad_token_id=PAD, bos_token_id=BOS, max_new_tokens=64,
-        max_denoising_steps=args.gen_steps, t_min=args.gen_t_min, t_max=args.gen_t_max,
-        stability_threshold=1, confidence_threshold=0.005,
+        eos_token_id=[EOS, EOT],
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        max_new_tokens=64,
+        max_denoising_steps=args.gen_steps,
+        t_min=args.gen_t_min,
+        t_max=args.gen_t_max,
+        stability_threshold=1,
+        confidence_threshold=0.005,
         sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": float(args.gen_entropy_bound)},
     )
     m.save_pretrained(dest)
     shutil.copy(tok_path, dest / "tokenizer.json")
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "add_bos_token": True, "add_eos_token": False,
-        "model_max_length": 2048, "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {"sot_token": "<|turn>", "eot_token": "<turn|>"},
-    }, indent=2) + "\n")
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "model_max_length": 2048,
+                "chat_template": CHAT_TEMPLATE,
+                "extra_special_tokens": {"sot_token": "<|turn>", "eot_token": "<turn|>"},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     model.to(torch.float32)
 
 
 # ----------------------------------------------------------------------------- training
+
 
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
@@ -380,17 +442,27 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export-only", default=None, metavar="DIR", help="export the latest checkpoint and exit")
     ap.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--init-from", default=None, metavar="HF_DIR",
-                    help="warm start: load the weights (and, when --work has none yet, the tokenizer) of an exported "
-                         "model, e.g. python/dgserve/models/small; the optimizer starts fresh")
-    ap.add_argument("--corpus", default="kjv", choices=["kjv", "modern"],
-                    help="kjv: the King James Bible (bible-kjv-text); modern: Debian documentation prose "
-                         "(tools/modern_corpus.py)")
-    ap.add_argument("--init-new-vocab", action="store_true",
-                    help="with --init-from: keep this corpus's own tokenizer (trained into --work) instead of the "
-                         "init model's; all non-embedding weights are copied, and each new token's (tied) embedding "
-                         "row is the mean of the init model's rows for that token's tokenization under the old "
-                         "vocabulary (the same row when the token exists in both)")
+    ap.add_argument(
+        "--init-from",
+        default=None,
+        metavar="HF_DIR",
+        help="warm start: load the weights (and, when --work has none yet, the tokenizer) of an exported "
+        "model, e.g. python/dgserve/models/small; the optimizer starts fresh",
+    )
+    ap.add_argument(
+        "--corpus",
+        default="kjv",
+        choices=["kjv", "modern"],
+        help="kjv: the King James Bible (bible-kjv-text); modern: Debian documentation prose (tools/modern_corpus.py)",
+    )
+    ap.add_argument(
+        "--init-new-vocab",
+        action="store_true",
+        help="with --init-from: keep this corpus's own tokenizer (trained into --work) instead of the "
+        "init model's; all non-embedding weights are copied, and each new token's (tied) embedding "
+        "row is the mean of the init model's rows for that token's tokenization under the old "
+        "vocabulary (the same row when the token exists in both)",
+    )
     # model
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=192)
@@ -419,9 +491,13 @@ def main(argv=None):
     ap.add_argument("--eval-every-s", type=float, default=600)
     ap.add_argument("--ckpt-every-s", type=float, default=240)
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (checkpoint + export) after this wall time")
-    ap.add_argument("--stop-at-step", type=int, default=0,
-                    help="stop (checkpoint + export) at this step without changing the LR schedule (--steps); "
-                         "used to replay a run whose recipe changed on --resume")
+    ap.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=0,
+        help="stop (checkpoint + export) at this step without changing the LR schedule (--steps); "
+        "used to replay a run whose recipe changed on --resume",
+    )
     # generation defaults written to generation_config.json
     ap.add_argument("--gen-steps", type=int, default=32)
     ap.add_argument("--gen-t-min", type=float, default=0.4)
@@ -453,8 +529,9 @@ def main(argv=None):
         # from_pretrained restores the encoder/decoder weight sharing that a state-dict load would not see.
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init_from, dtype=torch.float32)
         have, want = model.config.text_config.to_dict(), make_config(args, V).text_config.to_dict()
-        diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
-                if k != "dtype" and have.get(k) != want.get(k)}
+        diff = {
+            k: (have.get(k), want.get(k)) for k in set(have) | set(want) if k != "dtype" and have.get(k) != want.get(k)
+        }
         if diff:
             sys.exit(f"--init-from {args.init_from}: config differs from this script's model flags: {diff}")
         if args.init_new_vocab:
@@ -468,8 +545,12 @@ def main(argv=None):
     print(f"model: {n_params:,} parameters ({n_vis:,} vision)", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     np_rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     step, tokens_seen, train_time = 0, 0, 0.0
@@ -483,8 +564,9 @@ def main(argv=None):
         print(f"resumed from {ck} at step {step}", flush=True)
 
     if args.export_only:
-        export_hf(model, work / "tokenizer.json", pathlib.Path(args.export_only), args,
-                  getattr(torch, args.export_dtype))
+        export_hf(
+            model, work / "tokenizer.json", pathlib.Path(args.export_only), args, getattr(torch, args.export_dtype)
+        )
         print(f"exported step {step} to {args.export_only}")
         return
 
@@ -493,9 +575,19 @@ def main(argv=None):
     print(f"held-out unigram baseline (train-set frequencies): {uni:.4f} nats/token", flush=True)
 
     def checkpoint():
-        p = save_ckpt(out, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "tokens_seen": tokens_seen, "train_time": train_time, "args": vars(args),
-                            "np_rng": np_rng.bit_generator.state, "torch_gen": gen.get_state()})
+        p = save_ckpt(
+            out,
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "train_time": train_time,
+                "args": vars(args),
+                "np_rng": np_rng.bit_generator.state,
+                "torch_gen": gen.get_state(),
+            },
+        )
         print(f"checkpoint {p}", flush=True)
 
     t_start = time.time()
@@ -509,8 +601,8 @@ def main(argv=None):
         P = int(np_rng.integers(8, args.prefix_max + 1))
         w = sample_windows(train, args.batch, P + C, np_rng)
         prefix, target = w[:, :P], w[:, P:]
-        u = 1.0 - torch.rand(args.batch, generator=gen)          # (0, 1]
-        t = u ** args.t_power
+        u = 1.0 - torch.rand(args.batch, generator=gen)  # (0, 1]
+        t = u**args.t_power
         noisy = corrupt(target, t, V, gen)
         sc_mask = torch.rand(args.batch, generator=gen) < args.sc_prob
         logits = canvas_logits(model, prefix, noisy, sc_mask)
@@ -527,14 +619,20 @@ def main(argv=None):
         run_n += 1
         if step % args.log_every == 0:
             dt = time.time() - t_log
-            print(f"step {step} loss {run_loss / run_n:.4f} lr {lr_at(step, args):.2e} gnorm {gnorm:.2f} "
-                  f"{run_n / dt:.2f} steps/s {tok_log / dt:.0f} tok/s elapsed {train_time / 60:.1f} min",
-                  flush=True)
+            print(
+                f"step {step} loss {run_loss / run_n:.4f} lr {lr_at(step, args):.2e} gnorm {gnorm:.2f} "
+                f"{run_n / dt:.2f} steps/s {tok_log / dt:.0f} tok/s elapsed {train_time / 60:.1f} min",
+                flush=True,
+            )
             run_loss, run_n, t_log, tok_log = 0.0, 0, time.time(), 0
         if time.time() - last_ev > args.eval_every_s or step == args.steps:
             res, mean = heldout_loss(model, hb, V)
-            print(f"eval step {step} held-out " + " ".join(f"t={k}:{v:.4f}" for k, v in res.items())
-                  + f" mean {mean:.4f} (unigram {uni:.4f})", flush=True)
+            print(
+                f"eval step {step} held-out "
+                + " ".join(f"t={k}:{v:.4f}" for k, v in res.items())
+                + f" mean {mean:.4f} (unigram {uni:.4f})",
+                flush=True,
+            )
             last_ev = time.time()
         if time.time() - last_ck > args.ckpt_every_s or step == args.steps:
             checkpoint()

@@ -30,8 +30,12 @@ DG_HD bf16 float_to_bf16(float x) {
 template <typename T>
 DG_HD T from_float(float x);
 template <>
-DG_HD float from_float<float>(float x) { return x; }
+DG_HD float from_float<float>(float x) {
+  return x;
+}
 template <>
-DG_HD bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+DG_HD bf16 from_float<bf16>(float x) {
+  return float_to_bf16(x);
+}
 
 }  // namespace dg

@@ -102,8 +102,8 @@ DG_HD uint32_t seed_key1(int64_t seed) { return (uint32_t)((uint64_t)seed >> 32)
 
 // Canvas noise (spec §7.4): counter (p, 0, b, 2s), token = out[0] mod V.
 DG_HD int64_t canvas_token(int64_t seed, int64_t block, int64_t step, int64_t pos, int64_t vocab) {
-  const Philox4 o = philox4x32_10((uint32_t)pos, 0u, (uint32_t)block, (uint32_t)(2 * step),
-                                  seed_key0(seed), seed_key1(seed));
+  const Philox4 o =
+      philox4x32_10((uint32_t)pos, 0u, (uint32_t)block, (uint32_t)(2 * step), seed_key0(seed), seed_key1(seed));
   return (int64_t)(o.v[0] % (uint64_t)vocab);
 }
 
@@ -147,17 +147,17 @@ DG_HD float dg_logf_reduced(float a, float ioff) {
   const float f2 = f * f;
   const float f2lo = dg_fmaf(f, f, -f2);       // f*f = f2 + f2lo exactly
   const float hi = i * kLn2Hi;                 // exact
-  const float s = hi + f;                      // Fast2Sum: exact error below, as |hi| >= kLn2Hi > 1/3 >= |f| when i != 0
+  const float s = hi + f;  // Fast2Sum: exact error below, as |hi| >= kLn2Hi > 1/3 >= |f| when i != 0
   const float err = (hi - s) + f;
   const float c = dg_fmaf(f2, q, dg_fmaf(f2lo, q, dg_fmaf(i, kLn2Lo, err)));
-  const float r0 = dg_fmaf(f2, q, f);          // i == 0: one rounding
+  const float r0 = dg_fmaf(f2, q, f);  // i == 0: one rounding
   const float r1 = s + c;
   return (i == 0.0f) ? r0 : r1;
 }
 
 // dg_logf for any float (subnormals scaled by 2^23 first; the special inputs listed above).
 DG_HD float dg_logf(float a) {
-  const bool sub = a < 0x1p-126f;              // subnormal (or <= 0, fixed up below)
+  const bool sub = a < 0x1p-126f;  // subnormal (or <= 0, fixed up below)
   float r = dg_logf_reduced(a * (sub ? 0x1p23f : 1.0f), sub ? -23.0f : 0.0f);  // the product is exact
   const float kInf = bits_to_float(0x7f800000u);
   r = (a == kInf) ? kInf : r;
@@ -169,7 +169,9 @@ DG_HD float dg_logf(float a) {
 // ---- Gumbel noise (spec §7.5) -----------------------------------------------------------------------------
 
 // Uniform in (0, 1) from one Philox word: u = ((r >> 9) + 0.5) * 2^-23, exact, 2^-24 <= u <= 1 - 2^-24.
-DG_HD float uniform_from_bits(uint32_t r) { return ((float)(int32_t)(r >> 9) + 0.5f) * 0x1p-23f; }  // via int32: vectorises
+DG_HD float uniform_from_bits(uint32_t r) {
+  return ((float)(int32_t)(r >> 9) + 0.5f) * 0x1p-23f;  // via int32: vectorises
+}
 
 // g = -log(-log(u)), float32, finite, in [-2.8115408, 16.635532]. Both logs see positive normal floats
 // (u >= 2^-24, -log(u) >= 5.96e-8), so dg_logf_reduced(x, 0) == dg_logf(x) there; calling it directly keeps

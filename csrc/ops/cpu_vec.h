@@ -27,12 +27,12 @@ inline std::atomic<int>& cpu_level_override() {
 // The highest code path this CPU runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512 (F, VL, DQ, BW)+FMA.
 inline int cpu_level_supported() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const int level = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("fma"))
-                               ? 2
-                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1
-                                                                                               : 0;
+  static const int level =
+      (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma"))
+          ? 2
+      : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1
+                                                                          : 0;
   return level;
 #else
   return 0;
@@ -57,8 +57,8 @@ __attribute__((noinline, target("avx2,fma"))) auto run_cpu_avx2(const F& f) {
 }
 
 template <class F>
-__attribute__((noinline, target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,prefer-vector-width=512")))
-auto run_cpu_avx512(const F& f) {
+__attribute__((noinline, target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,prefer-vector-width=512"))) auto
+run_cpu_avx512(const F& f) {
   return f();
 }
 #endif
@@ -77,8 +77,7 @@ auto run_vectorized(const F& f) {
 
 // 16 Philox4x32-10 calls with counters (q0 + l, c1, c2, c3), l = 0..15, written as r[4l + j] = out[j]: the
 // arithmetic of common/philox.h philox4x32_10, laid out over lanes so that it vectorises.
-DG_HD void philox_x16(uint32_t q0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32_t k0, uint32_t k1,
-                      uint32_t* r) {
+DG_HD void philox_x16(uint32_t q0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32_t k0, uint32_t k1, uint32_t* r) {
   uint32_t c0[16], c1[16], c2[16], c3[16];
   for (int l = 0; l < 16; ++l) {
     c0[l] = q0 + (uint32_t)l;
@@ -113,8 +112,7 @@ DG_HD void philox_x16(uint32_t q0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uin
 }
 
 // Gumbel noise of vocabulary entries 64*j .. 64*j + 63 of one position: counters (16j + l, pos, block, ctr3).
-DG_HD void gumbel_x64(uint32_t chunk, uint32_t pos, uint32_t block, uint32_t ctr3, uint32_t k0, uint32_t k1,
-                      float* g) {
+DG_HD void gumbel_x64(uint32_t chunk, uint32_t pos, uint32_t block, uint32_t ctr3, uint32_t k0, uint32_t k1, float* g) {
   uint32_t r[64];
   philox_x16(chunk * 16u, pos, block, ctr3, k0, k1, r);
   for (int i = 0; i < 64; ++i) g[i] = gumbel_from_bits(r[i]);

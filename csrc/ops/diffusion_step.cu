@@ -283,8 +283,8 @@ Status diffusion_step_cuda(const DiffusionStepParams& p, void* stream) {
   DG_RETURN_IF_ERROR(check_diffusion_step_params(p));
   DG_CHECK_ARG(p.canvas_length <= kMaxCanvas, "diffusion_step: the CUDA path supports canvas_length <= %d, got %lld",
                kMaxCanvas, (long long)p.canvas_length);
-  DG_CHECK_ARG(p.batch * p.canvas_length <= 0x7FFFFFFFll, "diffusion_step: batch * canvas_length = %lld exceeds the grid",
-               (long long)(p.batch * p.canvas_length));
+  DG_CHECK_ARG(p.batch * p.canvas_length <= 0x7FFFFFFFll,
+               "diffusion_step: batch * canvas_length = %lld exceeds the grid", (long long)(p.batch * p.canvas_length));
   if (p.batch == 0) return Status::Ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const unsigned positions = (unsigned)(p.batch * p.canvas_length);

@@ -190,8 +190,7 @@ Status check_diffusion_step_params(const DiffusionStepParams& p) {
                "diffusion_step: canvas_length must be in [1, 2^31), got %lld", (long long)p.canvas_length);
   DG_CHECK_ARG(p.vocab_size >= 1 && p.vocab_size <= 0x7FFFFFFFll,
                "diffusion_step: vocab_size must be in [1, 2^31), got %lld", (long long)p.vocab_size);
-  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "diffusion_step: sum_lanes must be 8 or 16, got %d",
-               p.sum_lanes);
+  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "diffusion_step: sum_lanes must be 8 or 16, got %d", p.sum_lanes);
   return Status::Ok();
 }
 

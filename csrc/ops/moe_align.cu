@@ -76,7 +76,10 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(MoeAlignParams p) {
     int lo = 0, hi = E;  // first e with offset[e + 1] > start
     while (lo < hi) {
       const int mid = (lo + hi) >> 1;
-      if (offset[mid + 1] > start) hi = mid; else lo = mid + 1;
+      if (offset[mid + 1] > start)
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     p.block_expert[b] = start < total ? lo : -1;
   }

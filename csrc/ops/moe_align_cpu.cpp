@@ -8,8 +8,8 @@ namespace dg {
 
 Status check_moe_align_params(const MoeAlignParams& p) {
   DG_CHECK_ARG(p.pairs >= 0 && p.experts >= 1 && p.block_size >= 1,
-               "moe_align: need pairs >= 0, experts >= 1, block_size >= 1, got %lld, %lld, %lld",
-               (long long)p.pairs, (long long)p.experts, (long long)p.block_size);
+               "moe_align: need pairs >= 0, experts >= 1, block_size >= 1, got %lld, %lld, %lld", (long long)p.pairs,
+               (long long)p.experts, (long long)p.block_size);
   DG_CHECK_ARG(moe_align_capacity(p.pairs, p.experts, p.block_size) < 0x7fffffffLL,
                "moe_align: pairs + experts * (block_size - 1) = %lld does not fit int32",
                (long long)moe_align_capacity(p.pairs, p.experts, p.block_size));

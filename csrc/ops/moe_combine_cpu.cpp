@@ -26,8 +26,8 @@ void combine_tokens(const MoeCombineParams& p) {
 
 Status check_moe_combine_params(const MoeCombineParams& p) {
   DG_CHECK_ARG(p.tokens >= 0 && p.top_k >= 1 && p.hidden >= 0,
-               "moe_combine: need tokens >= 0, top_k >= 1, hidden >= 0, got %lld, %lld, %lld",
-               (long long)p.tokens, (long long)p.top_k, (long long)p.hidden);
+               "moe_combine: need tokens >= 0, top_k >= 1, hidden >= 0, got %lld, %lld, %lld", (long long)p.tokens,
+               (long long)p.top_k, (long long)p.hidden);
   return Status::Ok();
 }
 

@@ -232,8 +232,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm2_kernel(MoeExpertsParams p,
 
 Status moe_experts_cuda(const MoeExpertsParams& p, void* stream) {
   DG_RETURN_IF_ERROR(check_moe_experts_params(p));
-  DG_CHECK_ARG(p.dtype == DType::kBFloat16, "moe_experts: the CUDA kernels take bfloat16, got %s",
-               dtype_name(p.dtype));
+  DG_CHECK_ARG(p.dtype == DType::kBFloat16, "moe_experts: the CUDA kernels take bfloat16, got %s", dtype_name(p.dtype));
   DG_CHECK_ARG(p.hidden % 8 == 0 && p.inter % 8 == 0,
                "moe_experts: CUDA needs hidden %% 8 == 0 and inter %% 8 == 0, got %lld, %lld", (long long)p.hidden,
                (long long)p.inter);

@@ -53,8 +53,7 @@ Status check_moe_experts_params(const MoeExpertsParams& p) {
   DG_CHECK_ARG(p.tokens >= 0 && p.top_k >= 1 && p.experts >= 1 && p.hidden >= 1 && p.inter >= 1,
                "moe_experts: need tokens >= 0 and top_k, experts, hidden, inter >= 1, got %lld, %lld, %lld, "
                "%lld, %lld",
-               (long long)p.tokens, (long long)p.top_k, (long long)p.experts, (long long)p.hidden,
-               (long long)p.inter);
+               (long long)p.tokens, (long long)p.top_k, (long long)p.experts, (long long)p.hidden, (long long)p.inter);
   DG_CHECK_ARG(p.capacity >= p.tokens * p.top_k && p.capacity < 0x7fffffffLL,
                "moe_experts: capacity %lld must be in [tokens * top_k, 2^31)", (long long)p.capacity);
   return Status::Ok();

@@ -1,8 +1,7 @@
 // moe_route on the CPU: one token per iteration, tokens in parallel (OpenMP); each token is computed
 // serially, so results do not depend on the thread count. Contract and exactness: moe_route.h.
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -107,8 +106,7 @@ Status check_moe_route_params(const MoeRouteParams& p) {
 
 Status moe_route_cpu(const MoeRouteParams& p) {
   DG_RETURN_IF_ERROR(check_moe_route_params(p));
-  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "moe_route: sum_lanes must be 8 or 16, got %d",
-               p.sum_lanes);
+  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "moe_route: sum_lanes must be 8 or 16, got %d", p.sum_lanes);
   if (p.scores_dtype == DType::kFloat32) {
     dispatch_lanes<float>(p);
   } else {

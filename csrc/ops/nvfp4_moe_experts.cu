@@ -16,10 +16,10 @@
 // Plain CUDA, no torch headers (build.py --check-cuda compiles it alone).
 #include <cuda_runtime.h>
 
-#include "../common/check.h"
-#include "../common/activation.h"
 #include <atomic>
 
+#include "../common/activation.h"
+#include "../common/check.h"
 #include "moe_experts.h"  // moe_chunk_splits
 #include "nvfp4_layout.h"
 #include "nvfp4_moe_experts.h"
@@ -52,8 +52,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)_
 
 // 16-byte async copy global → shared; src_bytes 0 zero-fills the destination without reading
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -96,13 +95,12 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
     for (int i = 0; i < NT; ++i) {
       const int64_t s = chunk + (tid >> 5) + 8 * i;
       const int64_t pair = s < end ? (int64_t)p.sorted_pairs[s] : -1;
-      src[i] = (pair >= 0 && pair < pairs)
-                   ? xbase + (kGemm1 ? (pair / p.top_k) * p.x_row_stride : s * p.inter)
-                   : nullptr;
+      src[i] =
+          (pair >= 0 && pair < pairs) ? xbase + (kGemm1 ? (pair / p.top_k) * p.x_row_stride : s * p.inter) : nullptr;
     }
     auto load_stage = [&](int kb) {
       unsigned char* st = smem + (kb % kStages) * L::kStageBytes;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < 4; ++i) {  // weights: 1024 × 16 B; unit u → row tile u/128, chunk (u/32)%4, lane u%32
         const int u = tid + kThreads * i, rtl = u >> 7, c = (u >> 5) & 3;
         const int64_t rt = cta_rt + rtl, kc = (int64_t)kb * 4 + c;
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
       uint16_t* xs = reinterpret_cast<uint16_t*>(st + kWBytes + kSBytes);
       const int c16 = tid & 31;
       const int64_t k = (int64_t)kb * kBlockK + c16 * 8;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < NT; ++i) {  // activations: NT·8 tokens × 32 × 16 B, zero past K and for empty slots
         const bool ok = src[i] != nullptr && k < K;
         cp_async16(xs + ((tid >> 5) + 8 * i) * kXStride + c16 * 8, ok ? src[i] + k : xbase, ok);
@@ -148,22 +146,22 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
       const uint16_t* xs = reinterpret_cast<const uint16_t*>(st + kWBytes + kSBytes) + ks * 64;
       uint4 wq[kTilesPerWarp];
       uint2 sq[kTilesPerWarp];
-  #pragma unroll
+#pragma unroll
       for (int r = 0; r < kTilesPerWarp; ++r) {
         const int tile = (rg * kTilesPerWarp + r) * 4 + ks;
         wq[r] = *reinterpret_cast<const uint4*>(st + tile * 512 + lane * 16);
         sq[r] = *reinterpret_cast<const uint2*>(st + kWBytes + tile * 64 + 8 * g);
       }
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 4; ++j) {  // k-tiles of this 64-K chunk
         uint32_t b[NT][2];
-    #pragma unroll
+#pragma unroll
         for (int n = 0; n < NT; ++n) {  // B fragment: (k 2t..2t+1 | 2t+8..2t+9, token n·8 + g)
           const uint16_t* row = xs + (n * 8 + g) * kXStride + 16 * j + 2 * t;
           b[n][0] = *reinterpret_cast<const uint32_t*>(row);
           b[n][1] = *reinterpret_cast<const uint32_t*>(row + 8);
         }
-    #pragma unroll
+#pragma unroll
         for (int r = 0; r < kTilesPerWarp; ++r) {
           if (cta_rt + rg * kTilesPerWarp + r >= rt_n) continue;  // warp-uniform
           const uint32_t q = j == 0 ? wq[r].x : j == 1 ? wq[r].y : j == 2 ? wq[r].z : wq[r].w;
@@ -199,11 +197,11 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Nvfp4MoeParams 
     if (ks == 0) {
       for_acc([&](int r, int n, int c) { acc[r][n][c] += slot(0, r, n, c); });
       const float* gs = p.gs + 3 * e;
-  #pragma unroll
+#pragma unroll
       for (int r = 0; r < kTilesPerWarp; ++r) {
         const int64_t rt = cta_rt + rg * kTilesPerWarp + r;
         if (rt >= rt_n) continue;
-    #pragma unroll
+#pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {  // c[h]: (row g, token 2t + h); c[2 + h]: (row g + 8, token 2t + h)

@@ -56,13 +56,14 @@ DG_HD int64_t nvfp4_chunks(int64_t k) { return ((k + 15) / 16 * 16 + 63) / 64; }
 inline Status nvfp4_moe_check(const Nvfp4MoeParams& p) {
   if (p.tokens < 0 || p.top_k < 1 || p.experts < 1 || p.hidden < 1 || p.inter < 1 || p.slots < 0)
     return Status::printf(StatusCode::kInvalidArgument,
-                          "nvfp4_moe_experts: bad sizes T=%lld K=%lld E=%lld H=%lld I=%lld P=%lld",
-                          (long long)p.tokens, (long long)p.top_k, (long long)p.experts, (long long)p.hidden,
-                          (long long)p.inter, (long long)p.slots);
+                          "nvfp4_moe_experts: bad sizes T=%lld K=%lld E=%lld H=%lld I=%lld P=%lld", (long long)p.tokens,
+                          (long long)p.top_k, (long long)p.experts, (long long)p.hidden, (long long)p.inter,
+                          (long long)p.slots);
   if (p.hidden % 16 != 0 || p.inter % 8 != 0)
     return Status::printf(StatusCode::kInvalidArgument,
                           "nvfp4_moe_experts: need hidden %% 16 == 0 (rows of down) and inter %% 8 == 0 (gate/up "
-                          "interleave), got H=%lld I=%lld", (long long)p.hidden, (long long)p.inter);
+                          "interleave), got H=%lld I=%lld",
+                          (long long)p.hidden, (long long)p.inter);
   if (p.tokens * p.top_k > 0x7fffffffLL || p.slots > 0x7fffffffLL)
     return Status::InvalidArgument("nvfp4_moe_experts: more than 2^31 pairs or slots");
   return Status::Ok();

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../common/check.h"
 #include "../common/activation.h"
+#include "../common/check.h"
 #include "nvfp4_layout.h"
 #include "nvfp4_moe_experts.h"
 
@@ -47,8 +47,8 @@ void run_expert(const Nvfp4MoeParams& p, int64_t e, std::vector<float>& w, std::
   const float gs_g = gs[0] * 128.0f, gs_u = gs[1] * 128.0f, gs_d = gs[2] * 128.0f;
   // GEMM1 + activation: packed row 16i + r is gate(8i + r), 16i + 8 + r is up(8i + r)
   w.resize((size_t)(2 * I * 64 * kc1));
-  decode_expert(p.w13 + e * rt1 * kc1 * nvfp4::kWordsPerChunk, p.s13 + e * rt1 * kc1 * nvfp4::kScalesPerChunk,
-                2 * I, kc1, w.data());
+  decode_expert(p.w13 + e * rt1 * kc1 * nvfp4::kWordsPerChunk, p.s13 + e * rt1 * kc1 * nvfp4::kScalesPerChunk, 2 * I,
+                kc1, w.data());
   v.resize((size_t)std::max(H, I));
   const T* x = static_cast<const T*>(p.x);
   for (int64_t s = begin; s < end; ++s) {
@@ -65,8 +65,8 @@ void run_expert(const Nvfp4MoeParams& p, int64_t e, std::vector<float>& w, std::
   }
   // GEMM2 + global scale + routing weight, written by pair
   w.resize((size_t)(H * 64 * kc2));
-  decode_expert(p.w2 + e * rt2 * kc2 * nvfp4::kWordsPerChunk, p.s2 + e * rt2 * kc2 * nvfp4::kScalesPerChunk, H,
-                kc2, w.data());
+  decode_expert(p.w2 + e * rt2 * kc2 * nvfp4::kWordsPerChunk, p.s2 + e * rt2 * kc2 * nvfp4::kScalesPerChunk, H, kc2,
+                w.data());
   for (int64_t s = begin; s < end; ++s) {
     const int64_t pair = pair_at(s);
     if (pair < 0 || pair >= pairs) continue;

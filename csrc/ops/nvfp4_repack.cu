@@ -72,8 +72,8 @@ Status nvfp4_repack_cuda(const Nvfp4RepackParams& p, void* stream) {
 
 Status nvfp4_decode_cuda(const Nvfp4DecodeParams& p, void* stream) {
   DG_CHECK_ARG(p.experts >= 0 && p.rows >= 0 && p.rows % 16 == 0 && p.chunks >= 0,
-               "nvfp4_decode: need rows %% 16 == 0, got E=%lld N=%lld KC=%lld", (long long)p.experts,
-               (long long)p.rows, (long long)p.chunks);
+               "nvfp4_decode: need rows %% 16 == 0, got E=%lld N=%lld KC=%lld", (long long)p.experts, (long long)p.rows,
+               (long long)p.chunks);
   const int64_t total = p.experts * (p.rows / 16) * p.chunks * 32;
   if (total == 0) return Status::Ok();
   DG_CHECK_ARG(total / kThreads < 0x7fffffff, "nvfp4_decode: %lld lanes exceed the CUDA grid", (long long)total);

@@ -32,8 +32,8 @@ Status nvfp4_repack_cpu(const Nvfp4RepackParams& p) {
 
 Status nvfp4_decode_cpu(const Nvfp4DecodeParams& p) {
   DG_CHECK_ARG(p.experts >= 0 && p.rows >= 0 && p.rows % 16 == 0 && p.chunks >= 0,
-               "nvfp4_decode: need rows %% 16 == 0, got E=%lld N=%lld KC=%lld", (long long)p.experts,
-               (long long)p.rows, (long long)p.chunks);
+               "nvfp4_decode: need rows %% 16 == 0, got E=%lld N=%lld KC=%lld", (long long)p.experts, (long long)p.rows,
+               (long long)p.chunks);
   const int64_t rt_n = p.rows / 16, width = 64 * p.chunks;
 #pragma omp parallel for schedule(static) if (p.experts * rt_n >= 16)
   for (int64_t er = 0; er < p.experts * rt_n; ++er) {

@@ -48,8 +48,7 @@ void dispatch_lanes(const RmsNormParams& p) {
 Status rms_norm_cpu(const RmsNormParams& p) {
   DG_CHECK_ARG(p.rows >= 0 && p.dim >= 1, "rms_norm: need rows >= 0 and dim >= 1, got rows=%lld dim=%lld",
                (long long)p.rows, (long long)p.dim);
-  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "rms_norm: sum_lanes must be 8 or 16, got %d",
-               p.sum_lanes);
+  DG_CHECK_ARG(p.sum_lanes == 8 || p.sum_lanes == 16, "rms_norm: sum_lanes must be 8 or 16, got %d", p.sum_lanes);
   if (p.dtype == DType::kFloat32) {
     dispatch_lanes<float>(p);
   } else {

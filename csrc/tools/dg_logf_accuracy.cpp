@@ -53,9 +53,10 @@ int main(int argc, char** argv) {
       over_one += local_over;
     }
   }
-  printf("dg_logf over all %u positive floats <= %g: max error %.4f ulp at x = %a; %lld not correctly rounded "
-         "(%.3f%%); %lld above 1 ulp\n",
-         last, (double)hi, max_err, (double)dg::bits_to_float(worst), not_cr, 100.0 * not_cr / last, over_one);
+  printf(
+      "dg_logf over all %u positive floats <= %g: max error %.4f ulp at x = %a; %lld not correctly rounded "
+      "(%.3f%%); %lld above 1 ulp\n",
+      last, (double)hi, max_err, (double)dg::bits_to_float(worst), not_cr, 100.0 * not_cr / last, over_one);
   // Gumbel: g depends on r only through j = r >> 9; compare with the chain evaluated in double.
   double gmax_abs = 0.0;
   for (uint32_t j = 0; j < (1u << 23); ++j) {

@@ -4,14 +4,22 @@ Public surface: ``DiffusionGemma`` (the model), ``Engine`` (generation), ``Sampl
 ``Tokenizer``. Importing the package does no work: the names are imported on first use (PEP 562), so the light
 parts (``dgserve.client``, the ``dgserve generate --server`` CLI) start without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Engine": "dgserve.engine", "DiffusionGemma": "dgserve.model", "BlockOutput": "dgserve.outputs",
-            "BlockStats": "dgserve.outputs", "GenerationResult": "dgserve.outputs",
-            "SamplingParams": "dgserve.sampling_params", "Tokenizer": "dgserve.tokenizer"}
-__all__ = sorted(_EXPORTS)
+_EXPORTS = {
+    "Engine": "dgserve.engine",
+    "DiffusionGemma": "dgserve.model",
+    "BlockOutput": "dgserve.outputs",
+    "BlockStats": "dgserve.outputs",
+    "GenerationResult": "dgserve.outputs",
+    "SamplingParams": "dgserve.sampling_params",
+    "Tokenizer": "dgserve.tokenizer",
+}
+__all__ = ["BlockOutput", "BlockStats", "DiffusionGemma", "Engine", "GenerationResult", "SamplingParams", "Tokenizer"]
+assert __all__ == sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 

@@ -1,6 +1,6 @@
 """The ``dgserve`` command line.
 
-    dgserve serve [FLAGS]                                  run the server: gRPC + OpenAI-compatible HTTP (dgserve.service)
+    dgserve serve [FLAGS]                                  serve gRPC + OpenAI-compatible HTTP (dgserve.service)
     dgserve generate "PROMPT" --server HOST:PORT [knobs]   stream blocks from a running server (dgserve serve)
     dgserve generate "PROMPT" [--model DIR] [knobs]        generate in this process (no server)
     dgserve info --server HOST:PORT                        the served model, its defaults and bounds
@@ -10,6 +10,7 @@
 (``--json``: one JSON line per event instead). Without ``--model`` the local mode uses the default model
 (``dgserve.default_model.default_model_path``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,11 @@ _DTYPES = ("float32", "bfloat16")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dgserve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", add_help=False,
-                   help="run the server (gRPC + OpenAI-compatible HTTP); `dgserve serve --help` lists its flags")
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="run the server (gRPC + OpenAI-compatible HTTP); `dgserve serve --help` lists its flags",
+    )
     g = sub.add_parser("generate", help="generate from a prompt, streaming each committed block")
     g.add_argument("text", nargs="?", help="prompt text")
     src = g.add_mutually_exclusive_group()
@@ -82,9 +86,16 @@ def _read(path: str | None) -> bytes | None:
 def _client(args):
     from dgserve.client import Client
 
-    token = _read(args.token_file).decode().strip() if args.token_file else None
-    return Client(args.server, token=token, tls=args.tls or bool(args.ca or args.cert),
-                  root_certificates=_read(args.ca), client_cert=_read(args.cert), client_key=_read(args.key))
+    raw_token = _read(args.token_file) if args.token_file else None
+    token = raw_token.decode().strip() if raw_token is not None else None
+    return Client(
+        args.server,
+        token=token,
+        tls=args.tls or bool(args.ca or args.cert),
+        root_certificates=_read(args.ca),
+        client_cert=_read(args.cert),
+        client_key=_read(args.key),
+    )
 
 
 def _remote_generate(args, prompt_text: str | None, prompt_ids: list[int] | None) -> int:
@@ -118,9 +129,12 @@ def _print_finished(f) -> None:
     from dgserve.client import FINISH_REASONS
 
     u = f.usage
-    print(f"\n# finished: {FINISH_REASONS[f.finish_reason]}; {u.prompt_tokens} prompt + {u.completion_tokens} "
-          f"generated tokens in {u.blocks} blocks ({u.denoising_steps} denoising steps); first block "
-          f"{f.timing.first_block_ms:.0f} ms, total {f.timing.total_ms:.0f} ms", file=sys.stderr)
+    print(
+        f"\n# finished: {FINISH_REASONS[f.finish_reason]}; {u.prompt_tokens} prompt + {u.completion_tokens} "
+        f"generated tokens in {u.blocks} blocks ({u.denoising_steps} denoising steps); first block "
+        f"{f.timing.first_block_ms:.0f} ms, total {f.timing.total_ms:.0f} ms",
+        file=sys.stderr,
+    )
 
 
 def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None) -> int:
@@ -128,11 +142,12 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
 
     from dgserve import Engine
     from dgserve.default_model import default_model_path
-    from dgserve.engine import ChatPrompt
+    from dgserve.engine import ChatPrompt, Prompt
 
-    engine = Engine.from_pretrained(args.model or default_model_path(), device=args.device,
-                                    dtype=getattr(torch, args.dtype))
-    prompt = prompt_ids if prompt_ids is not None else prompt_text
+    engine = Engine.from_pretrained(
+        args.model or default_model_path(), device=args.device, dtype=getattr(torch, args.dtype)
+    )
+    prompt: Prompt | None = prompt_ids if prompt_ids is not None else prompt_text
     if args.chat:
         prompt = ChatPrompt(({"role": "user", "content": prompt_text or ""},))
     if prompt is None:
@@ -143,9 +158,18 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
         for block in engine.stream(prompt, params):
             now = time.perf_counter()
             if args.json:
-                print(json.dumps({"block": block.index, "token_ids": block.token_ids, "text": block.text,
-                                  "denoising_steps": block.stats.denoising_steps,
-                                  "finish_reason": block.finish_reason}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "block": block.index,
+                            "token_ids": block.token_ids,
+                            "text": block.text,
+                            "denoising_steps": block.stats.denoising_steps,
+                            "finish_reason": block.finish_reason,
+                        }
+                    ),
+                    flush=True,
+                )
             else:
                 print(block.text, end="", flush=True)
                 _progress(block.index, len(block.token_ids), block.stats.denoising_steps, (now - t_last) * 1e3)
@@ -188,8 +212,9 @@ def _make_random(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:      # the server owns its flags (dgserve/service/__main__.py)
-        from dgserve.service.__main__ import main as serve
+    if argv[:1] == ["serve"]:  # the server owns its flags (dgserve/service/__main__.py)
+        # service/ is installed as dgserve.service (pyproject package-dir); mypy checks it from source as `service`
+        from dgserve.service.__main__ import main as serve  # type: ignore[import-not-found]
 
         return serve(argv[1:])
     args = _parser().parse_args(argv)

@@ -13,6 +13,7 @@ Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a 
 aborted by the same owner; to anyone else it looks exactly like an id never seen.
 An exception in the step loop fails every in-flight stream with ``EngineFaultError`` and stops the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dgserve.engine import DraftOutput, Engine, Prompt, check_request_id
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
@@ -32,6 +34,10 @@ from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import DuplicateRequestError
 
 log = logging.getLogger("dgserve.engine")
+
+# What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, admit time),
+# ("block", stream, (BlockOutput, GenerationResult | None)) or ("draft", stream, Draft).
+_Event = tuple[str, "RequestStream | None", Any]
 
 ABORT_CANCELLED, ABORT_ALREADY_FINISHED = "cancelled", "already_finished"
 
@@ -77,7 +83,7 @@ class Finished:
     blocks: int
     denoising_steps: int
     queue_seconds: float
-    first_block_seconds: float     # NaN when no block was committed
+    first_block_seconds: float  # NaN when no block was committed
     total_seconds: float
 
 
@@ -95,8 +101,15 @@ class EngineObserver:
 class RequestStream:
     """Events of one request, in order (async iterator). Lives on the event loop."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompt_tokens: int, params: SamplingParams,
-                 drafts: DraftSpec | None, owner: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompt_tokens: int,
+        params: SamplingParams,
+        drafts: DraftSpec | None,
+        owner: str | None = None,
+    ):
         self.request_id, self.prompt_tokens, self.params, self.drafts = request_id, prompt_tokens, params, drafts
         self.owner = owner
         self._engine = engine
@@ -104,12 +117,12 @@ class RequestStream:
         self._draft: Draft | None = None
         self._wake = asyncio.Event()
         self._error: Exception | None = None
-        self.done = False              # the last event (Finished or an error) has been pushed
+        self.done = False  # the last event (Finished or an error) has been pushed
         self.arrival = time.monotonic()
         self.admitted_at: float | None = None
         self.first_block_at: float | None = None
         self.last_read = self.arrival
-        self.reading = False           # the reader is awaiting the next event (so it is not stalled)
+        self.reading = False  # the reader is awaiting the next event (so it is not stalled)
 
     def __aiter__(self):
         return self
@@ -152,7 +165,7 @@ class RequestStream:
             return
         self._events.append(event)
         if isinstance(event, BlockOutput):
-            self._draft = None          # a preview of a block that is now committed
+            self._draft = None  # a preview of a block that is now committed
         if isinstance(event, Finished):
             self.done = True
         self._wake.set()
@@ -175,15 +188,22 @@ class RequestStream:
 class AsyncEngine:
     """Owns an Engine and its step thread; safe to use from one asyncio event loop."""
 
-    def __init__(self, engine: Engine, *, stall_timeout_s: float = 30.0, observer: EngineObserver | None = None,
-                 remember_finished: int = 10_000, on_fault: Callable[[Exception], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        stall_timeout_s: float = 30.0,
+        observer: EngineObserver | None = None,
+        remember_finished: int = 10_000,
+        on_fault: Callable[[Exception], None] | None = None,
+    ):
         self.engine = engine
         self.on_fault = on_fault
         self.stall_timeout_s = stall_timeout_s
         self.observer = observer or EngineObserver()
         self.fault: Exception | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()    # recently finished id -> owner
+        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()  # recently finished id -> owner
         self._remember = remember_finished
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -227,17 +247,25 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- requests
 
-    async def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     *, timeout_s: float | None = None, drafts: DraftSpec | None = None,
-                     owner: str | None = None) -> RequestStream:
+    async def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        drafts: DraftSpec | None = None,
+        owner: str | None = None,
+    ) -> RequestStream:
         """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
         NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
         queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``)."""
         if request_id is not None:
             check_request_id(request_id)
         if not self.running:
-            raise EngineUnavailableError("the engine is not running" if self.fault is None else
-                                         f"the engine stopped after a fault: {self.fault}")
+            raise EngineUnavailableError(
+                "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
+            )
         params = params or self.engine.default_params()
         if params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(64))
@@ -246,7 +274,8 @@ class AsyncEngine:
             ids = self.engine.request_prompt_ids(prompt, params.max_new_tokens)
         else:
             ids = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.request_prompt_ids, prompt, params.max_new_tokens)
+                None, self.engine.request_prompt_ids, prompt, params.max_new_tokens
+            )
         stream = RequestStream(self, rid, len(ids), params, drafts, owner)
         with self._lock:
             if rid in self._streams:
@@ -262,8 +291,9 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
-    def abort(self, request_id: str, *, owner: str | None = None, reason: str = "abort",
-              notify: bool = True) -> str | None:
+    def abort(
+        self, request_id: str, *, owner: str | None = None, reason: str = "abort", notify: bool = True
+    ) -> str | None:
         """Cancel a request for the caller ``owner``: "cancelled" when it was queued or running, "already_finished"
         when it had finished recently, None when unknown — or when it belongs to another owner, so that ids of
         other callers can be neither stopped nor discovered. With ``notify`` its stream ends with
@@ -275,7 +305,7 @@ class AsyncEngine:
                 return None
         if stream is not None and self._abort(request_id, reason, notify) is not None:
             return ABORT_CANCELLED
-        with self._lock:       # finished (possibly just now, between the two locked sections)
+        with self._lock:  # finished (possibly just now, between the two locked sections)
             known = request_id in self._finished_ids and self._finished_ids[request_id] == owner
         return ABORT_ALREADY_FINISHED if known else None
 
@@ -303,12 +333,22 @@ class AsyncEngine:
         now = time.monotonic()
         admitted = stream.admitted_at if stream.admitted_at is not None else now
         first = stream.first_block_at - stream.arrival if stream.first_block_at is not None else float("nan")
-        return Finished(reason, stream.prompt_tokens, completion, blocks, steps, admitted - stream.arrival, first,
-                        now - stream.arrival)
+        return Finished(
+            reason,
+            stream.prompt_tokens,
+            completion,
+            blocks,
+            steps,
+            admitted - stream.arrival,
+            first,
+            now - stream.arrival,
+        )
 
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         while not self._stopping:
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
@@ -316,22 +356,20 @@ class AsyncEngine:
                 continue
             try:
                 batch = self._step()
-            except Exception as e:  # noqa: BLE001 - any engine failure ends every stream
+            except Exception as e:
                 log.exception("engine step failed")
                 self.fault = e
-                self._loop.call_soon_threadsafe(self._fail_all, e)
+                loop.call_soon_threadsafe(self._fail_all, e)
                 return
             if batch:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                loop.call_soon_threadsafe(self._deliver, batch)
 
-    def _step(self) -> list:
+    def _step(self) -> list[_Event]:
         t0 = time.monotonic()
         events = self.engine.step()
-        batch: list = [("step", None, time.monotonic() - t0)]
+        batch: list[_Event] = [("step", None, time.monotonic() - t0)]
         streams = self._streams
-        for rid in self.engine.last_schedule.admitted:
-            if rid in streams:
-                batch.append(("started", streams[rid], t0))
+        batch.extend(("started", streams[rid], t0) for rid in self.engine.last_schedule.admitted if rid in streams)
         for rid, block in events:
             stream = streams.get(rid)
             if stream is None:
@@ -356,29 +394,32 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- back on the loop
 
-    def _deliver(self, batch: list) -> None:
+    def _deliver(self, batch: list[_Event]) -> None:
         now = time.monotonic()
         for kind, stream, payload in batch:
-            if kind == "step":
+            if stream is None:  # ("step", None, seconds)
                 self.observer.on_step(payload)
-            elif self._streams.get(getattr(stream, "request_id", None)) is not stream:
-                continue                 # aborted or cancelled meanwhile
+            elif self._streams.get(stream.request_id) is not stream:
+                continue  # aborted or cancelled meanwhile
             elif kind == "started":
                 self._on_started(stream, payload)
             elif kind == "draft":
                 if stream._push_draft(payload):
                     self.observer.on_draft_dropped()
             else:
-                self._on_block(stream, *payload, now)
+                block, result = payload
+                self._on_block(stream, block, result, now)
 
     def _on_started(self, stream: RequestStream, t_admit: float) -> None:
         stream.admitted_at = t_admit
         queue = t_admit - stream.arrival
         self.observer.on_started(queue)
-        stream._push(Started(stream.request_id, stream.params.seed, stream.prompt_tokens, stream.params, queue))
+        seed = stream.params.seed
+        assert seed is not None, "submit() draws a seed for every request"
+        stream._push(Started(stream.request_id, seed, stream.prompt_tokens, stream.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
-        if stream.admitted_at is None:    # expired in the queue: never started
+        if stream.admitted_at is None:  # expired in the queue: never started
             stream.admitted_at = now
         first = stream.first_block_at is None and block.stats.denoising_steps > 0
         if first:
@@ -390,14 +431,18 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
                 self._remember_finished(stream.request_id, stream.owner)
-            fin = self._finished(stream, result.finish_reason, len(result.token_ids), len(result.blocks),
-                                 result.denoising_steps)
+            fin = self._finished(
+                stream, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
+            )
             stream._push(fin)
             self.observer.on_finished(fin)
         elif not stream.reading and stream.buffered > 1 and now - stream.last_read > self.stall_timeout_s:
             self._abort(stream.request_id, "stalled")
-            stream._fail(StreamStalledError(f"request {stream.request_id}: the reader took nothing for "
-                                            f"{self.stall_timeout_s:g} s; aborted"))
+            stream._fail(
+                StreamStalledError(
+                    f"request {stream.request_id}: the reader took nothing for {self.stall_timeout_s:g} s; aborted"
+                )
+            )
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

@@ -11,13 +11,16 @@ repacked on the device into the W4A16 kernel layout (`layers.{i}.experts.packed`
 that ``ops.nvfp4_moe_experts`` runs on: no dequantized copy is ever made. Either way a layer's expert tensors
 are read with one open per shard, not one per matrix.
 """
+
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -43,6 +46,7 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------------ names
+
 
 def _layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape for layer i (spec §2.1)."""
@@ -114,6 +118,7 @@ def _is_vision(name: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------- reading headers
 
+
 @dataclass(frozen=True)
 class _Stored:
     file: pathlib.Path
@@ -163,6 +168,7 @@ def _scan(path: pathlib.Path) -> dict[str, _Stored]:
 
 # --------------------------------------------------------------------------------------------------- load planning
 
+
 def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, dict[tuple[int, str, str], str]]:
     """Remove per-expert NVFP4 tensors from `stored`; return layer -> {(expert, proj, part): HF name}.
 
@@ -177,8 +183,10 @@ def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, d
         prefix = DECODER if name.startswith(DECODER) else ENCODER if name.startswith(ENCODER) else None
         layer, expert = int(m["layer"]), int(m["expert"])
         if prefix is None or layer >= config.num_hidden_layers or expert >= config.num_experts:
-            raise CheckpointError(f"unexpected tensor {name}: no such layer/expert in this config "
-                                  f"({config.num_hidden_layers} layers, {config.num_experts} experts)")
+            raise CheckpointError(
+                f"unexpected tensor {name}: no such layer/expert in this config "
+                f"({config.num_hidden_layers} layers, {config.num_experts} experts)"
+            )
         groups[layer][prefix][(expert, m["proj"], m["part"])] = name
         del stored[name]
     out = {}
@@ -188,8 +196,10 @@ def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, d
             for proj in nvfp4.PROJECTIONS:
                 for part in ("weight", "weight_scale", "weight_scale_2"):
                     if (e, proj, part) not in names:
-                        raise CheckpointError(f"missing tensor {DECODER}layers.{layer}.experts.{e}.{proj}.{part} "
-                                              f"(layer {layer} stores NVFP4 experts)")
+                        raise CheckpointError(
+                            f"missing tensor {DECODER}layers.{layer}.experts.{e}.{proj}.{part} "
+                            f"(layer {layer} stores NVFP4 experts)"
+                        )
         out[layer] = names
     return out
 
@@ -213,15 +223,16 @@ def _check_quant_config(path: pathlib.Path) -> None:
             raise CheckpointError(f"{where}.quant_method: {method!r} is not supported (only ModelOpt NVFP4)")
         algo = q.get("quant_algo")
         if algo not in SUPPORTED_QUANT_ALGOS:
-            raise CheckpointError(f"{where}.quant_algo: {algo!r} is not supported; expected one of "
-                                  f"{list(SUPPORTED_QUANT_ALGOS)}")
+            raise CheckpointError(
+                f"{where}.quant_algo: {algo!r} is not supported; expected one of {list(SUPPORTED_QUANT_ALGOS)}"
+            )
         if q.get("group_size", nvfp4.GROUP) != nvfp4.GROUP:
             raise CheckpointError(f"{where}.group_size: {q['group_size']} is not supported (NVFP4 uses 16)")
 
 
 def _unexpected_reason(name: str, config: ModelConfig) -> str:
     for prefix in (DECODER, ENCODER):
-        m = _LAYER_NAME.match(name[len(prefix):]) if name.startswith(prefix) else None
+        m = _LAYER_NAME.match(name[len(prefix) :]) if name.startswith(prefix) else None
         if m and int(m.group(1)) >= config.num_hidden_layers:
             return f"layer {m.group(1)} is beyond num_hidden_layers={config.num_hidden_layers}"
         if m and m.group(2) == "self_attn.v_proj.weight" and not config.is_sliding(int(m.group(1))):
@@ -261,8 +272,10 @@ def _plan(stored: dict[str, _Stored], config: ModelConfig, quantized: frozenset[
 
 # ------------------------------------------------------------------------------------------------------- loading
 
-def _read(plan: dict[str, str], stored: dict[str, _Stored], dtype: torch.dtype,
-          device: torch.device | str) -> dict[str, torch.Tensor]:
+
+def _read(
+    plan: dict[str, str], stored: dict[str, _Stored], dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """Read the planned tensors one at a time, converting each (floating only) as soon as it is read."""
     by_file: dict[pathlib.Path, list[tuple[str, str]]] = defaultdict(list)
     for canonical, hf in plan.items():
@@ -276,16 +289,22 @@ def _read(plan: dict[str, str], stored: dict[str, _Stored], dtype: torch.dtype,
                 except SafetensorError as e:
                     raise CheckpointError(f"{hf} in {file}: cannot read ({e})") from None
                 # the CPU copy `t` is dropped right after the conversion: one extra tensor at most
-                weights[canonical] = (t.to(device=device, dtype=dtype) if t.is_floating_point()
-                                      else t.to(device=device)).contiguous()
+                weights[canonical] = (
+                    t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device=device)
+                ).contiguous()
     return weights
 
 
 PACKED = "experts.packed"  # layers.{i}.experts.packed: nvfp4.PackedExperts (replaces gate_up_proj / down_proj)
 
 
-def load_weights(path: str | pathlib.Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", nvfp4_packed: bool = False) -> dict[str, torch.Tensor]:
+def load_weights(
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    nvfp4_packed: bool = False,
+) -> dict[str, torch.Tensor]:
     """Load a Hugging Face DiffusionGemma checkpoint directory into canonical names (see `expected_shapes`).
 
     `path` holds config.json and model.safetensors (or shards listed in model.safetensors.index.json).
@@ -309,7 +328,8 @@ def load_weights(path: str | pathlib.Path, config: ModelConfig, dtype: torch.dty
         gate, up, down = _read_nvfp4_stacked(layer, names, full, config)
         if nvfp4_packed:  # the raw tensors go to the device, the repack runs there (native on CUDA)
             on = [tuple(t.to(device) for t in proj) for proj in (gate, up, down)]
-            weights[f"layers.{layer}.{PACKED}"] = nvfp4.pack_experts(*on)
+            # the packed experts ride in the weights dict under their own key; LayerWeights.from_state takes them out
+            weights[f"layers.{layer}.{PACKED}"] = nvfp4.pack_experts(*on)  # type: ignore[assignment]
         else:
             weights.update(_dequantize_layer(layer, (gate, up, down), config, dtype, device))
     if LM_HEAD in weights and torch.equal(weights[LM_HEAD], weights["embed_tokens.weight"]):
@@ -326,16 +346,22 @@ def _nvfp4_tensor(f, name: str, s: _Stored, shape: tuple[int, ...], dtype: str) 
 _PARTS = (("weight", "U8"), ("weight_scale", "F8_E4M3"), ("weight_scale_2", "F32"))
 
 
-def _read_nvfp4_stacked(layer: int, names: dict[tuple[int, str, str], str], stored: dict[str, _Stored],
-                        config: ModelConfig) -> tuple[tuple[torch.Tensor, ...], ...]:
+def _read_nvfp4_stacked(
+    layer: int, names: dict[tuple[int, str, str], str], stored: dict[str, _Stored], config: ModelConfig
+) -> tuple[tuple[torch.Tensor, ...], ...]:
     """Layer `layer`'s ModelOpt tensors stacked over experts, on the CPU, as ``nvfp4.pack_experts`` takes them:
     per projection (gate, up, down) a tuple (weight uint8 [E, N, Kp/2], weight_scale e4m3 [E, N, Kp/16],
     weight_scale_2 fp32 [E]). Each shard is opened once; shapes, dtypes and scales are checked (CheckpointError
     naming the tensor)."""
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    shapes = {proj: ((n, nvfp4.padded(k) // 2), (n, nvfp4.padded(k) // nvfp4.GROUP), ()) for proj, (n, k) in dims.items()}
-    out = {(proj, part): [None] * E for proj in nvfp4.PROJECTIONS for part, _ in _PARTS}
+    shapes = {
+        proj: ((n, nvfp4.padded(k) // 2), (n, nvfp4.padded(k) // nvfp4.GROUP), ()) for proj, (n, k) in dims.items()
+    }
+    # per (projection, part) one slot per expert, every slot filled from the shards below
+    out: dict[tuple[str, str], list[Any]] = {
+        (proj, part): [None] * E for proj in nvfp4.PROJECTIONS for part, _ in _PARTS
+    }
     by_file: dict[pathlib.Path, list[tuple[int, str, int]]] = defaultdict(list)
     for e in range(E):
         for proj in nvfp4.PROJECTIONS:
@@ -346,19 +372,22 @@ def _read_nvfp4_stacked(layer: int, names: dict[tuple[int, str, str], str], stor
             for e, proj, j in items:
                 part, code = _PARTS[j]
                 name = names[(e, proj, part)]
-                out[(proj, part)][e] = _nvfp4_tensor(f, name, stored[name], shapes[proj][j], code).reshape(shapes[proj][j])
+                out[(proj, part)][e] = _nvfp4_tensor(f, name, stored[name], shapes[proj][j], code).reshape(
+                    shapes[proj][j]
+                )
     result = []
     for proj in nvfp4.PROJECTIONS:
         w, sc, s2 = (torch.stack(out[(proj, part)]) for part, _ in _PARTS)
         try:
             nvfp4.check_scales(sc, f"{DECODER}layers.{layer}.experts.*.{proj}.weight_scale")
         except ValueError as err:
-            bad = next(e for e in range(E) if _bad_scales(sc[e]))   # name the first bad expert's tensor
+            bad = next(e for e in range(E) if _bad_scales(sc[e]))  # name the first bad expert's tensor
             raise CheckpointError(f"{names[(bad, proj, 'weight_scale')]}: {str(err).split(': ', 1)[-1]}") from None
         if not torch.isfinite(s2).all() or bool((s2 < 0).any()):
             bad = int((~torch.isfinite(s2) | (s2 < 0)).nonzero()[0])
-            raise CheckpointError(f"{names[(bad, proj, 'weight_scale_2')]}: global scale must be finite and >= 0, "
-                                  f"got {s2[bad].item()}")
+            raise CheckpointError(
+                f"{names[(bad, proj, 'weight_scale_2')]}: global scale must be finite and >= 0, got {s2[bad].item()}"
+            )
         result.append((w, sc, s2))
     return tuple(result)
 
@@ -371,8 +400,13 @@ def _bad_scales(scale: torch.Tensor) -> bool:
     return False
 
 
-def _dequantize_layer(layer: int, stacked: tuple[tuple[torch.Tensor, ...], ...], config: ModelConfig,
-                      dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+def _dequantize_layer(
+    layer: int,
+    stacked: tuple[tuple[torch.Tensor, ...], ...],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
     """Dequantize one layer's stacked NVFP4 experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I] (`dtype`).
 
     gate_up[e, :I] = deq(gate_proj), gate_up[e, I:] = deq(up_proj) (each with its own weight_scale_2),
@@ -390,6 +424,7 @@ def _dequantize_layer(layer: int, stacked: tuple[tuple[torch.Tensor, ...], ...],
 
 # -------------------------------------------------------------------------------------------------------- saving
 
+
 def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of the tiny vision tower that `config.to_dict()` declares (zeros; dgserve never runs it)."""
     v = TINY_VISION_CONFIG
@@ -403,13 +438,19 @@ def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for layer in range(v["num_hidden_layers"]):
         p = f"{tower}encoder.layers.{layer}."
-        shapes.update({
-            p + "self_attn.q_proj.linear.weight": (q, h), p + "self_attn.k_proj.linear.weight": (kv, h),
-            p + "self_attn.v_proj.linear.weight": (kv, h), p + "self_attn.o_proj.linear.weight": (h, q),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.linear.weight": (inner, h), p + "mlp.up_proj.linear.weight": (inner, h),
-            p + "mlp.down_proj.linear.weight": (h, inner),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.linear.weight": (q, h),
+                p + "self_attn.k_proj.linear.weight": (kv, h),
+                p + "self_attn.v_proj.linear.weight": (kv, h),
+                p + "self_attn.o_proj.linear.weight": (h, q),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.linear.weight": (inner, h),
+                p + "mlp.up_proj.linear.weight": (inner, h),
+                p + "mlp.down_proj.linear.weight": (h, inner),
+            }
+        )
         for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             shapes[f"{p}{norm}_layernorm.weight"] = (h,)
     return shapes
@@ -418,6 +459,7 @@ def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     expected = expected_shapes(config)
     for name, t in weights.items():
+        shape: tuple[int, ...]
         if name == LM_HEAD:
             shape = (config.vocab_size, config.hidden_size)
         elif name in expected:
@@ -428,11 +470,17 @@ def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> No
             raise CheckpointError(f"{name}: shape mismatch, expected {list(shape)}, got {list(t.shape)}")
     missing = [name for name in expected if name not in weights]
     if missing:
-        raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else ""))
+        raise CheckpointError(
+            f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
+        )
 
 
-def save_weights(path: str | pathlib.Path, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32) -> None:
+def save_weights(
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Write `path/config.json` (`config.to_dict()` plus `dtype`) and `path/model.safetensors` in HF names:
     the inverse of `load_weights`, loadable by transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained`
     with no missing or unexpected keys (zero placeholders for the tiny vision tower are added).

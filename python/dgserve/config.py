@@ -5,10 +5,12 @@ vision, every value resolved the way transformers 5.23 resolves it. `GenerationD
 diffusion sampler defaults from `generation_config.json`. Both are frozen and validated on construction; a bad
 value raises `ConfigError` (a ValueError) whose message starts with the offending JSON field.
 """
+
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +22,21 @@ ACTIVATION = "gelu_pytorch_tanh"
 
 # transformers 5.23 DiffusionGemmaTextConfig defaults for the keys dgserve reads (spec §1.2).
 _TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=512,
-    rms_norm_eps=1e-6, max_position_embeddings=131_072, final_logit_softcapping=30.0,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    vocab_size=262_144,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=30,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131_072,
+    final_logit_softcapping=30.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
 )
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -34,9 +47,17 @@ _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
 # Written by `to_dict`: a tiny Gemma 4 vision tower so transformers can build the model (dgserve ignores it).
 # position_embedding_size is shrunk from 10240 so the placeholder table stays small (checkpoint.py writes it).
 TINY_VISION_CONFIG: dict[str, Any] = dict(
-    model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=16, position_embedding_size=64,
-    use_clipped_linears=False, standardize=False,
+    model_type="gemma4_vision",
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=16,
+    position_embedding_size=64,
+    use_clipped_linears=False,
+    standardize=False,
 )
 
 _T = "text_config"
@@ -48,6 +69,7 @@ class ConfigError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------- parsing helpers
 
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -56,8 +78,9 @@ def _name(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _int(d: dict, key: str, where: str, default: Any = None, *, required: bool = False) -> int:
-    """d[key] as an int; absent -> default (or ConfigError if required). Null counts as absent only if required."""
+def _int(d: dict[str, Any], key: str, where: str, default: Any = None, *, required: bool = False) -> Any:
+    """d[key] as an int; absent -> default (or ConfigError if required). Null counts as absent only if required.
+    Typed Any: the default is returned as given, None included."""
     if key not in d or (required and d[key] is None):
         if required:
             raise ConfigError(f"{_name(where, key)}: is required")
@@ -68,8 +91,8 @@ def _int(d: dict, key: str, where: str, default: Any = None, *, required: bool =
     return v
 
 
-def _float(d: dict, key: str, where: str, default: Any = None) -> float:
-    """d[key] as a finite float (ints accepted); absent -> default."""
+def _float(d: dict[str, Any], key: str, where: str, default: Any = None) -> Any:
+    """d[key] as a finite float (ints accepted); absent -> default (returned as given, hence Any)."""
     if key not in d:
         return default
     v = d[key]
@@ -78,7 +101,7 @@ def _float(d: dict, key: str, where: str, default: Any = None) -> float:
     return float(v)
 
 
-def _optional_id(d: dict, key: str, where: str, default: Any) -> Any:
+def _optional_id(d: dict[str, Any], key: str, where: str, default: Any) -> Any:
     """A token id field: int, list of ints (eos only) or null. Lists become tuples."""
     if key not in d:
         return default
@@ -90,7 +113,7 @@ def _optional_id(d: dict, key: str, where: str, default: Any) -> Any:
     raise ConfigError(f"{where}.{key}: expected an integer or null, got {v!r}")
 
 
-def _read_json(file: pathlib.Path) -> dict:
+def _read_json(file: pathlib.Path) -> dict[str, Any]:
     """Parse a JSON object from `file`; any failure -> ConfigError naming the file."""
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -105,7 +128,8 @@ def _read_json(file: pathlib.Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ text_config parts
 
-def _split_top_level(d: dict) -> tuple[dict, dict]:
+
+def _split_top_level(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(text_config dict, top-level dict). Accepts the full config.json or a bare text_config."""
     model_type = d.get("model_type")
     if "text_config" not in d and model_type != "diffusion_gemma":  # a bare text_config
@@ -118,20 +142,25 @@ def _split_top_level(d: dict) -> tuple[dict, dict]:
     if not isinstance(text, dict):
         raise ConfigError(f"text_config: expected an object, got {type(text).__name__}")
     if text.get("model_type") not in (None, "diffusion_gemma_text"):
-        raise ConfigError(f"text_config.model_type: {text['model_type']!r} is not supported "
-                          "(expected 'diffusion_gemma_text')")
+        raise ConfigError(
+            f"text_config.model_type: {text['model_type']!r} is not supported (expected 'diffusion_gemma_text')"
+        )
     return text, d
 
 
-def _reject_unsupported(text: dict) -> None:
+def _reject_unsupported(text: dict[str, Any]) -> None:
     """Features of the config class that the dgserve model does not implement."""
     if text.get("attention_bias"):
-        raise ConfigError(f"{_T}.attention_bias: {json.dumps(text['attention_bias'])} is not supported "
-                          "(dgserve has no attention biases)")
+        raise ConfigError(
+            f"{_T}.attention_bias: {json.dumps(text['attention_bias'])} is not supported "
+            "(dgserve has no attention biases)"
+        )
     bidir = text.get("use_bidirectional_attention")
     if bidir == "all":
-        raise ConfigError(f"{_T}.use_bidirectional_attention: 'all' is not supported (the encoder must be causal "
-                          "for text; 'all' also changes the sliding window)")
+        raise ConfigError(
+            f"{_T}.use_bidirectional_attention: 'all' is not supported (the encoder must be causal "
+            "for text; 'all' also changes the sliding window)"
+        )
     if bidir not in (None, "vision"):
         raise ConfigError(f"{_T}.use_bidirectional_attention: {bidir!r} is not supported (expected null or 'vision')")
     act = text.get("hidden_activation", ACTIVATION)
@@ -139,7 +168,7 @@ def _reject_unsupported(text: dict) -> None:
         raise ConfigError(f"{_T}.hidden_activation: {act!r} is not supported (only {ACTIVATION!r})")
 
 
-def _layer_types(text: dict, n_layers: int) -> tuple[str, ...]:
+def _layer_types(text: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     """Explicit list, or layer i full iff (i+1) % 6 == 0; the last layer is always forced to full."""
     given = text.get("layer_types")
     if given is None:
@@ -155,12 +184,12 @@ def _layer_types(text: dict, n_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict]:
+def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict[str, Any]]:
     """per_layer_config {"05": {"head_dim": 512, "num_key_value_heads": 2}} -> {5: {...}}, validated."""
     where = f"{_T}.per_layer_config"
     if not isinstance(plc, dict):
         raise ConfigError(f"{where}: expected an object keyed by layer index, got {plc!r}")
-    out: dict[int, dict] = {}
+    out: dict[int, dict[str, Any]] = {}
     for key, overrides in plc.items():
         try:
             layer = int(key)
@@ -172,14 +201,15 @@ def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict]:
             raise ConfigError(f"{where}.{key}: expected an object, got {overrides!r}")
         for name in overrides:
             if name not in _PER_LAYER_KEYS:
-                raise ConfigError(f"{where}.{key}.{name}: per-layer override not supported "
-                                  f"(only {', '.join(_PER_LAYER_KEYS)})")
+                raise ConfigError(
+                    f"{where}.{key}.{name}: per-layer override not supported (only {', '.join(_PER_LAYER_KEYS)})"
+                )
             _int(overrides, name, f"{where}.{key}", required=True)
         out[layer] = overrides
     return out
 
 
-def _head_geometry(text: dict, types: tuple[str, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+def _head_geometry(text: dict[str, Any], types: tuple[str, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
     """((sliding head_dim, kv heads), (full head_dim, kv heads)), resolved per spec §1.2.
 
     per_layer_config, when present, overrides head_dim / num_key_value_heads per layer and the init-only
@@ -196,19 +226,23 @@ def _head_geometry(text: dict, types: tuple[str, ...]) -> tuple[tuple[int, int],
         per_layer = [(g_hd, g_kv) if t == FULL else (hd, nkv) for t in types]
     else:
         overrides = _per_layer_overrides(plc, len(types))
-        per_layer = [(o.get("head_dim", hd), o.get("num_key_value_heads", nkv))
-                     for o in (overrides.get(i, {}) for i in range(len(types)))]
+        per_layer = [
+            (o.get("head_dim", hd), o.get("num_key_value_heads", nkv))
+            for o in (overrides.get(i, {}) for i in range(len(types)))
+        ]
     geometry = []
     for kind in (SLIDING, FULL):
-        found = {g for g, t in zip(per_layer, types) if t == kind}
+        found = {g for g, t in zip(per_layer, types, strict=True) if t == kind}
         if len(found) > 1:
-            raise ConfigError(f"{_T}.per_layer_config: {kind} layers have different (head_dim, num_key_value_heads) "
-                              f"{sorted(found)}; dgserve supports one geometry per layer type")
+            raise ConfigError(
+                f"{_T}.per_layer_config: {kind} layers have different (head_dim, num_key_value_heads) "
+                f"{sorted(found)}; dgserve supports one geometry per layer type"
+            )
         geometry.append(found.pop() if found else (hd, nkv))
     return geometry[0], geometry[1]
 
 
-def _rope(text: dict) -> tuple[float, float, float]:
+def _rope(text: dict[str, Any]) -> tuple[float, float, float]:
     """(theta_sliding, theta_full, partial_rotary_factor_full) from rope_parameters (spec §1.2, §3.2)."""
     where = f"{_T}.rope_parameters"
     rp = text.get("rope_parameters")
@@ -229,8 +263,7 @@ def _rope(text: dict) -> tuple[float, float, float]:
         raise ConfigError(f"{where}.{FULL}.rope_type: {f_type!r} is not supported (only 'proportional' or 'default')")
     prf = _float(f, "partial_rotary_factor", f"{where}.{FULL}", 1.0)
     if f_type == "default" and prf != 1.0:
-        raise ConfigError(f"{where}.{FULL}.partial_rotary_factor: must be 1.0 for 'default' RoPE "
-                          "(use 'proportional')")
+        raise ConfigError(f"{where}.{FULL}.partial_rotary_factor: must be 1.0 for 'default' RoPE (use 'proportional')")
     if f_type == "proportional" and _float(f, "factor", f"{where}.{FULL}", 1.0) != 1.0:
         raise ConfigError(f"{where}.{FULL}.factor: RoPE scaling is not supported (must be 1.0)")
     for kind in LAYER_TYPES:
@@ -253,10 +286,23 @@ _JSON_NAMES = {
     "canvas_length": "canvas_length",
     "tie_word_embeddings": "tie_word_embeddings",
 }
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts",
-                  "top_k_experts", "num_hidden_layers", "num_attention_heads", "sliding_head_dim",
-                  "sliding_num_kv_heads", "full_head_dim", "full_num_kv_heads", "sliding_window",
-                  "canvas_length", "max_position_embeddings")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "top_k_experts",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "sliding_head_dim",
+    "sliding_num_kv_heads",
+    "full_head_dim",
+    "full_num_kv_heads",
+    "sliding_window",
+    "canvas_length",
+    "max_position_embeddings",
+)
 
 
 def _json_name(field: str) -> str:
@@ -315,24 +361,30 @@ class ModelConfig:
         if self.top_k_experts > self.num_experts:
             raise ConfigError(f"{_T}.top_k_experts: {self.top_k_experts} exceeds num_experts {self.num_experts}")
         if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ConfigError(f"{_T}.layer_types: expected {self.num_hidden_layers} entries of {LAYER_TYPES}, "
-                              f"got {self.layer_types!r}")
+            raise ConfigError(
+                f"{_T}.layer_types: expected {self.num_hidden_layers} entries of {LAYER_TYPES}, "
+                f"got {self.layer_types!r}"
+            )
         if self.layer_types[-1] != FULL:
             raise ConfigError(f"{_T}.layer_types: the last layer must be {FULL!r}")
         for hd_name, kv_name in (("sliding_head_dim", "sliding_num_kv_heads"), ("full_head_dim", "full_num_kv_heads")):
             if getattr(self, hd_name) % 2:
                 raise ConfigError(f"{_json_name(hd_name)}: must be even for RoPE, got {getattr(self, hd_name)}")
             if self.num_attention_heads % getattr(self, kv_name):
-                raise ConfigError(f"{_json_name(kv_name)}: {getattr(self, kv_name)} does not divide "
-                                  f"{_T}.num_attention_heads {self.num_attention_heads}")
+                raise ConfigError(
+                    f"{_json_name(kv_name)}: {getattr(self, kv_name)} does not divide "
+                    f"{_T}.num_attention_heads {self.num_attention_heads}"
+                )
 
     def _validate_numbers(self) -> None:
         for name in ("rope_theta_sliding", "rope_theta_full", "rms_norm_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_json_name(name)}: must be > 0, got {getattr(self, name)!r}")
         if not 0.0 < self.partial_rotary_factor_full <= 1.0:
-            raise ConfigError(f"{_json_name('partial_rotary_factor_full')}: must be in (0, 1], "
-                              f"got {self.partial_rotary_factor_full!r}")
+            raise ConfigError(
+                f"{_json_name('partial_rotary_factor_full')}: must be in (0, 1], "
+                f"got {self.partial_rotary_factor_full!r}"
+            )
         softcap = self.final_logit_softcapping
         if softcap is not None and not softcap > 0:
             raise ConfigError(f"{_T}.final_logit_softcapping: must be > 0 or null, got {softcap!r}")
@@ -354,7 +406,7 @@ class ModelConfig:
 
     # -- JSON ---------------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a top-level config.json dict (model_type diffusion_gemma, with text_config), or from a bare
         text_config dict that may also carry `canvas_length`. Absent keys take transformers 5.23's defaults;
         vision, bookkeeping and Gemma-4-only keys are ignored. Raises ConfigError naming the field."""
@@ -368,61 +420,105 @@ class ModelConfig:
         types = _layer_types(text, n_layers)
         (s_hd, s_kv), (f_hd, f_kv) = _head_geometry(text, types)
         theta_s, theta_f, prf = _rope(text)
-        softcap = (None if text.get("final_logit_softcapping", 30.0) is None  # explicit null disables it
-                   else _float(text, "final_logit_softcapping", _T, 30.0))
-        ints = {k: _int(text, k, _T, _TEXT_DEFAULTS[k]) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                "num_attention_heads", "sliding_window", "max_position_embeddings")}
-        ints.update({k: _int(text, k, _T, required=True) for k in ("num_experts", "top_k_experts",
-                                                                    "moe_intermediate_size")})
-        ids = {k: _optional_id(text, k, _T, _TEXT_DEFAULTS[k]) for k in ("pad_token_id", "eos_token_id",
-                                                                         "bos_token_id")}
+        softcap = (
+            None
+            if text.get("final_logit_softcapping", 30.0) is None  # explicit null disables it
+            else _float(text, "final_logit_softcapping", _T, 30.0)
+        )
+        ints = {
+            k: _int(text, k, _T, _TEXT_DEFAULTS[k])
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "sliding_window",
+                "max_position_embeddings",
+            )
+        }
+        ints.update(
+            {k: _int(text, k, _T, required=True) for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+        )
+        ids = {
+            k: _optional_id(text, k, _T, _TEXT_DEFAULTS[k]) for k in ("pad_token_id", "eos_token_id", "bos_token_id")
+        }
         return cls(
-            **ints, **ids, num_hidden_layers=n_layers, layer_types=types,
-            sliding_head_dim=s_hd, sliding_num_kv_heads=s_kv, full_head_dim=f_hd, full_num_kv_heads=f_kv,
-            rope_theta_sliding=theta_s, rope_theta_full=theta_f, partial_rotary_factor_full=prf,
+            **ints,
+            **ids,
+            num_hidden_layers=n_layers,
+            layer_types=types,
+            sliding_head_dim=s_hd,
+            sliding_num_kv_heads=s_kv,
+            full_head_dim=f_hd,
+            full_num_kv_heads=f_kv,
+            rope_theta_sliding=theta_s,
+            rope_theta_full=theta_f,
+            partial_rotary_factor_full=prf,
             rms_norm_eps=_float(text, "rms_norm_eps", _T, _TEXT_DEFAULTS["rms_norm_eps"]),
-            final_logit_softcapping=softcap, canvas_length=_int(top, "canvas_length", "", 256),
-            tie_word_embeddings=top.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+            final_logit_softcapping=softcap,
+            canvas_length=_int(top, "canvas_length", "", 256),
+            tie_word_embeddings=top.get("tie_word_embeddings", text.get("tie_word_embeddings", True)),
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file). Missing or unparsable file -> ConfigError
         naming the file."""
         path = pathlib.Path(path)
         return cls.from_dict(_read_json(path if path.is_file() else path / "config.json"))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """An HF-style top-level config.json dict that transformers' DiffusionGemmaConfig loads to the same model,
         with `from_dict(to_dict()) == self`. Full-layer geometry is written as `per_layer_config` (keys zero-padded
         like transformers writes them) and a tiny placeholder `vision_config` is included."""
         width = len(str(self.num_hidden_layers - 1))
-        per_layer = {str(i).zfill(width): {"head_dim": self.full_head_dim, "num_key_value_heads": self.full_num_kv_heads}
-                     for i, t in enumerate(self.layer_types) if t == FULL}
+        per_layer = {
+            str(i).zfill(width): {"head_dim": self.full_head_dim, "num_key_value_heads": self.full_num_kv_heads}
+            for i, t in enumerate(self.layer_types)
+            if t == FULL
+        }
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         text = {
             "model_type": "diffusion_gemma_text",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
-            "num_experts": self.num_experts, "top_k_experts": self.top_k_experts,
-            "num_hidden_layers": self.num_hidden_layers, "layer_types": list(self.layer_types),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_experts": self.num_experts,
+            "top_k_experts": self.top_k_experts,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "num_attention_heads": self.num_attention_heads,
-            "head_dim": self.sliding_head_dim, "num_key_value_heads": self.sliding_num_kv_heads,
+            "head_dim": self.sliding_head_dim,
+            "num_key_value_heads": self.sliding_num_kv_heads,
             "per_layer_config": per_layer,
             "sliding_window": self.sliding_window,
             "rope_parameters": {
                 SLIDING: {"rope_type": "default", "rope_theta": self.rope_theta_sliding},
-                FULL: {"rope_type": "proportional", "partial_rotary_factor": self.partial_rotary_factor_full,
-                       "rope_theta": self.rope_theta_full},
+                FULL: {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": self.partial_rotary_factor_full,
+                    "rope_theta": self.rope_theta_full,
+                },
             },
-            "rms_norm_eps": self.rms_norm_eps, "final_logit_softcapping": self.final_logit_softcapping,
-            "hidden_activation": ACTIVATION, "attention_bias": False, "use_bidirectional_attention": "vision",
-            "tie_word_embeddings": self.tie_word_embeddings, "max_position_embeddings": self.max_position_embeddings,
-            "pad_token_id": self.pad_token_id, "eos_token_id": eos, "bos_token_id": self.bos_token_id,
+            "rms_norm_eps": self.rms_norm_eps,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "hidden_activation": ACTIVATION,
+            "attention_bias": False,
+            "use_bidirectional_attention": "vision",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": eos,
+            "bos_token_id": self.bos_token_id,
         }
         return {
-            "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
-            "canvas_length": self.canvas_length, "tie_word_embeddings": self.tie_word_embeddings,
-            "text_config": text, "vision_config": dict(TINY_VISION_CONFIG),
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "model_type": "diffusion_gemma",
+            "canvas_length": self.canvas_length,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+            "vision_config": dict(TINY_VISION_CONFIG),
         }
 
 
@@ -473,22 +569,34 @@ class GenerationDefaults:
             raise ConfigError(f"{_G}.pad_token_id: expected a non-negative integer or null, got {self.pad_token_id!r}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GenerationDefaults":
+    def from_dict(cls, d: dict[str, Any]) -> GenerationDefaults:
         """Parse a generation_config.json dict. `sampler_config` is {"_cls_name": "EntropyBoundSamplerConfig",
         "entropy_bound": β}; any other sampler -> ConfigError. Unknown keys (max_length, cache settings, ...) are
         ignored."""
         if not isinstance(d, dict):
             raise ConfigError(f"{_G}: expected a JSON object, got {type(d).__name__}")
-        kw = {k: d[k] for k in ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
-                                "confidence_threshold", "pad_token_id") if d.get(k) is not None}
+        kw = {
+            k: d[k]
+            for k in (
+                "max_new_tokens",
+                "max_denoising_steps",
+                "t_min",
+                "t_max",
+                "stability_threshold",
+                "confidence_threshold",
+                "pad_token_id",
+            )
+            if d.get(k) is not None
+        }
         sampler = d.get("sampler_config")
         if sampler is not None:
             if not isinstance(sampler, dict):
                 raise ConfigError(f"{_G}.sampler_config: expected an object, got {sampler!r}")
             name = sampler.get("_cls_name", "EntropyBoundSamplerConfig")
             if name != "EntropyBoundSamplerConfig":
-                raise ConfigError(f"{_G}.sampler_config._cls_name: {name!r} is not supported "
-                                  "(only 'EntropyBoundSamplerConfig')")
+                raise ConfigError(
+                    f"{_G}.sampler_config._cls_name: {name!r} is not supported (only 'EntropyBoundSamplerConfig')"
+                )
             if sampler.get("entropy_bound") is not None:
                 kw["entropy_bound"] = sampler["entropy_bound"]
         eos = d.get("eos_token_id")
@@ -499,7 +607,7 @@ class GenerationDefaults:
         return cls(**kw)
 
     @classmethod
-    def from_pretrained(cls, path: str | pathlib.Path) -> "GenerationDefaults":
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> GenerationDefaults:
         """Read `path/generation_config.json` if it exists (else the defaults); unparsable -> ConfigError naming it."""
         file = pathlib.Path(path) / "generation_config.json"
         if not file.is_file():

@@ -6,6 +6,7 @@ byte-level BPE tokenizer trained on a few sentences (which transformers' ``AutoT
 as dgserve does), and logs a warning: its output is random tokens, useful only
 to exercise the service end to end.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,18 @@ import tempfile
 log = logging.getLogger("dgserve")
 
 SHIPPED = pathlib.Path(__file__).resolve().parent / "models" / "small"
-RANDOM_DIR_NAME = "dgserve-tiny-random-v2"       # v2: tokenizer.json prepends <bos>; tokenizer_config.json
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]       # ids 0, 1, 2 = the tiny preset's pad, eos, bos
+RANDOM_DIR_NAME = "dgserve-tiny-random-v2"  # v2: tokenizer.json prepends <bos>; tokenizer_config.json
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]  # ids 0, 1, 2 = the tiny preset's pad, eos, bos
 # transformers' generic fast tokenizer (without a class, AutoTokenizer picks GemmaTokenizer from config.json,
 # which needs an <unk>); add_bos_token states what tokenizer.json's post-processor does.
-TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-                    "pad_token": "<pad>", "add_bos_token": True, "add_eos_token": False}
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "pad_token": "<pad>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+}
 CORPUS = [
     "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",
     "A diffusion model writes a whole canvas of tokens at once and refines it over a few steps.",
@@ -38,8 +45,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
     path = pathlib.Path(cache_dir or tempfile.gettempdir()) / RANDOM_DIR_NAME
     if not (path / "tokenizer.json").is_file():
         write_tiny_random_model(path)
-    log.warning("no trained model at %s: serving a tiny RANDOM checkpoint from %s (its output is noise)",
-                SHIPPED, path)
+    log.warning("no trained model at %s: serving a tiny RANDOM checkpoint from %s (its output is noise)", SHIPPED, path)
     return str(path)
 
 
@@ -55,7 +61,7 @@ def write_tiny_random_model(path: str | os.PathLike, seed: int = 0) -> str:
         train_tokenizer(300).save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
         try:
-            os.replace(tmp, final)            # atomic; fails if another process got there first
+            os.replace(tmp, final)  # atomic; fails if another process got there first
         except OSError:
             if not (final / "tokenizer.json").is_file():
                 shutil.rmtree(final, ignore_errors=True)
@@ -73,9 +79,15 @@ def train_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus or CORPUS, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus or CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return add_bos_post_processor(tok)
 
 
@@ -95,5 +107,6 @@ def add_bos_post_processor(tok, bos_token: str = "<bos>"):
     if bos_id is None:
         raise ValueError(f"{bos_token!r} is not in the tokenizer's vocabulary")
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token}:1 $B:1", special_tokens=[(bos_token, bos_id)])
+        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token}:1 $B:1", special_tokens=[(bos_token, bos_id)]
+    )
     return tok

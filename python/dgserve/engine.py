@@ -11,6 +11,7 @@ the prompt alone (DESIGN Decisions 3).
 Thread safety: ``add_request`` and ``abort`` may be called from any thread while one thread runs ``step``; an
 abort takes effect before the next step (the current one's result for that request is discarded).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,8 +31,12 @@ from dgserve.model import DiffusionGemma, KVCache, RowCache
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampler import BlockState, Sampler
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import Scheduler, SchedulerConfig, ScheduleOutput
+from dgserve.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from dgserve.token_bounds import PromptTooLongError
+
+if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
+    from dgserve.runtime import RuntimePlan
+    from dgserve.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
 log = logging.getLogger("dgserve.engine")
@@ -39,7 +45,8 @@ log = logging.getLogger("dgserve.engine")
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
-    messages: tuple
+
+    messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     enable_thinking: bool = False
 
@@ -50,6 +57,7 @@ Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
 @dataclass(frozen=True)
 class DraftOutput:
     """The current block's argmax canvas after its latest denoising step (a preview; may still change)."""
+
     index: int
     step: int
     token_ids: list[int]
@@ -59,13 +67,14 @@ class DraftOutput:
 @dataclass
 class _Request:
     """Engine-side state of one request."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     tracker: OutputTracker
     row: RowCache = field(default_factory=RowCache)
-    pending: list[int] | None = None        # committed tokens to encode before the next block
+    pending: list[int] | None = None  # committed tokens to encode before the next block
     block_index: int = 0
     state: BlockState | None = None
     encode_seconds: float = 0.0
@@ -74,8 +83,11 @@ class _Request:
 
     def result(self) -> GenerationResult:
         t = self.tracker
-        return GenerationResult(list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids),
-                                list(self.blocks))
+        if t.finish_reason is None:
+            raise RuntimeError(f"request {self.request_id!r} has not finished")
+        return GenerationResult(
+            list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
+        )
 
 
 class Engine:
@@ -85,18 +97,25 @@ class Engine:
     max_position_embeddings (the default). scheduler_config: capacity and prefill chunking.
     """
 
-    def __init__(self, model: DiffusionGemma, tokenizer=None, defaults: GenerationDefaults | None = None,
-                 scheduler_config: SchedulerConfig | None = None, max_model_len: int | None = None,
-                 native_ops: str = "auto"):
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        tokenizer: Tokenizer | None = None,
+        defaults: GenerationDefaults | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        max_model_len: int | None = None,
+        native_ops: str = "auto",
+    ):
         from dgserve.native_check import run_self_check
 
         self.model = model
         self.native_ops_mode = native_ops
         # the self-check of the native ops (dgserve.native_check): on CUDA, or whenever asked for (strict/off);
         # strict raises NativeOpsError here, before the engine serves anything
-        self.native_report = (run_self_check(model.device, native_ops)
-                              if native_ops != "auto" or model.device.type == "cuda" else None)
-        self.runtime = None  # the RuntimePlan when built by from_pretrained
+        self.native_report = (
+            run_self_check(model.device, native_ops) if native_ops != "auto" or model.device.type == "cuda" else None
+        )
+        self.runtime: RuntimePlan | None = None  # the RuntimePlan when built by from_pretrained
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         try:  # a checkpoint default outside the request limits fails here, at load, not on the first request
@@ -109,15 +128,20 @@ class Engine:
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         self.sampler = Sampler(model.dtype)
         self.scheduler = Scheduler(scheduler_config)
-        self.last_schedule = ScheduleOutput()            # the plan of the latest step (admitted ids, ...)
+        self.last_schedule = ScheduleOutput()  # the plan of the latest step (admitted ids, ...)
         self._requests: dict[str, _Request] = {}
-        self._finished: dict[str, GenerationResult] = {}   # results not yet collected by their caller
+        self._finished: dict[str, GenerationResult] = {}  # results not yet collected by their caller
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | str | None = None, **kwargs) -> "Engine":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        **kwargs: Any,
+    ) -> Engine:
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
         to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
 
@@ -132,28 +156,46 @@ class Engine:
         tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
         engine = cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
         engine.runtime = plan
-        log.info("serving %s on %s: dtype %s (%s), experts %s, native ops %s", path, plan.device, plan.dtype,
-                 plan.dtype_reason, plan.expert_format, engine.runtime_info()["native_ops"] or "none")
+        log.info(
+            "serving %s on %s: dtype %s (%s), experts %s, native ops %s",
+            path,
+            plan.device,
+            plan.dtype,
+            plan.dtype_reason,
+            plan.expert_format,
+            engine.runtime_info()["native_ops"] or "none",
+        )
         return engine
 
-    def runtime_info(self) -> dict:
+    def runtime_info(self) -> dict[str, Any]:
         """device, dtype, expert format, native-ops mode, the native ops active on the device (after the
         self-check) and those switched off with why: for the start-up log and GetModelInfo."""
         from dgserve import ops
 
         off = ops.switched_off()
-        active = [op for op in ops.active_native_ops(self.model.device)]
+        active = list(ops.active_native_ops(self.model.device))
         fmt = self.runtime.expert_format if self.runtime is not None else f"dense {str(self.model.dtype)[6:]}"
-        return {"device": str(self.model.device), "dtype": str(self.model.dtype).removeprefix("torch."),
-                "expert_format": fmt, "native_ops_mode": self.native_ops_mode, "native_ops": active,
-                "native_ops_disabled": {op: why for op, why in off.items() if op in ops.NATIVE_OPS}}
+        return {
+            "device": str(self.model.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "expert_format": fmt,
+            "native_ops_mode": self.native_ops_mode,
+            "native_ops": active,
+            "native_ops_disabled": {op: why for op, why in off.items() if op in ops.NATIVE_OPS},
+        }
 
-    def default_params(self, **overrides) -> SamplingParams:
+    def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json, with overrides."""
         d = self.defaults
-        kw = dict(max_new_tokens=d.max_new_tokens, max_denoising_steps=d.max_denoising_steps, t_min=d.t_min,
-                  t_max=d.t_max, entropy_bound=d.entropy_bound, stability_threshold=d.stability_threshold,
-                  confidence_threshold=d.confidence_threshold)
+        kw: dict[str, Any] = dict(
+            max_new_tokens=d.max_new_tokens,
+            max_denoising_steps=d.max_denoising_steps,
+            t_min=d.t_min,
+            t_max=d.t_max,
+            entropy_bound=d.entropy_bound,
+            stability_threshold=d.stability_threshold,
+            confidence_threshold=d.confidence_threshold,
+        )
         kw.update(overrides)
         return SamplingParams(**kw)
 
@@ -163,15 +205,16 @@ class Engine:
         """Generate for one prompt (text, token ids or chat) to completion."""
         return self.generate_batch([prompt], [params])[0]
 
-    def generate_batch(self, prompts: Sequence[Prompt],
-                       params_list: Sequence[SamplingParams | None] | None = None) -> list[GenerationResult]:
+    def generate_batch(
+        self, prompts: Sequence[Prompt], params_list: Sequence[SamplingParams | None] | None = None
+    ) -> list[GenerationResult]:
         """Generate several requests batched through shared decoder calls; each result equals running it alone."""
         params_list = params_list if params_list is not None else [None] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params_list has {len(params_list)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
+            for p, sp in zip(prompts, params_list, strict=True):
                 ids.append(self.add_request(p, sp))
         except Exception:
             for rid in ids:
@@ -200,8 +243,14 @@ class Engine:
 
     # ------------------------------------------------------------------ continuous batching core
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, deadline: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> str:
         """Validate and queue a request; returns its id.
 
         Raises ValueError naming the bad field, ``DuplicateRequestError`` (a ValueError) for an id in flight, and
@@ -253,13 +302,14 @@ class Engine:
             self._encode(req, req.prompt_ids[start:end])
         if not active:
             return events
-        for req in active:
-            if req.state is None:
-                self._start_block(req)
+        states = [r.state if r.state is not None else self._start_block(r) for r in active]
         t0 = time.perf_counter()
-        states = [r.state for r in active]
-        tiles = self.model.denoise(KVCache([r.row for r in active]), torch.stack([s.canvas for s in states]),
-                                   self_cond_logits=[s.self_cond for s in states], tiled=True)
+        tiles = self.model.denoise(
+            KVCache([r.row for r in active]),
+            torch.stack([s.canvas for s in states]),
+            self_cond_logits=[s.self_cond for s in states],
+            tiled=True,
+        )
         for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
             s.self_cond = None
         for rows, logits in tiles:  # LM head + sampler a tile of canvases at a time
@@ -267,9 +317,9 @@ class Engine:
         del tiles
         dt = time.perf_counter() - t0
         with self._lock:
-            for req in active:
+            for req, state in zip(active, states, strict=True):
                 req.denoise_seconds += dt
-                if req.state.done and self._requests.get(req.request_id) is req:
+                if state.done and self._requests.get(req.request_id) is req:
                     events.append((req.request_id, self._commit(req)))
         return events
 
@@ -287,21 +337,26 @@ class Engine:
         self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), req.row)
         req.encode_seconds += time.perf_counter() - t0
 
-    def _start_block(self, req: _Request) -> None:
+    def _start_block(self, req: _Request) -> BlockState:
         if req.pending is not None:
             req.encode_seconds = 0.0
             self._encode(req, req.pending)
         req.denoise_seconds, req.pending = 0.0, None
         cfg = self.model.config
-        req.state = BlockState.start(req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size,
-                                     self.model.device)
+        req.state = BlockState.start(
+            req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
+        )
+        return req.state
 
     def _commit(self, req: _Request) -> BlockOutput:
         s = req.state
-        canvas = s.argmax.tolist()   # the committed block is the ARGMAX canvas of the last step run
+        if s is None or s.argmax is None:
+            raise RuntimeError(f"request {req.request_id!r}: commit before its block ran a step")
+        canvas = s.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
         toks, text = req.tracker.add_block(canvas)
-        stats = BlockStats(s.steps_run, len(toks) / s.steps_run, s.mean_entropy, req.encode_seconds,
-                           req.denoise_seconds)
+        stats = BlockStats(
+            s.steps_run, len(toks) / s.steps_run, s.mean_entropy, req.encode_seconds, req.denoise_seconds
+        )
         block = BlockOutput(req.block_index, toks, text, stats, req.tracker.finish_reason)
         req.blocks.append(block)
         req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
@@ -325,14 +380,18 @@ class Engine:
         ``max_tokens``: a prompt with more tokens raises PromptTooLongError (a ValueError naming ``prompt``) with
         bounded work: text that cannot fit is rejected by its byte length or a bounded count, never tokenized
         whole (``Tokenizer.encode``)."""
-        if isinstance(prompt, (str, ChatPrompt)) and self.tokenizer is None:
-            raise ValueError("prompt: text and chat prompts need a tokenizer, and this model has none; "
-                             "pass token ids")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
-        elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode_chat(list(prompt.messages), prompt.add_generation_prompt,
-                                             prompt.enable_thinking, max_tokens=max_tokens)
+        if isinstance(prompt, (str, ChatPrompt)):
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError(
+                    "prompt: text and chat prompts need a tokenizer, and this model has none; pass token ids"
+                )
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
+            else:
+                ids = tok.encode_chat(
+                    list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking, max_tokens=max_tokens
+                )
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
             if max_tokens is not None and len(ids) > max_tokens:
@@ -363,9 +422,11 @@ class Engine:
         C = self.model.config.canvas_length
         n_blocks = -(-max_new_tokens // C)
         if prompt_tokens + n_blocks * C > self.max_model_len:
-            raise ValueError(f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "
-                             f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
-                             f"{self.max_model_len} positions")
+            raise ValueError(
+                f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "
+                f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
+                f"{self.max_model_len} positions"
+            )
 
 
 def check_request_id(value: str, field: str = "request_id") -> None:
@@ -376,20 +437,23 @@ def check_request_id(value: str, field: str = "request_id") -> None:
         raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {n}")
     if not value.isprintable():
         bad = next(c for c in value if not c.isprintable())
-        raise ValueError(f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {bad!r} at "
-                         f"index {value.index(bad)}")
+        raise ValueError(
+            f"{field}: must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, got {bad!r} at "
+            f"index {value.index(bad)}"
+        )
 
 
 def _check_max_model_len(value: int | None, limit: int) -> int:
     if value is None:
         return limit
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise ValueError(f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), got {value!r}"
+        )
     return value
 
 
-def _as_tuple(x) -> tuple:
+def _as_tuple(x: object) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)

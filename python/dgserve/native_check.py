@@ -12,6 +12,7 @@ integer ops, the processed logits, argmaxes and the renoise; 2 ulp of max(|g|, 1
 in a different order. Inputs are built on the CPU from fixed seeds and copied to the device, so a run is
 deterministic; well-separated logits keep the Gumbel race and the routing away from near-ties.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,7 +40,7 @@ class NativeOpsError(RuntimeError):
 class OpResult:
     op: str
     ok: bool
-    detail: str          # the measured error against the tolerance, or the exception
+    detail: str  # the measured error against the tolerance, or the exception
 
 
 @dataclass
@@ -61,11 +62,14 @@ class SelfCheckReport:
         if self.mode == "off":
             return f"native ops on {self.device}: off (--native-ops off): every op runs its torch reference"
         bad = "; ".join(f"{r.op}: {r.detail}" for r in self.failed) or "none"
-        return (f"native ops on {self.device}: {len(self.passed)} passed the self-check "
-                f"({', '.join(self.passed) or '-'}); failed and switched off: {bad} [{self.seconds * 1e3:.0f} ms]")
+        return (
+            f"native ops on {self.device}: {len(self.passed)} passed the self-check "
+            f"({', '.join(self.passed) or '-'}); failed and switched off: {bad} [{self.seconds * 1e3:.0f} ms]"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- checks
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -84,16 +88,17 @@ def _exact(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def _noise_args(device, B=2):
+def _noise_args(device, B=2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _gen(11)
     seeds = torch.randint(0, 2**62, (B,), generator=g)
     blocks = torch.randint(0, 40, (B,), generator=g)
     steps = torch.randint(1, 48, (B,), generator=g)
-    return [t.to(device) for t in (seeds, blocks, steps)]
+    return seeds.to(device), blocks.to(device), steps.to(device)
 
 
 # The references of the device-independent contracts (integer noise, the Gumbel noise, align, the acceptance)
 # run on the CPU: torch's CUDA log and scans have their own rounding, which the contracts do not promise.
+
 
 def check_canvas_noise(device) -> str | None:
     args = _noise_args(device)
@@ -113,7 +118,7 @@ def _step_args(device, dtype):
     B, C, V = 2, 24, 333
     logits = (4 * torch.randn(B, C, V, generator=g)).to(dtype)
     temperature = torch.tensor([0.5, 0.75])
-    bound = torch.tensor([1e30, 2.0])          # row 0 accepts all (canvas = the sample), row 1 renoises some
+    bound = torch.tensor([1e30, 2.0])  # row 0 accepts all (canvas = the sample), row 1 renoises some
     seeds, blocks, steps = _noise_args("cpu", B)
     return [t.to(device) for t in (logits, temperature, seeds, blocks, steps, bound)]
 
@@ -145,13 +150,13 @@ def check_diffusion_step(device) -> str | None:
     return None
 
 
-def _router_args(device, dtype, T=40, H=64, E=16):
+def _router_args(device, dtype, T=40, H=64, E=16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _gen(3)
     residual = (2 * torch.randn(T, H, generator=g)).to(dtype)
     scale = (torch.rand(H, generator=g) + 0.5).to(dtype)
-    proj = (torch.randn(E, H, generator=g) * 4 * H ** -0.5).to(dtype)     # well-separated logits: no near-ties
+    proj = (torch.randn(E, H, generator=g) * 4 * H**-0.5).to(dtype)  # well-separated logits: no near-ties
     pes = torch.rand(E, generator=g) + 0.5
-    return [t.to(device) for t in (residual, scale, proj, pes)]
+    return residual.to(device), scale.to(device), proj.to(device), pes.to(device)
 
 
 def check_moe_route(device) -> str | None:
@@ -194,8 +199,8 @@ def check_moe_combine(device) -> str | None:
 def _experts_args(device, T=40, H=64, I=32, E=16, K=4):
     g = _gen(8)
     x = torch.randn(T, H, generator=g).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
-    down = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
     w = torch.rand(T, K, generator=g)
     return [t.to(device) for t in (x, gate_up, down, w, _ids("cpu", T, E, K))]
 
@@ -212,11 +217,13 @@ def _nvfp4_cpu(H=64, I=32, E=4):
     from dgserve import nvfp4
 
     g = _gen(12)
+
     def proj(n, k):
-        qs = [nvfp4.quantize(torch.randn(n, k, generator=g) * k ** -0.5) for _ in range(E)]
+        qs = [nvfp4.quantize(torch.randn(n, k, generator=g) * k**-0.5) for _ in range(E)]
         return tuple(torch.stack([q[i] for q in qs]) for i in range(3))
+
     gate, up, down = proj(I, H), proj(I, H), proj(H, I)
-    with ops.native_disabled():          # the layout from the reference repack: checked separately below
+    with ops.native_disabled():  # the layout from the reference repack: checked separately below
         packed = nvfp4.pack_experts(gate, up, down)
     return tuple(packed), (gate, up, down)
 
@@ -229,7 +236,7 @@ def _nvfp4_experts(device):
 def check_nvfp4_repack(device) -> str | None:
     from dgserve import nvfp4
 
-    _, (gate, _, down) = _nvfp4_experts("cpu")
+    _, (gate, _, _) = _nvfp4_experts("cpu")
     w, s = gate[0].to(device), gate[1].to(device)
     got, want = ops.nvfp4_repack(w, s, interleave=True), nvfp4.repack(w, s, interleave=True)
     return _exact("words", got[0], want[0]) or _exact("scales", got[1], want[1])
@@ -254,8 +261,11 @@ def check_rms_norm(device) -> str | None:
     if torch.device(device).type == "cpu":
         return _exact("rms_norm", ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
     # CUDA: a tree sum instead of torch's order: fp32 within 4 ulp; bf16 within one bf16 rounding
-    for dtype, rtol in ((torch.float32, 5e-7), (torch.bfloat16, 2 ** -8)):
-        got, want = ops.rms_norm(x.to(dtype), w, 1e-6).float().cpu(), reference.rms_norm(x.to(dtype), w, 1e-6).float().cpu()
+    for dtype, rtol in ((torch.float32, 5e-7), (torch.bfloat16, 2**-8)):
+        got, want = (
+            ops.rms_norm(x.to(dtype), w, 1e-6).float().cpu(),
+            reference.rms_norm(x.to(dtype), w, 1e-6).float().cpu(),
+        )
         err = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
         if not err <= rtol:
             return f"rms_norm ({dtype}) is {err:.2e} relative from the reference (tolerance {rtol:.1e})"
@@ -263,9 +273,15 @@ def check_rms_norm(device) -> str | None:
 
 
 CHECKS: dict[str, Callable[[torch.device], str | None]] = {
-    "rms_norm": check_rms_norm, "canvas_noise": check_canvas_noise, "gumbel_noise": check_gumbel_noise,
-    "diffusion_step": check_diffusion_step, "moe_route": check_moe_route, "moe_align": check_moe_align,
-    "moe_experts": check_moe_experts, "moe_combine": check_moe_combine, "nvfp4_repack": check_nvfp4_repack,
+    "rms_norm": check_rms_norm,
+    "canvas_noise": check_canvas_noise,
+    "gumbel_noise": check_gumbel_noise,
+    "diffusion_step": check_diffusion_step,
+    "moe_route": check_moe_route,
+    "moe_align": check_moe_align,
+    "moe_experts": check_moe_experts,
+    "moe_combine": check_moe_combine,
+    "nvfp4_repack": check_nvfp4_repack,
     "nvfp4_moe_experts": check_nvfp4_moe_experts,
 }
 
@@ -311,8 +327,13 @@ def _run(device: torch.device, mode: str) -> SelfCheckReport:
         report.results.append(OpResult(op, problem is None, problem or "ok"))
         if problem is not None:
             ops.switch_off_native(op, f"self-check on {device}: {problem}")
-            log.error("native op %s disagrees with its reference on %s: %s; switched off for this process "
-                      "(its torch reference runs instead)", op, device, problem)
+            log.error(
+                "native op %s disagrees with its reference on %s: %s; switched off for this process "
+                "(its torch reference runs instead)",
+                op,
+                device,
+                problem,
+            )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report.seconds = time.perf_counter() - t0

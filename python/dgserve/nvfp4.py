@@ -9,6 +9,7 @@ with Kp = K rounded up to a multiple of 16 (zero padding, dropped after decoding
 Dequantization, in ModelOpt's order: ``w[n, k] = e2m1(code) × (f32(weight_scale[n, k // 16]) × weight_scale_2)``
 with the bracket in fp32; checkpoints in a lower dtype round once at the end.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,12 +22,14 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 # rounding boundaries between consecutive E2M1 magnitudes; a value exactly on a boundary rounds to the
 # even code (0.25→0, 0.75→1.0, 1.25→1.0, 1.75→2.0, 2.5→2.0, 3.5→4.0, 5→4.0), as ModelOpt's _cast_fp4 does
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_ROUND_UP_ON_TIE = (0.75, 1.75, 3.5)   # boundaries whose upper neighbour has the even code
+_ROUND_UP_ON_TIE = (0.75, 1.75, 3.5)  # boundaries whose upper neighbour has the even code
 E4M3_MAX = 448.0
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
+E4M3_MIN_SUBNORMAL = 2.0**-9
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.experts)\.(?P<expert>\d+)\."
-                         r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|weight_scale|weight_scale_2|input_scale)$")
+EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.experts)\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|weight_scale|weight_scale_2|input_scale)$"
+)
 
 
 def padded(k: int) -> int:
@@ -53,18 +56,19 @@ def check_scales(scale: torch.Tensor, name: str) -> None:
     raw = scale.view(torch.uint8)
     if bool(((raw & 0x7F) == 0x7F).any()):
         raise ValueError(f"{name}: contains NaN block scales")
-    if bool((((raw & 0x80) != 0) & (raw != 0x80)).any()):   # -0 is harmless
+    if bool((((raw & 0x80) != 0) & (raw != 0x80)).any()):  # -0 is harmless
         raise ValueError(f"{name}: contains negative block scales")
 
 
-def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-               k: int | None = None) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, k: int | None = None
+) -> torch.Tensor:
     """Exact fp32 dequantization of one NVFP4 matrix → [N, K] (K = k, padding dropped; default Kp)."""
     codes = unpack(weight)
     n, kp = codes.shape
     if weight_scale.shape != (n, kp // GROUP):
         raise ValueError(f"weight_scale: expected shape {[n, kp // GROUP]}, got {list(weight_scale.shape)}")
-    block = weight_scale.to(torch.float32) * weight_scale_2.to(torch.float32).reshape(())   # fp32 bracket
+    block = weight_scale.to(torch.float32) * weight_scale_2.to(torch.float32).reshape(())  # fp32 bracket
     w = e2m1_decode(codes).view(n, kp // GROUP, GROUP) * block[..., None]
     return w.view(n, kp)[:, : (kp if k is None else k)]
 
@@ -73,7 +77,7 @@ def _cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     """fp32 (already divided by its block scale) → E2M1 codes: nearest, ties to the even code, saturating at 6."""
     mag = x.abs()
     bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=x.device)
-    code = torch.searchsorted(bounds, mag)   # first boundary >= |x|: ties stay on the lower side
+    code = torch.searchsorted(bounds, mag)  # first boundary >= |x|: ties stay on the lower side
     tie_up = torch.zeros_like(mag, dtype=torch.bool)
     for b in _ROUND_UP_ON_TIE:
         tie_up |= mag == b
@@ -113,7 +117,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # reference, written independently: index tensors here, per-element functions there)
 # ----------------------------------------------------------------------------------------------------------
 
-CHUNK_K = 64          # K per chunk of the packed layout (4 k-tiles of mma.m16n8k16)
+CHUNK_K = 64  # K per chunk of the packed layout (4 k-tiles of mma.m16n8k16)
 _SCALE_BIAS = 0x7680  # bf16 bits of 2^110 = 2^-9 · 2^119: scale code 0
 
 
@@ -125,6 +129,7 @@ class PackedExperts(NamedTuple):
     w2 int32 [E, H/16, KC2, 128], s2 uint8 [E, H/16, KC2, 64]: down; gs fp32 [E, 3]: weight_scale_2 of
     gate, up, down (applied after the fp32 sums, never folded into the block scales).
     """
+
     w13: torch.Tensor
     s13: torch.Tensor
     w2: torch.Tensor
@@ -162,8 +167,8 @@ def encode_scales(scale: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales (finite, >= 0) → kernel scale codes uint8: bf16(s · 2^119) = bits (code << 4) + 0x7680.
     Zero scales get code 0 (``repack`` zeroes their codes)."""
     raw = scale.view(torch.uint8)
-    s = raw.view(torch.float8_e4m3fn).to(torch.float32) * 2.0 ** 119        # exact, a normal fp32
-    bits = s.view(torch.int32) >> 16                                        # exact bf16 (<= 4 significant bits)
+    s = raw.view(torch.float8_e4m3fn).to(torch.float32) * 2.0**119  # exact, a normal fp32
+    bits = s.view(torch.int32) >> 16  # exact bf16 (<= 4 significant bits)
     code = (((bits >> 7) - 237) << 3) | ((bits >> 4) & 7)
     return torch.where((raw & 0x7F) == 0, 0, code).to(torch.uint8)
 
@@ -171,11 +176,12 @@ def encode_scales(scale: torch.Tensor) -> torch.Tensor:
 def decode_scale_codes(codes: torch.Tensor) -> torch.Tensor:
     """Kernel scale codes → the E4M3 scale values s (fp32, exact)."""
     bits = ((codes.to(torch.int32) << 4) + _SCALE_BIAS) << 16
-    return bits.view(torch.float32) * 2.0 ** -119
+    return bits.view(torch.float32) * 2.0**-119
 
 
-def repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def repack(
+    weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``ops.nvfp4_repack``: ModelOpt tensors of E experts → (words, scales) in the kernel layout.
 
     weight uint8 [E, N, Kp/2]; weight_scale float8_e4m3fn (or its uint8 bytes) [E, N, Kp/16], finite and >= 0;
@@ -197,8 +203,8 @@ def repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = 
     tiles = codes.view(E, N // 16, 16, kc, 4, 16).permute(0, 1, 3, 4, 2, 5).reshape(E, N // 16, kc, 4, 256)
     index, shift = _fragments(dev)
     frag = tiles[..., index.reshape(-1)].view(E, N // 16, kc, 4, 32, 8).to(torch.int64)
-    words = (frag << shift).sum(-1).transpose(-1, -2)                       # [E, RT, KC, 32 lanes, 4 k-tiles]
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    words = (frag << shift).sum(-1).transpose(-1, -2)  # [E, RT, KC, 32 lanes, 4 k-tiles]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     enc = torch.nn.functional.pad(enc, (0, 4 * kc - kp // GROUP))
     scales = enc.view(E, N // 16, 2, 8, kc, 4).permute(0, 1, 4, 3, 2, 5).reshape(E, N // 16, kc, 64)
     return words.reshape(E, N // 16, kc, 128).contiguous(), scales.contiguous()
@@ -208,7 +214,7 @@ def decode_repacked(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of ``repack`` up to the global scale: fp32 [E, N, 64·KC] of E2M1 · s in packed row order
     (interleaved for GEMM1), 0 past Kp. The native ``nvfp4_decode`` returns these values × 2^-7 in bf16."""
     E, RT, kc = words.shape[:3]
-    w = (words.view(E, RT, kc, 32, 4).to(torch.int64) & 0xFFFFFFFF).transpose(-1, -2)   # [E, RT, KC, 4, 32]
+    w = (words.view(E, RT, kc, 32, 4).to(torch.int64) & 0xFFFFFFFF).transpose(-1, -2)  # [E, RT, KC, 4, 32]
     index, shift = _fragments(words.device)
     codes = ((w[..., None] >> shift) & 0xF).reshape(E, RT, kc, 4, 256)
     tiles = torch.empty_like(codes)
@@ -227,16 +233,24 @@ def pack_experts(gate: tuple, up: tuple, down: tuple) -> PackedExperts:
     E, inter = gate[0].shape[:2]
     hidden = down[0].shape[1]
     if up[0].shape != gate[0].shape or down[0].shape != (E, hidden, padded(inter) // 2):
-        raise ValueError(f"pack_experts: gate {list(gate[0].shape)}, up {list(up[0].shape)} and down "
-                         f"{list(down[0].shape)} do not form one [E, I, H] expert set")
+        raise ValueError(
+            f"pack_experts: gate {list(gate[0].shape)}, up {list(up[0].shape)} and down "
+            f"{list(down[0].shape)} do not form one [E, I, H] expert set"
+        )
     w13, s13 = ops.nvfp4_repack(torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), interleave=True)
     w2, s2 = ops.nvfp4_repack(down[0], down[1])
     gs = torch.stack([gate[2], up[2], down[2]], 1).to(torch.float32).reshape(E, 3).contiguous()
     return PackedExperts(w13, s13, w2, s2, gs.to(w13.device), int(hidden), int(inter))
 
 
-def expert_outputs(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, offsets: torch.Tensor,
-                   sorted_pairs: torch.Tensor, decode=decode_repacked) -> torch.Tensor:
+def expert_outputs(
+    x: torch.Tensor,
+    experts: PackedExperts,
+    weights: torch.Tensor,
+    offsets: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    decode=decode_repacked,
+) -> torch.Tensor:
     """Kernel-faithful reference of the native ``nvfp4_moe_experts`` (torch GEMMs per expert).
 
     x [T, H] (bf16 for the kernel); weights [T, K] fp32; offsets [E+1], sorted_pairs [P] int32 from
@@ -250,14 +264,14 @@ def expert_outputs(x: torch.Tensor, experts: PackedExperts, weights: torch.Tenso
     y = torch.zeros(P, H, dtype=torch.float32, device=x.device)
     offs = offsets.tolist()
     pairs = sorted_pairs.long()
-    gather = torch.argsort(interleave_rows(2 * inter, x.device))            # packed row of each source row
+    gather = torch.argsort(interleave_rows(2 * inter, x.device))  # packed row of each source row
     for e in range(experts.gs.shape[0]):
-        seg = pairs[offs[e]:offs[e + 1]]
+        seg = pairs[offs[e] : offs[e + 1]]
         seg = seg[(seg >= 0) & (seg < P)]
         if seg.numel() == 0:
             continue
-        w13 = decode(experts.w13[e:e + 1], experts.s13[e:e + 1])[0][gather, :H]            # [2I, H]: gate; up
-        wd = decode(experts.w2[e:e + 1], experts.s2[e:e + 1])[0][:, :inter]                 # [H, I]
+        w13 = decode(experts.w13[e : e + 1], experts.s13[e : e + 1])[0][gather, :H]  # [2I, H]: gate; up
+        wd = decode(experts.w2[e : e + 1], experts.s2[e : e + 1])[0][:, :inter]  # [H, I]
         gs = experts.gs[e]
         gu = x[seg // K].float() @ w13.T
         act = torch.nn.functional.gelu(gu[:, :inter] * gs[0], approximate="tanh") * (gu[:, inter:] * gs[1])

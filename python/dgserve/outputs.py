@@ -3,6 +3,7 @@
 strings (text cut before the match; token_ids end with the token that completed it). Text never
 includes EOS. Block token_ids partition the result's token_ids.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,21 +16,23 @@ FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "eos", "length", "sto
 @dataclass(frozen=True)
 class BlockStats:
     """How one block was produced."""
-    denoising_steps: int          # decoder forwards run for this block (adaptive stopping may cut N short)
-    tokens_per_forward: float     # tokens this block returned / denoising_steps
-    mean_entropy: float           # mean per-position entropy at the last step run
-    encode_seconds: float         # encoder pass before the block (prompt prefill or previous block)
-    denoise_seconds: float        # wall time of this block's denoising steps (shared with the batch)
+
+    denoising_steps: int  # decoder forwards run for this block (adaptive stopping may cut N short)
+    tokens_per_forward: float  # tokens this block returned / denoising_steps
+    mean_entropy: float  # mean per-position entropy at the last step run
+    encode_seconds: float  # encoder pass before the block (prompt prefill or previous block)
+    denoise_seconds: float  # wall time of this block's denoising steps (shared with the batch)
 
 
 @dataclass(frozen=True)
 class BlockOutput:
     """One committed canvas as returned to the caller (possibly cut by EOS, stop or length)."""
+
     index: int
     token_ids: list[int]
     text: str
     stats: BlockStats
-    finish_reason: str | None = None   # set on the last block of a request
+    finish_reason: str | None = None  # set on the last block of a request
 
     @property
     def denoising_steps(self) -> int:
@@ -40,6 +43,7 @@ class BlockOutput:
 @dataclass
 class GenerationResult:
     """A finished request."""
+
     token_ids: list[int]
     text: str
     finish_reason: str
@@ -63,8 +67,9 @@ class OutputTracker:
     a window (the previous block and this one), not of the whole output so far.
     """
 
-    def __init__(self, max_new_tokens: int, eos_ids: frozenset[int], ignore_eos: bool,
-                 stop: tuple[str, ...], tokenizer=None):
+    def __init__(
+        self, max_new_tokens: int, eos_ids: frozenset[int], ignore_eos: bool, stop: tuple[str, ...], tokenizer=None
+    ):
         if stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         self.max_new_tokens = max_new_tokens
@@ -74,7 +79,7 @@ class OutputTracker:
         self.tokenizer = tokenizer
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.token_ids: list[int] = []
-        self.text = ""            # text emitted so far
+        self.text = ""  # text emitted so far
         self.finish_reason: str | None = None
 
     def add_block(self, block: list[int]) -> tuple[list[int], str]:
@@ -96,7 +101,7 @@ class OutputTracker:
             self._decoder.push(self._text_ids(toks))
         self.finish_reason = reason
         shown = full if reason is not None else full[: len(full) - self._holdback(full)]
-        delta, self.text = shown[len(self.text):], shown if len(shown) > len(self.text) else self.text
+        delta, self.text = shown[len(self.text) :], shown if len(shown) > len(self.text) else self.text
         return toks, delta
 
     def _text_ids(self, toks: list[int]) -> list[int]:

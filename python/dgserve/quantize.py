@@ -11,6 +11,7 @@ calibration: ``input_scale`` is written as 1.0 and only matters to W4A4 kernels,
 generation files are copied. Tensors are read one at a time and written in shards, so memory stays near one
 shard.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,27 @@ from dgserve import nvfp4
 from dgserve.checkpoint import DECODER, INDEX_FILE, QUANT_FILE, SINGLE_FILE, _plan, _scan, hf_names
 from dgserve.config import ModelConfig
 
-EXCLUDE = ["lm_head", "*embed_tokens*", "*embed_vision*", "*mlp*", "*router*", "*self_attn*",
-           "*self_conditioning*", "*vision_tower*", "*norm*", "*layer_scalar*"]
+EXCLUDE = [
+    "lm_head",
+    "*embed_tokens*",
+    "*embed_vision*",
+    "*mlp*",
+    "*router*",
+    "*self_attn*",
+    "*self_conditioning*",
+    "*vision_tower*",
+    "*norm*",
+    "*layer_scalar*",
+]
 PRODUCER = {"name": "dgserve.quantize", "version": "0.1.0"}
-COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-          "special_tokens_map.json", "README.md")
+COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "README.md",
+)
 
 
 class _ShardWriter:
@@ -40,7 +57,9 @@ class _ShardWriter:
     def __init__(self, out: pathlib.Path, limit: int):
         self.out, self.limit = out, limit
         self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.files, self.weight_map = 0, [], {}
+        self.size = 0
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self.pending[name] = t.contiguous()
@@ -53,7 +72,7 @@ class _ShardWriter:
             file = f"model-{len(self.files) + 1:05d}.safetensors"
             save_file(self.pending, str(self.out / file), metadata={"format": "pt"})
             self.files.append(file)
-            self.weight_map.update({n: file for n in self.pending})
+            self.weight_map.update(dict.fromkeys(self.pending, file))
             self.pending, self.size = {}, 0
 
     def finish(self) -> None:
@@ -77,8 +96,9 @@ def _quantize_experts(writer: _ShardWriter, layer: int, gate_up: torch.Tensor, d
             writer.add(p + "input_scale", torch.ones((), dtype=torch.float32))
 
 
-def quantize_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
-                        shard_bytes: int = 4 << 30) -> pathlib.Path:
+def quantize_checkpoint(
+    src: str | pathlib.Path, dst: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 4 << 30
+) -> pathlib.Path:
     """Write the NVFP4 export of `src` to `dst` (created); returns `dst`."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     config = ModelConfig.from_pretrained(src)
@@ -87,7 +107,7 @@ def quantize_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, dtype:
     dst.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(dst, shard_bytes)
     planned = set(plan.values())
-    experts = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> gate_up_proj / down_proj until both are read
     for canonical, hf in plan.items():
         with safe_open(stored[hf].file, framework="pt") as f:
             t = f.get_tensor(hf)
@@ -99,7 +119,7 @@ def quantize_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, dtype:
                 _quantize_experts(writer, layer, parts["gate_up_proj"], parts["down_proj"])
             continue
         writer.add(hf_names(canonical)[0], t.to(dtype) if t.is_floating_point() else t)
-    for name, s in stored.items():   # vision tensors and anything else we do not run: copied as they are
+    for name, s in stored.items():  # vision tensors and anything else we do not run: copied as they are
         if name not in planned:
             with safe_open(s.file, framework="pt") as f:
                 writer.add(name, f.get_tensor(name))
@@ -109,13 +129,17 @@ def quantize_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, dtype:
 
 
 def _write_metadata(src: pathlib.Path, dst: pathlib.Path, dtype: torch.dtype) -> None:
-    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": nvfp4.GROUP,
-             "exclude_modules": EXCLUDE}
+    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": nvfp4.GROUP, "exclude_modules": EXCLUDE}
     (dst / QUANT_FILE).write_text(json.dumps({"producer": PRODUCER, "quantization": quant}, indent=2) + "\n")
     cfg = json.loads((src / "config.json").read_text())
     cfg["dtype"] = str(dtype).removeprefix("torch.")
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": nvfp4.GROUP,
-                                  "ignore": EXCLUDE, "producer": PRODUCER}
+    cfg["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": nvfp4.GROUP,
+        "ignore": EXCLUDE,
+        "producer": PRODUCER,
+    }
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in COPIED:
         if (src / name).is_file():
@@ -126,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dgserve.quantize", description=__doc__.split("\n\n")[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                    help="dtype of the tensors that stay unquantized")
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="dtype of the tensors that stay unquantized",
+    )
     ap.add_argument("--shard-size-gb", type=float, default=4.0)
     args = ap.parse_args(argv)
     out = quantize_checkpoint(args.src, args.dst, getattr(torch, args.dtype), int(args.shard_size_gb * (1 << 30)))

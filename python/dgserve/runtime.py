@@ -8,9 +8,11 @@ back to a Python loop per layer.
 
 ``describe`` gives the plan as a dict for ``--dry-run``, the start-up log and GetModelInfo.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from dataclasses import dataclass
 
@@ -29,14 +31,14 @@ _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 
 @dataclass(frozen=True)
 class RuntimePlan:
     device: str
-    dtype: str                    # "float32" | "bfloat16"
+    dtype: str  # "float32" | "bfloat16"
     dtype_reason: str
-    expert_format: str            # "dense <dtype>" | "nvfp4 (W4A16 packed)" | "nvfp4 (dequantized to <dtype>)"
-    native_ops_mode: str          # auto | off | strict
-    native_ops: tuple[str, ...]   # native ops serving the device in this process (before the self-check)
-    weight_bytes: int | None      # estimated bytes of the weights as served (None: no checkpoint found)
+    expert_format: str  # "dense <dtype>" | "nvfp4 (W4A16 packed)" | "nvfp4 (dequantized to <dtype>)"
+    native_ops_mode: str  # auto | off | strict
+    native_ops: tuple[str, ...]  # native ops serving the device in this process (before the self-check)
+    weight_bytes: int | None  # estimated bytes of the weights as served (None: no checkpoint found)
     device_free_bytes: int | None  # free bytes on a CUDA device (None: CPU or no device)
-    problem: str | None = None    # why this plan cannot be served (raised by check_plan)
+    problem: str | None = None  # why this plan cannot be served (raised by check_plan)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,11 +67,11 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]] | Non
         return None
 
 
-def has_nvfp4_experts(path: str | pathlib.Path) -> bool:
+def has_nvfp4_experts(path: str | os.PathLike[str]) -> bool:
     from dgserve import nvfp4
 
     headers = _headers(pathlib.Path(path))
-    return bool(headers) and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
+    return headers is not None and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
 
 
 def estimate_weight_bytes(headers: dict[str, tuple[str, tuple[int, ...]]], dtype: str, packed_nvfp4: bool) -> int:
@@ -107,8 +109,13 @@ def _free_bytes(device: str) -> int | None:
     return int(free)
 
 
-def plan_runtime(path: str | pathlib.Path, device: str = "cpu", dtype: str | torch.dtype | None = "auto",
-                 native_ops: str = "auto", packed_nvfp4: bool | None = None) -> RuntimePlan:
+def plan_runtime(
+    path: str | os.PathLike[str],
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    native_ops: str = "auto",
+    packed_nvfp4: bool | None = None,
+) -> RuntimePlan:
     """The plan for serving the checkpoint at ``path``; never raises for a fitting problem (see ``problem``).
 
     packed_nvfp4: serve NVFP4 experts in the packed W4A16 layout (default: on CUDA, when the checkpoint has them).
@@ -132,11 +139,14 @@ def plan_runtime(path: str | pathlib.Path, device: str = "cpu", dtype: str | tor
     if kind == "cuda" and free is not None and weight_bytes is not None:
         budget = int(free * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
         if weight_bytes > budget:
-            problem = (f"dtype {name}: the weights need {weight_bytes / 1e9:.1f} GB but {device} has "
-                       f"{free / 1e9:.1f} GB free ({budget / 1e9:.1f} GB after headroom for activations and the "
-                       "KV cache)" + ("; use --dtype bfloat16 (the default on CUDA)" if name == "float32" else ""))
-    return RuntimePlan(str(device), name, reason, fmt, native_ops, tuple(ops.active_native_ops(device)),
-                       weight_bytes, free, problem)
+            problem = (
+                f"dtype {name}: the weights need {weight_bytes / 1e9:.1f} GB but {device} has "
+                f"{free / 1e9:.1f} GB free ({budget / 1e9:.1f} GB after headroom for activations and the "
+                "KV cache)" + ("; use --dtype bfloat16 (the default on CUDA)" if name == "float32" else "")
+            )
+    return RuntimePlan(
+        str(device), name, reason, fmt, native_ops, tuple(ops.active_native_ops(device)), weight_bytes, free, problem
+    )
 
 
 def check_plan(plan: RuntimePlan) -> None:

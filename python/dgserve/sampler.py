@@ -5,6 +5,7 @@ denoising step, given the decoder's logits for exactly those rows: temperature s
 draw, entropy-bound acceptance, re-noise, self-conditioning input, and adaptive stopping. The noise
 is keyed per request (seed, block, step, position), so a row's result never depends on the batch.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -24,25 +25,31 @@ def to_signed64(seed: int) -> int:
 @dataclass
 class BlockState:
     """Denoising state of one request's current block (canvas index ``block`` within the request)."""
+
     seed: int
     block: int
     params: SamplingParams
-    canvas: torch.Tensor                        # [C] int64: the decoder's next input
-    remaining: int                              # k, transformers' cur_step: N, N-1, ..., 1
-    argmax: torch.Tensor | None = None          # [C] int64: argmax canvas of the last step run
-    self_cond: torch.Tensor | None = None       # [C, V] md: rnd(processed logits) of the last step
-    history: deque = field(default_factory=deque)   # the last S argmax canvases
+    canvas: torch.Tensor  # [C] int64: the decoder's next input
+    remaining: int  # k, transformers' cur_step: N, N-1, ..., 1
+    argmax: torch.Tensor | None = None  # [C] int64: argmax canvas of the last step run
+    self_cond: torch.Tensor | None = None  # [C, V] md: rnd(processed logits) of the last step
+    history: deque = field(default_factory=deque)  # the last S argmax canvases
     steps_run: int = 0
     mean_entropy: float = float("nan")
     done: bool = False
 
     @classmethod
-    def start(cls, seed: int, block: int, params: SamplingParams, canvas_length: int, vocab_size: int,
-              device: torch.device) -> "BlockState":
+    def start(
+        cls, seed: int, block: int, params: SamplingParams, canvas_length: int, vocab_size: int, device: torch.device
+    ) -> BlockState:
         """A fresh block: contract noise canvas (step label 0), no self-conditioning."""
-        canvas = ops.canvas_noise(torch.tensor([to_signed64(seed)], device=device),
-                                  torch.tensor([block], device=device), torch.zeros(1, dtype=torch.int64, device=device),
-                                  canvas_length, vocab_size)[0]
+        canvas = ops.canvas_noise(
+            torch.tensor([to_signed64(seed)], device=device),
+            torch.tensor([block], device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+            canvas_length,
+            vocab_size,
+        )[0]
         return cls(seed, block, params, canvas, params.max_denoising_steps)
 
 
@@ -60,12 +67,17 @@ class Sampler:
         temperature = ops.step_temperature(
             torch.tensor([x.t_min for x in p], dtype=torch.float64, device=dev),
             torch.tensor([x.t_max for x in p], dtype=torch.float64, device=dev),
-            k, torch.tensor([x.max_denoising_steps for x in p], dtype=torch.int64, device=dev))
+            k,
+            torch.tensor([x.max_denoising_steps for x in p], dtype=torch.int64, device=dev),
+        )
         out = ops.diffusion_step(
-            logits, temperature,
+            logits,
+            temperature,
             torch.tensor([to_signed64(s.seed) for s in states], dtype=torch.int64, device=dev),
-            torch.tensor([s.block for s in states], dtype=torch.int64, device=dev), k,
-            torch.tensor([x.entropy_bound for x in p], dtype=torch.float32, device=dev))
+            torch.tensor([s.block for s in states], dtype=torch.int64, device=dev),
+            k,
+            torch.tensor([x.entropy_bound for x in p], dtype=torch.float32, device=dev),
+        )
         tau = torch.tensor([x.confidence_threshold for x in p], dtype=torch.float32, device=dev)
         confident = (out.mean_entropy < tau).tolist()
         mean_entropy = out.mean_entropy.tolist()

@@ -1,4 +1,5 @@
 """Per-request generation knobs, validated once at construction (ValueError names the field and bound)."""
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,14 @@ MAX_STOP_LENGTH = 256
 SEED_LIMIT = 1 << 64
 
 
-def _int_field(name: str, value, lo: int, hi: int) -> None:
+def _int_field(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
 
 
-def _float_field(name: str, value) -> float:
+def _float_field(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
@@ -38,6 +39,7 @@ class SamplingParams:
     ignore_eos: keep generating past EOS tokens.
     stop: strings that end generation (text cut before the match; may span blocks).
     """
+
     max_new_tokens: int = 256
     max_denoising_steps: int = 48
     t_min: float = 0.4

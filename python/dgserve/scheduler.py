@@ -15,6 +15,7 @@ Each ``schedule()`` call plans one engine iteration:
 with a retry delay estimated from recent service times) or when the id is in flight (``DuplicateRequestError``).
 All methods are thread-safe: the asyncio side admits and aborts while the engine thread schedules.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,6 +49,7 @@ class SchedulerConfig:
     prefill_chunk: prompt tokens per encoder chunk (fixed per request, so results are batch-invariant).
     max_prefill_tokens: prompt tokens encoded per engine iteration over all requests (>= one chunk is always run).
     """
+
     max_num_seqs: int = 256
     max_queue_len: int | None = None
     prefill_chunk: int = 512
@@ -66,11 +68,12 @@ class SchedulerConfig:
 @dataclass
 class Sequence:
     """The scheduler's view of one request."""
+
     request_id: str
     prompt_len: int
     arrival: float
-    deadline: float | None = None      # clock() value after which a waiting request is dropped
-    prefilled: int = 0                 # prompt tokens planned for encoding so far
+    deadline: float | None = None  # clock() value after which a waiting request is dropped
+    prefilled: int = 0  # prompt tokens planned for encoding so far
     admitted_at: float | None = None
 
     @property
@@ -81,10 +84,11 @@ class Sequence:
 @dataclass
 class ScheduleOutput:
     """The plan of one engine iteration."""
-    admitted: list[str] = field(default_factory=list)        # moved from waiting to running now
-    expired: list[str] = field(default_factory=list)         # dropped from the queue: deadline passed
-    prefill: list[tuple[str, int, int]] = field(default_factory=list)   # (id, start, end) prompt slices to encode
-    decode: list[str] = field(default_factory=list)          # one denoising step each, in admission order
+
+    admitted: list[str] = field(default_factory=list)  # moved from waiting to running now
+    expired: list[str] = field(default_factory=list)  # dropped from the queue: deadline passed
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, end) prompt slices to encode
+    decode: list[str] = field(default_factory=list)  # one denoising step each, in admission order
 
     @property
     def empty(self) -> bool:
@@ -100,7 +104,7 @@ class Scheduler:
         self._waiting: OrderedDict[str, Sequence] = OrderedDict()
         self._running: OrderedDict[str, Sequence] = OrderedDict()
         self._lock = threading.Lock()
-        self._service_ema: float | None = None     # seconds from admission to finish, smoothed
+        self._service_ema: float | None = None  # seconds from admission to finish, smoothed
 
     # ------------------------------------------------------------------ state
 
@@ -146,8 +150,10 @@ class Scheduler:
         # requests not yet moved into a free slot count as waiting until the next schedule(), so "waiting" alone
         # may exceed max_queue_len: the limit is on the sum, and the message says exactly that
         c = self.config
-        return (f"server at capacity: {self.num_running} running + {self.num_waiting} waiting = {len(self)} "
-                f"requests, the limit of max_num_seqs {c.max_num_seqs} + max_queue_len {c.max_queue_len}")
+        return (
+            f"server at capacity: {self.num_running} running + {self.num_waiting} waiting = {len(self)} "
+            f"requests, the limit of max_num_seqs {c.max_num_seqs} + max_queue_len {c.max_queue_len}"
+        )
 
     def abort(self, request_id: str) -> str | None:
         """Remove a request: returns "waiting" or "running" (where it was), or None if unknown."""

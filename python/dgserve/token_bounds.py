@@ -5,13 +5,14 @@
 B bytes has at least B / max_token_bytes tokens; None for pipelines with no such bound. `chunks` cuts a long text
 into pieces whose token counts add up to (nearly) the whole's. `Tokenizer.encode(..., max_tokens=n)` uses both.
 """
+
 from __future__ import annotations
 
 import json
 
 import tokenizers
 
-COUNT_CHUNK_CHARS = 1 << 16        # texts longer than this are counted chunk by chunk before being encoded whole
+COUNT_CHUNK_CHARS = 1 << 16  # texts longer than this are counted chunk by chunk before being encoded whole
 
 
 class PromptTooLongError(ValueError):
@@ -54,10 +55,10 @@ def _normalizer_shrink(spec: dict | None) -> float | None:
     if kind == "Prepend":
         return 1.0
     if kind in _UNICODE_FORMS or kind == "Lowercase":
-        return 4.0           # a code point of up to 4 bytes becomes at least one byte (e.g. fullwidth forms)
+        return 4.0  # a code point of up to 4 bytes becomes at least one byte (e.g. fullwidth forms)
     if kind == "Replace" and "String" in spec.get("pattern", {}) and spec.get("content"):
         return max(1.0, len(spec["pattern"]["String"].encode()) / len(spec["content"].encode()))
-    return None              # Strip, StripAccents, Bert's clean_text, regex replacements: may delete any amount
+    return None  # Strip, StripAccents, Bert's clean_text, regex replacements: may delete any amount
 
 
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}

@@ -12,6 +12,7 @@ Bounded work: `encode(text, max_tokens=n)` never tokenizes a text that cannot fi
 already exceeds n times the most bytes one token can cover (`max_token_bytes`) is rejected before any tokenizing;
 a long text that passes is first counted in bounded chunks, stopping as soon as the count is over n.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -57,9 +58,16 @@ class Tokenizer:
         Where the template came from, for error messages.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
-                 eos_token: str | None = None, pad_token: str | None = None, chat_template: str | None = None,
-                 template_source: str = "chat_template"):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        template_source: str = "chat_template",
+    ):
         self._tok = tokenizer
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.bos_token_id = self._special_id("bos_token", bos_token)
@@ -74,7 +82,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a checkpoint directory's tokenizer.
 
         Reads `tokenizer.json` (required), `tokenizer_config.json` (optional: `chat_template`, `bos_token`,
@@ -101,8 +109,9 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(f"{tok_file}: not a valid tokenizer file ({e})") from e
         config = _read_config(root / CONFIG_FILE)
-        specials = {name: _special_from_config(config, name, root / CONFIG_FILE, tok)
-                    for name in DEFAULT_SPECIAL_TOKENS}
+        specials = {
+            name: _special_from_config(config, name, root / CONFIG_FILE, tok) for name in DEFAULT_SPECIAL_TOKENS
+        }
         for key in ("add_bos_token", "add_eos_token"):
             if key in config and not isinstance(config[key], bool):
                 raise ValueError(f"{root / CONFIG_FILE}: {key} must be a boolean, got {config[key]!r}")
@@ -173,8 +182,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool = False) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False
+    ) -> str:
         """Render `messages` as a prompt string.
 
         `messages` is a non-empty list of `{"role": r, "content": c}` with r in system | user | assistant | model
@@ -192,14 +202,23 @@ class Tokenizer:
             return render_gemma4(plain, self.bos_token or "<bos>", add_generation_prompt, enable_thinking)
         try:
             return self._template.render(
-                messages=plain, add_generation_prompt=bool(add_generation_prompt),
-                enable_thinking=bool(enable_thinking), bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "", pad_token=self.pad_token or "")
+                messages=plain,
+                add_generation_prompt=bool(add_generation_prompt),
+                enable_thinking=bool(enable_thinking),
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False, max_tokens: int | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        max_tokens: int | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
         template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
         `max_tokens`: as for `encode`, applied to the rendered text."""
@@ -224,11 +243,18 @@ def _warn_if_files_disagree(tok: Tokenizer, config: dict, root: pathlib.Path) ->
     issues = []
     for key, does in (("add_bos_token", tok.add_bos_token), ("add_eos_token", tok.add_eos_token)):
         if key in config and config[key] != does:
-            issues.append(f"{key} is {str(config[key]).lower()} but the post-processor "
-                          f"{'adds' if does else 'does not add'} {'BOS' if 'bos' in key else 'EOS'}")
+            issues.append(
+                f"{key} is {str(config[key]).lower()} but the post-processor "
+                f"{'adds' if does else 'does not add'} {'BOS' if 'bos' in key else 'EOS'}"
+            )
     if issues:
-        log.warning("%s disagrees with %s: %s; following %s, as transformers does", root / CONFIG_FILE,
-                    root / TOKENIZER_FILE, "; ".join(issues), TOKENIZER_FILE)
+        log.warning(
+            "%s disagrees with %s: %s; following %s, as transformers does",
+            root / CONFIG_FILE,
+            root / TOKENIZER_FILE,
+            "; ".join(issues),
+            TOKENIZER_FILE,
+        )
 
 
 def _read_config(file: pathlib.Path) -> dict:
@@ -253,7 +279,7 @@ def _special_from_config(config: dict, name: str, file: pathlib.Path, tok: token
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str):
-        raise ValueError(f"{file}: {name} must be a string or a {{\"content\": string}} object")
+        raise ValueError(f'{file}: {name} must be a string or a {{"content": string}} object')
     if tok.token_to_id(value) is None:
         raise ValueError(f"{file}: {name} {value!r} is not in the tokenizer's vocabulary")
     return value
@@ -323,8 +349,7 @@ def message_text(content) -> str:
     return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
-def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: bool,
-                  enable_thinking: bool) -> str:
+def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: bool, enable_thinking: bool) -> str:
     """The built-in Gemma 4 turn format (spec §9), for validated messages.
 
     `{bos}` then one `<|turn>{role}\\n{text}<turn|>\\n` per message, role "assistant" written "model"; text is
@@ -353,7 +378,7 @@ def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: b
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body unchanged."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares `tags` so (a ClassVar would clash)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -400,7 +425,8 @@ def _compile_template(source: str, origin: str) -> jinja2.Template:
     """Compile a chat template in an immutable sandbox with transformers' globals; ValueError naming `origin`
     on a syntax error."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
     try:
@@ -465,16 +491,16 @@ class IncrementalDecoder:
     def text_with(self, ids: Sequence[int]) -> str:
         """decode(pushed ids + `ids`), held-back bytes included (U+FFFD where still incomplete); pushes nothing.
         Costs one decode of the window from the previous emit on, not of the whole stream."""
-        window = self._ids[self._prefix:] + [int(i) for i in ids]
+        window = self._ids[self._prefix :] + [int(i) for i in ids]
         decoded = self._tokenizer.decode(window, skip_special_tokens=self._skip)
-        return self._text + decoded[len(self._seen):]
+        return self._text + decoded[len(self._seen) :]
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _emit(self, window_text: str, end: int) -> str:
         """Emit decode(ids[_prefix:end]) beyond what was seen; the emitted span becomes the next context."""
-        delta = window_text[len(self._seen):]
+        delta = window_text[len(self._seen) :]
         self._prefix, self._read = self._read, end
         self._seen = self._decode(self._prefix, self._read)
         self._text += delta

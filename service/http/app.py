@@ -11,6 +11,7 @@ A request's id: the ``X-Request-Id`` header when given (≤ 256 printable ASCII 
 the engine request id, the response ``id``, echoed in ``X-Request-Id`` and logged on the access line. The seed
 used is returned in ``X-Dgserve-Seed`` and in the body's ``dgserve`` object.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,14 +45,15 @@ _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_
 class Gate:
     """What the routes need from the server: its serving state, auth and limits (all owned by Server)."""
 
-    def __init__(self, state, metrics, *, live: Callable[[], bool], owner: Callable[[str], str] | None,
-                 max_body_bytes: int):
+    def __init__(
+        self, state, metrics, *, live: Callable[[], bool], owner: Callable[[str], str] | None, max_body_bytes: int
+    ):
         # owner: the caller's identity from its Authorization header (errors.UnauthenticatedError when the token
         # is not accepted); None when auth is off. The same BearerAuth.owner the gRPC door uses, so a request
         # started over HTTP can be aborted over gRPC only with the same token.
         self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
         self.max_body_bytes = max_body_bytes
-        self.in_flight = 0                       # generation requests not yet finished (drain waits for 0)
+        self.in_flight = 0  # generation requests not yet finished (drain waits for 0)
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -70,8 +72,12 @@ class Gate:
 
 def build_app(gate: Gate) -> FastAPI:
     app = FastAPI(title="dgserve", docs_url=None, redoc_url=None, openapi_url=None)
-    counter = Counter("dgserve_http_requests", "Finished HTTP requests by route and status", ["route", "status"],
-                      registry=gate.metrics.registry)
+    counter = Counter(
+        "dgserve_http_requests",
+        "Finished HTTP requests by route and status",
+        ["route", "status"],
+        registry=gate.metrics.registry,
+    )
     app.add_middleware(AccessLog, counter=counter)
 
     @app.exception_handler(StarletteHTTPException)
@@ -102,9 +108,20 @@ def build_app(gate: Gate) -> FastAPI:
         _authorize(gate, request)
         gate.state.ready_engine()
         info, now = gate.state.info, int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "dgserve", "root": info.model,
-             "max_model_len": info.max_model_len} for name in gate.state.names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "dgserve",
+                    "root": info.model,
+                    "max_model_len": info.max_model_len,
+                }
+                for name in gate.state.names
+            ],
+        }
 
     @app.post("/v1/completions")
     @_openai_errors
@@ -121,13 +138,17 @@ def build_app(gate: Gate) -> FastAPI:
 
 # ---------------------------------------------------------------------------------------------- generation
 
+
 async def _generate(gate: Gate, request: Request, chat: bool):
     owner = _authorize(gate, request)
     body = await _read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
     defaults = engine.engine.default_params()
-    call = protocol.chat_request(body, defaults) if chat else \
-        protocol.completion_request(body, defaults, gate.state.info.vocab_size)
+    call = (
+        protocol.chat_request(body, defaults)
+        if chat
+        else protocol.completion_request(body, defaults, gate.state.info.vocab_size)
+    )
     gate.state.check_model(call.model)
     rid = request.state.request_id
     stream = await engine.submit(call.prompt, call.params, rid, drafts=call.drafts, owner=owner)
@@ -143,7 +164,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
                 out.add_block(event)
             elif isinstance(event, Finished):
                 out.finished = event
-        if out.finished is None:           # cancelled: the client went away, nobody reads this
+        if out.finished is None:  # cancelled: the client went away, nobody reads this
             return Response(status_code=499)
         return JSONResponse(protocol.response(out), headers=headers)
     finally:
@@ -152,7 +173,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
         gate.leave()
 
 
-async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncIterator[bytes]:
+async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncGenerator[bytes, None]:
     """The SSE body: role opener (chat), one chunk per committed block, drafts as ``event: dgserve.draft`` chunks
     with no choices (no text for an OpenAI client), the finishing chunk with the ``dgserve`` extension, usage,
     ``[DONE]``."""
@@ -164,8 +185,10 @@ async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncIte
                 stats = out.add_block(event)
                 yield protocol.sse(protocol.chunk(out, event.text, extra={"block": stats}))
             elif isinstance(event, Draft):
-                yield protocol.sse(protocol.chunk(out, no_choices=True, extra={"draft": protocol.draft_event(event)}),
-                                   event="dgserve.draft")
+                yield protocol.sse(
+                    protocol.chunk(out, no_choices=True, extra={"draft": protocol.draft_event(event)}),
+                    event="dgserve.draft",
+                )
             elif isinstance(event, Finished):
                 out.finished = event
                 reason = protocol.FINISH_REASONS.get(event.finish_reason, event.finish_reason)
@@ -193,10 +216,16 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], cancel: Callable[[str], None], done: Callable[[], None],
-                 headers: dict[str, str]):
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        cancel: Callable[[str], None],
+        done: Callable[[], None],
+        headers: dict[str, str],
+    ):
         super().__init__(body, headers={"Cache-Control": "no-cache", **headers}, media_type=self.media_type)
         self.cancel, self.done = cancel, done
+        self._body = body  # the body_iterator, kept with its type: an async generator, closed in __call__
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch():
@@ -210,25 +239,28 @@ class EventStream(StreamingResponse):
             async for data in self.body_iterator:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:                   # the client went away between two writes
+        except OSError:  # the client went away between two writes
             self.cancel("client_cancelled")
         finally:
             watcher.cancel()
             self.cancel("client_cancelled")
-            await self.body_iterator.aclose()
+            await self._body.aclose()
             self.done()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def _openai_errors(route):
     """Domain exceptions raised by a route → OpenAI error JSON (never a traceback to the client or the log)."""
+
     @functools.wraps(route)
     async def wrapper(request: Request):
         try:
             return await route(request)
         except Exception as e:  # noqa: BLE001 - every error gets its OpenAI body; 500s are logged in error_body
             return error_response(e)
+
     return wrapper
 
 
@@ -244,8 +276,9 @@ def _authorize(gate: Gate, request: Request) -> str | None:
     try:
         return gate.owner(request.headers.get("authorization", ""))
     except errors.UnauthenticatedError:
-        raise HttpError("UNAUTHENTICATED",
-                        "missing or invalid bearer token (send 'Authorization: Bearer <token>')") from None
+        raise HttpError(
+            "UNAUTHENTICATED", "missing or invalid bearer token (send 'Authorization: Bearer <token>')"
+        ) from None
 
 
 async def _read_json(request: Request, limit: int):
@@ -265,8 +298,11 @@ async def _read_json(request: Request, limit: int):
 
 
 def _health(ok: bool, what: str) -> JSONResponse:
-    body = {"object": "health.response", "status": what if ok else f"not {what}",
-            "message": f"service is {what}" if ok else f"service is not {what}"}
+    body = {
+        "object": "health.response",
+        "status": what if ok else f"not {what}",
+        "message": f"service is {what}" if ok else f"service is not {what}",
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -299,9 +335,13 @@ class AccessLog:
 
         try:
             if given and rid != given:
-                return await error_response(HttpError(
-                    "INVALID_ARGUMENT", f"X-Request-Id: must be 1 to {MAX_REQUEST_ID} printable ASCII characters",
-                    param="X-Request-Id"))(scope, receive, send_with_id)
+                return await error_response(
+                    HttpError(
+                        "INVALID_ARGUMENT",
+                        f"X-Request-Id: must be 1 to {MAX_REQUEST_ID} printable ASCII characters",
+                        param="X-Request-Id",
+                    )
+                )(scope, receive, send_with_id)
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope["path"]
@@ -309,12 +349,30 @@ class AccessLog:
             if not path.startswith(("/v1/health/", "/metrics", "/v1/metrics")):
                 dt = (time.perf_counter() - t0) * 1e3
                 client = scope.get("client") or ("", 0)
-                log.info("%s %s %d %.1f ms", scope["method"], path, status[0], dt,
-                         extra={"http_method": scope["method"], "path": path, "status": status[0],
-                                "duration_ms": round(dt, 3), "peer": f"{client[0]}:{client[1]}"})
+                log.info(
+                    "%s %s %d %.1f ms",
+                    scope["method"],
+                    path,
+                    status[0],
+                    dt,
+                    extra={
+                        "http_method": scope["method"],
+                        "path": path,
+                        "status": status[0],
+                        "duration_ms": round(dt, 3),
+                        "peer": f"{client[0]}:{client[1]}",
+                    },
+                )
 
 
 def _route(path: str) -> str:
-    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/health/live", "/v1/health/ready",
-             "/metrics", "/v1/metrics")
+    known = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/health/live",
+        "/v1/health/ready",
+        "/metrics",
+        "/v1/metrics",
+    )
     return path if path in known else "other"

@@ -3,6 +3,7 @@ gives every exception (so gRPC and HTTP agree on what an error is; only the code
 
 Body: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``param`` names the field of a 400).
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ from dgserve.scheduler import QueueFullError
 from .. import errors
 
 log = logging.getLogger("dgserve.http")
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)")   # the field a 400 message starts with
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)")  # the field a 400 message starts with
 
 # ErrorInfo reason → (HTTP status, OpenAI error type)
 STATUS: dict[str, tuple[int, str]] = {

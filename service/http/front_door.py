@@ -1,6 +1,7 @@
 """uvicorn on the running asyncio loop (the grpc.aio server's): we bind the socket ourselves, so a port in use is
 reported as one line, and run uvicorn's startup / tick loop / shutdown steps as tasks, never ``uvicorn.run`` or
 ``Server.serve`` (which would own the loop and replace our SIGTERM handling)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ def bind(host: str, port: int) -> socket.socket:
     # small response write would wait out the peer's delayed ACK, ~40 ms a request)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT after a restart; not a shared port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT after a restart; not a shared port
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -38,11 +39,19 @@ class HttpFrontDoor:
     def __init__(self, gate: Gate, sock: socket.socket):
         self.gate, self.sock = gate, sock
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(gate), lifespan="off", http="h11", loop="none", log_config=None,
-                                access_log=False, server_header=False, timeout_graceful_shutdown=1,
-                                timeout_keep_alive=30)
+        config = uvicorn.Config(
+            build_app(gate),
+            lifespan="off",
+            http="h11",
+            loop="none",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            timeout_graceful_shutdown=1,
+            timeout_keep_alive=30,
+        )
         config.load()
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)   # its lifecycle lines duplicate ours
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its lifecycle lines duplicate ours
         self._server = uvicorn.Server(config)
         self._server.lifespan = config.lifespan_class(config)
         self._ticker: asyncio.Task | None = None

@@ -10,6 +10,7 @@ field we do not know, is a ValueError naming it — never silently ignored.
 Responses: ``completion`` / ``chat_completion`` (non-streaming) and ``*_chunk`` (SSE), with ``usage`` and a
 ``dgserve`` extension object (seed, request id, per-block denoising stats, timing).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,37 +27,65 @@ from dgserve.sampling_params import SEED_LIMIT, SamplingParams
 # dgserve finish reasons → OpenAI's ("abort": the request was cancelled by the server, e.g. a drain timeout; vLLM's)
 FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
 # the diffusion knobs, as extra body fields (names, bounds and validation as GenerateRequest.params)
-KNOBS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold", "confidence_threshold",
-         "ignore_eos")
+KNOBS = (
+    "max_denoising_steps",
+    "t_min",
+    "t_max",
+    "entropy_bound",
+    "stability_threshold",
+    "confidence_threshold",
+    "ignore_eos",
+)
 COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "seed", "user", "drafts", *KNOBS}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
-NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
-         "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],),
-         "tool_choice": ("none",), "parallel_tool_calls": (False,), "suffix": ("",), "functions": ([],),
-         "response_format": ({"type": "text"},)}
-WHY = {"temperature": "the sampler follows a temperature schedule: set t_min and t_max instead",
-       "n": "one completion per request", "best_of": "one completion per request",
-       "logprobs": "log-probabilities are not returned", "top_logprobs": "log-probabilities are not returned",
-       "top_p": "the diffusion sampler has no nucleus truncation", "tools": "tool calling is not supported",
-       "tool_choice": "tool calling is not supported", "functions": "tool calling is not supported",
-       "response_format": "structured output is not supported"}
+NO_OP: dict[str, tuple[object, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "top_p": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (False,),
+    "suffix": ("",),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+WHY = {
+    "temperature": "the sampler follows a temperature schedule: set t_min and t_max instead",
+    "n": "one completion per request",
+    "best_of": "one completion per request",
+    "logprobs": "log-probabilities are not returned",
+    "top_logprobs": "log-probabilities are not returned",
+    "top_p": "the diffusion sampler has no nucleus truncation",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "tool calling is not supported",
+    "response_format": "structured output is not supported",
+}
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
 
 
 @dataclass(frozen=True)
 class Call:
     """One checked OpenAI request."""
+
     prompt: Prompt
     params: SamplingParams
-    model: str                      # the name asked for ("" = not given)
+    model: str  # the name asked for ("" = not given)
     stream: bool = False
     include_usage: bool = False
     drafts: DraftSpec | None = None
 
 
 # ---------------------------------------------------------------------------------------------- requests
+
 
 def completion_request(body, defaults: SamplingParams, vocab_size: int) -> Call:
     """POST /v1/completions body → Call."""
@@ -78,8 +107,9 @@ def chat_request(body, defaults: SamplingParams) -> Call:
             raise ValueError(f"chat_template_kwargs.{key}: not supported (supported: {', '.join(CHAT_KWARGS)})")
         if not isinstance(value, bool):
             raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
-    prompt = ChatPrompt(tuple(messages), kwargs.get("add_generation_prompt", True), kwargs.get("enable_thinking",
-                                                                                              False))
+    prompt = ChatPrompt(
+        tuple(messages), kwargs.get("add_generation_prompt", True), kwargs.get("enable_thinking", False)
+    )
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _call(body, prompt, defaults, limit)
 
@@ -129,7 +159,7 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
         message = str(e)
         for ours, theirs in names.items():
             if message.startswith(ours):
-                message = theirs + message[len(ours):]
+                message = theirs + message[len(ours) :]
         raise ValueError(message) from None
 
 
@@ -181,30 +211,40 @@ def _check_fields(body: dict, known: set[str]) -> None:
     for name, value in body.items():
         if name in known or value is None:
             continue
-        if name in NO_OP and any(value == v and type(value) is type(v) or _same_number(value, v)
-                                 for v in NO_OP[name]):
+        if name in NO_OP and any(
+            (value == v and type(value) is type(v)) or _same_number(value, v) for v in NO_OP[name]
+        ):
             continue
         why = WHY.get(name, "not supported by this server")
         raise ValueError(f"{name}: {why} (got {json.dumps(value)[:80]})")
 
 
 def _same_number(a, b) -> bool:
-    return (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-            and not isinstance(b, bool) and a == b)
+    return (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+        and a == b
+    )
 
 
 def _optional(body: dict, name: str, kind: type):
     value = body.get(name)
     if value is not None and not isinstance(value, kind):
-        raise ValueError(f"{name} must be {'a boolean' if kind is bool else 'an object' if kind is dict else 'a string'}")
+        raise ValueError(
+            f"{name} must be {'a boolean' if kind is bool else 'an object' if kind is dict else 'a string'}"
+        )
     return value
 
 
 # ---------------------------------------------------------------------------------------------- responses
 
+
 @dataclass
 class Output:
     """What a request produced so far (filled from its event stream)."""
+
     request_id: str
     model: str
     seed: int
@@ -227,14 +267,22 @@ class Output:
 
 def block_stats(b: BlockOutput) -> dict:
     s = b.stats
-    return {"index": b.index, "tokens": len(b.token_ids), "denoising_steps": s.denoising_steps,
-            "tokens_per_forward": round(s.tokens_per_forward, 4), "mean_entropy": _finite(s.mean_entropy),
-            "denoise_ms": round(s.denoise_seconds * 1e3, 3)}
+    return {
+        "index": b.index,
+        "tokens": len(b.token_ids),
+        "denoising_steps": s.denoising_steps,
+        "tokens_per_forward": round(s.tokens_per_forward, 4),
+        "mean_entropy": _finite(s.mean_entropy),
+        "denoise_ms": round(s.denoise_seconds * 1e3, 3),
+    }
 
 
 def usage(f: Finished) -> dict:
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens}
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    }
 
 
 def extension(out: Output) -> dict:
@@ -242,30 +290,64 @@ def extension(out: Output) -> dict:
     f = out.finished
     ext = {"request_id": out.request_id, "seed": out.seed, "blocks": out.blocks}
     if f is not None:
-        ext.update(denoising_steps=f.denoising_steps, queue_ms=round(f.queue_seconds * 1e3, 3),
-                   first_block_ms=round(_finite(f.first_block_seconds) * 1e3, 3),
-                   total_ms=round(f.total_seconds * 1e3, 3))
+        ext.update(
+            denoising_steps=f.denoising_steps,
+            queue_ms=round(f.queue_seconds * 1e3, 3),
+            first_block_ms=round(_finite(f.first_block_seconds) * 1e3, 3),
+            total_ms=round(f.total_seconds * 1e3, 3),
+        )
     return ext
 
 
 def response(out: Output) -> dict:
     """The non-streaming body (chat.completion or text_completion)."""
     f = out.finished
+    if f is None:
+        raise RuntimeError(f"response: request {out.request_id!r} has not finished")
     if out.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason),
+        }
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None,
-                  "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason)}
-    return {"id": out.request_id, "object": out.object, "created": out.created, "model": out.model,
-            "choices": [choice], "usage": usage(f), "system_fingerprint": None, "dgserve": extension(out)}
+        choice = {
+            "index": 0,
+            "text": out.text,
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason),
+        }
+    return {
+        "id": out.request_id,
+        "object": out.object,
+        "created": out.created,
+        "model": out.model,
+        "choices": [choice],
+        "usage": usage(f),
+        "system_fingerprint": None,
+        "dgserve": extension(out),
+    }
 
 
-def chunk(out: Output, delta: str | None = None, *, role: bool = False, finish: str | None = None,
-          extra: dict | None = None, usage_: dict | None = None, no_choices: bool = False) -> dict:
+def chunk(
+    out: Output,
+    delta: str | None = None,
+    *,
+    role: bool = False,
+    finish: str | None = None,
+    extra: dict | None = None,
+    usage_: dict | None = None,
+    no_choices: bool = False,
+) -> dict:
     """One SSE chunk: a text delta, the role opener (chat), the finishing chunk, or the usage-only chunk."""
-    body = {"id": out.request_id, "object": out.object + ("" if not out.chat else ".chunk"),
-            "created": out.created, "model": out.model, "system_fingerprint": None}
+    body = {
+        "id": out.request_id,
+        "object": out.object + ("" if not out.chat else ".chunk"),
+        "created": out.created,
+        "model": out.model,
+        "system_fingerprint": None,
+    }
     if no_choices:
         body["choices"] = []
     elif out.chat:
@@ -282,8 +364,13 @@ def chunk(out: Output, delta: str | None = None, *, role: bool = False, finish: 
 
 def draft_event(d: Draft) -> dict:
     o = d.output
-    return {"block_index": o.index, "step": o.step, "token_ids": o.token_ids, "mean_entropy": _finite(o.mean_entropy),
-            "text": d.text}
+    return {
+        "block_index": o.index,
+        "step": o.step,
+        "token_ids": o.token_ids,
+        "mean_entropy": _finite(o.mean_entropy),
+        "text": d.text,
+    }
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:

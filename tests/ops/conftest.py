@@ -1,4 +1,5 @@
 """Fixtures shared by the op tests: the compiled extension and its CPU code paths."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Shared inputs and float64 oracles for the NVFP4 op tests (test_nvfp4_*.py); not collected by pytest."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ E2M1_F64 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 def e4m3_f64(byte: int) -> float:
     """Independent E4M3FN decode from the bits (kernels.md §2.2)."""
     s, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 7
-    mag = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    mag = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
     return -mag if s else mag
 
 
@@ -43,7 +44,7 @@ def quantized(E: int, N: int, K: int, seed: int, magnitude: float = 1.0, spread:
     for e in range(E):
         w = torch.randn(N, K, generator=g) * magnitude * (1 + e) / E
         w = w * torch.exp2(torch.randint(-spread, spread + 1, (N, 1), generator=g).float())
-        for lst, t in zip(out, nvfp4.quantize(w.to(device))):
+        for lst, t in zip(out, nvfp4.quantize(w.to(device)), strict=True):
             lst.append(t.cpu())
     return tuple(torch.stack(t) for t in out)
 
@@ -51,8 +52,11 @@ def quantized(E: int, N: int, K: int, seed: int, magnitude: float = 1.0, spread:
 def layer(E: int, H: int, I: int, seed: int, up_ratio: float = 10.0, device: str = "cpu"):
     """(gate, up, down) ModelOpt tensors of one layer (on the CPU; quantized on `device`); up is `up_ratio`×
     larger, so gs_up ≠ gs_gate."""
-    return (quantized(E, I, H, seed, device=device), quantized(E, I, H, seed + 1, up_ratio, device=device),
-            quantized(E, H, I, seed + 2, device=device))
+    return (
+        quantized(E, I, H, seed, device=device),
+        quantized(E, I, H, seed + 1, up_ratio, device=device),
+        quantized(E, H, I, seed + 2, device=device),
+    )
 
 
 def dequant_f64(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,8 +67,18 @@ def dequant_f64(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
     return (vals * s * scale_2.double())[:, :k]
 
 
-def exact_moe(x: torch.Tensor, gate, up, down, weights: torch.Tensor, ids: torch.Tensor, H: int, I: int,
-              faithful: bool = False, with_bound: bool = False):
+def exact_moe(
+    x: torch.Tensor,
+    gate,
+    up,
+    down,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    H: int,
+    I: int,
+    faithful: bool = False,
+    with_bound: bool = False,
+):
     """Σ_k w · Wd·(gelu_tanh(Wg·x) ⊙ Wu·x) in float64 → [T, H] (`faithful`: the GEMM1 output rounded to bf16
     where the kernel rounds it). `with_bound` also returns a rigorous per-element bound on |kernel − exact| for
     a bf16 output: 2^-8·|y| (output rounding) + 2^-8·S (the bf16 rounding of each GEMM1 output a_j, ≤ 2^-8·|a_j|,
@@ -85,7 +99,7 @@ def exact_moe(x: torch.Tensor, gate, up, down, weights: torch.Tensor, ids: torch
         s_term.index_add_(0, t, (a.abs() @ wd.abs().T) * w.abs())
         r_term.index_add_(0, t, (((xf[t].abs() @ wg.abs().T) * (xf[t].abs() @ wu.abs().T)) @ wd.abs().T) * w.abs())
     if with_bound:
-        return out, 2.0 ** -8 * (out.abs() + s_term) + 1e-4 * r_term
+        return out, 2.0**-8 * (out.abs() + s_term) + 1e-4 * r_term
     return out
 
 

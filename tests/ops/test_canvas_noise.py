@@ -1,4 +1,5 @@
 """canvas_noise (spec §7.4): worked examples, and native == reference bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 from dgserve import ops
 from dgserve.ops import reference
-
 
 T = torch.tensor
 
@@ -28,7 +28,7 @@ def test_spec_examples_native(C):
 @pytest.mark.parametrize("B, C_len, V", [(1, 1, 1), (2, 5, 7), (3, 16, 300), (4, 13, 262144), (1, 256, 32768)])
 def test_native_matches_reference(C, B, C_len, V):
     gen = torch.Generator().manual_seed(B * 1000 + C_len)
-    seeds = torch.randint(-2**63, 2**63 - 1, (B,), generator=gen, dtype=torch.int64)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (B,), generator=gen, dtype=torch.int64)
     seeds[0] = -1  # all key bits set
     blocks = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64)
     steps = torch.randint(0, 2**31, (B,), generator=gen, dtype=torch.int64)

@@ -4,6 +4,7 @@ expert ids (ids >= 2^31 whose low bits look valid), the per-slot routing weights
 kernels.md §9.9 bounds, and CUDA-graph capture of the whole bf16 MoE chain. Every test is `cuda`: skipped on a
 machine without a device, failed (tests/conftest.py) on one whose dgserve._C lacks CUDA. The reference paths
 are patched to raise where a silent fallback would make a test pass without running a kernel."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.cuda
 def _no_fallback(monkeypatch, *names):
     def boom(*args, **kwargs):
         raise AssertionError("the op fell back to its torch reference on CUDA")
+
     for name in names:
         monkeypatch.setattr(reference, name, boom)
 
@@ -25,9 +27,14 @@ def _no_fallback(monkeypatch, *names):
 def _step_inputs(B, C, V, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     logits = (4 * torch.randn(B, C, V, generator=g)).to(dtype)
-    return [logits, 0.4 + 0.4 * torch.rand(B, generator=g), torch.randint(0, 2**62, (B,), generator=g),
-            torch.randint(0, 50, (B,), generator=g), torch.randint(1, 48, (B,), generator=g),
-            0.05 + torch.rand(B, generator=g) * C]
+    return [
+        logits,
+        0.4 + 0.4 * torch.rand(B, generator=g),
+        torch.randint(0, 2**62, (B,), generator=g),
+        torch.randint(0, 50, (B,), generator=g),
+        torch.randint(1, 48, (B,), generator=g),
+        0.05 + torch.rand(B, generator=g) * C,
+    ]
 
 
 def _assert_step_equal(cpu_args, gpu_args):
@@ -44,6 +51,7 @@ def _assert_step_equal(cpu_args, gpu_args):
 
 # ---- diffusion_step ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset,V", [(1, 1003), (3, 4096), (2, 7)])
 def test_unaligned_and_strided_logits_rows(monkeypatch, dtype, offset, V):
@@ -51,11 +59,11 @@ def test_unaligned_and_strided_logits_rows(monkeypatch, dtype, offset, V):
     _no_fallback(monkeypatch, "diffusion_step")
     args = _step_inputs(2, 9, V, seed=V, dtype=dtype)
     big = torch.randn(2, 9, V + 5).to(dtype)
-    big[:, :, offset:offset + V] = args[0]
-    view = big[:, :, offset:offset + V]
+    big[:, :, offset : offset + V] = args[0]
+    view = big[:, :, offset : offset + V]
     assert view.stride() == (9 * (V + 5), V + 5, 1)
     gpu_big = big.cuda()
-    gpu_args = [gpu_big[:, :, offset:offset + V]] + [a.cuda() for a in args[1:]]
+    gpu_args = [gpu_big[:, :, offset : offset + V]] + [a.cuda() for a in args[1:]]
     _assert_step_equal([view] + args[1:], gpu_args)
 
 
@@ -64,12 +72,12 @@ def test_nan_and_inf_rows(monkeypatch, dtype):
     _no_fallback(monkeypatch, "diffusion_step")
     args = _step_inputs(2, 6, 777, seed=5, dtype=dtype)
     logits = args[0]
-    logits[0, 0, 300] = float("nan")      # one NaN: it wins the argmax and the race; NaN entropy
-    logits[0, 1, :] = float("nan")        # all NaN
-    logits[0, 2, :] = float("-inf")       # all -inf: index 0, NaN entropy
-    logits[0, 3, 5] = float("inf")        # +inf wins
-    logits[0, 4, ::3] = float("-inf")     # masked entries
-    logits[1, 5, :] = float("inf")        # all +inf
+    logits[0, 0, 300] = float("nan")  # one NaN: it wins the argmax and the race; NaN entropy
+    logits[0, 1, :] = float("nan")  # all NaN
+    logits[0, 2, :] = float("-inf")  # all -inf: index 0, NaN entropy
+    logits[0, 3, 5] = float("inf")  # +inf wins
+    logits[0, 4, ::3] = float("-inf")  # masked entries
+    logits[1, 5, :] = float("inf")  # all +inf
     _assert_step_equal(args, [a.cuda() for a in args])
 
 
@@ -90,6 +98,7 @@ def test_canvas_beyond_the_kernel_falls_back_instead_of_raising():
 
 # ---- MoE dispatch ------------------------------------------------------------------------------------------
 
+
 def test_align_ignores_out_of_range_ids_whose_low_bits_are_valid():
     E, bs = 8, 8
     ids = torch.tensor([[1, 2], [2**32 + 1, 3], [2**31, 5], [-(2**32) + 2, 1], [E, 7], [2**63 - 1, -1]])
@@ -102,15 +111,19 @@ def test_align_ignores_out_of_range_ids_whose_low_bits_are_valid():
     offsets = got.offsets.cpu().tolist()
     sp = got.sorted_pairs.cpu().tolist()
     for x in range(E):
-        assert sp[offsets[x]:offsets[x] + counts[x]] == [p for p, e in valid if e == x]
+        assert sp[offsets[x] : offsets[x] + counts[x]] == [p for p, e in valid if e == x]
     placed = [v for v in sp if v != len(flat)]
-    assert sorted(placed) == sorted(p for p, _ in valid)       # nothing out of range is placed anywhere
+    assert sorted(placed) == sorted(p for p, _ in valid)  # nothing out of range is placed anywhere
 
 
 def _router(T, H, E, dtype, gen):
     residual = (torch.randn(T, H, generator=gen) * 2).to(dtype)
-    return (residual, (torch.rand(H, generator=gen) + 0.5).to(dtype),
-            (torch.randn(E, H, generator=gen) * H ** -0.5).to(dtype), torch.rand(E, generator=gen) + 0.5)
+    return (
+        residual,
+        (torch.rand(H, generator=gen) + 0.5).to(dtype),
+        (torch.randn(E, H, generator=gen) * H**-0.5).to(dtype),
+        torch.rand(E, generator=gen) + 0.5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -123,7 +136,7 @@ def test_route_weights_per_slot(monkeypatch, shape, dtype):
     _no_fallback(monkeypatch, "moe_route")
     w, ids = ops.moe_route(*[a.cuda() for a in args], K, 1e-6)
     w, ids = w.cpu(), ids.cpu()
-    rows = (ids == ids_ref).all(-1)         # rows whose selection (and order) agree: compare every slot
+    rows = (ids == ids_ref).all(-1)  # rows whose selection (and order) agree: compare every slot
     assert rows.float().mean().item() >= (0.97 if dtype == torch.bfloat16 else 0.995)
     torch.testing.assert_close(w[rows], w_ref[rows], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
 
@@ -131,8 +144,8 @@ def test_route_weights_per_slot(monkeypatch, shape, dtype):
 def _experts_problem(T, H, I, E, K, seed=0):
     gen = torch.Generator().manual_seed(seed + T)
     x = torch.randn(T, H, generator=gen).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).bfloat16()
-    down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=gen) * I**-0.5).bfloat16()
     w, ids = torch.rand(T, E, generator=gen).softmax(-1).topk(K, dim=-1)
     return x, gate_up, down, w.contiguous(), ids.contiguous()
 
@@ -156,8 +169,9 @@ def _exact_experts(x, gate_up, down, w, ids):
     return out
 
 
-@pytest.mark.parametrize("shape", [(7, 64, 32, 5, 3), (256, 2816, 704, 128, 8), (1024, 256, 64, 16, 8),
-                                   (4096, 128, 32, 128, 8)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(7, 64, 32, 5, 3), (256, 2816, 704, 128, 8), (1024, 256, 64, 16, 8), (4096, 128, 32, 128, 8)], ids=str
+)
 def test_bf16_experts_within_the_kernels_md_bounds(monkeypatch, shape):
     # kernels.md §9.9: T5 rel L2 <= 3e-3 vs the exact float64 result. (4096 tokens: 16 canvases' worth of
     # pairs per expert, so every expert runs several token chunks spread over the grid.)
@@ -187,11 +201,11 @@ def test_bf16_moe_chain_graph_capture(monkeypatch):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        chain()                             # warm-up on a side stream, as torch.cuda.graphs requires
+        chain()  # warm-up on a side stream, as torch.cuda.graphs requires
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = chain()                  # no host sync anywhere in the chain, or capture raises
+        captured = chain()  # no host sync anywhere in the chain, or capture raises
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -200,7 +214,8 @@ def test_bf16_moe_chain_graph_capture(monkeypatch):
 
 # ---- rms_norm (wired to its CUDA kernel by issue 20) ----------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-7), (torch.bfloat16, 2 ** -8)])
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-7), (torch.bfloat16, 2**-8)])
 @pytest.mark.parametrize("shape", [(1, 1), (7, 300), (256, 2816), (3, 5, 1031)], ids=str)
 def test_rms_norm_kernel_close_to_reference(monkeypatch, shape, dtype, rtol):
     g = torch.Generator().manual_seed(shape[-1])

@@ -13,6 +13,7 @@ What is exact and what has a tolerance, and why:
                                         torch's mean order); vs the reference's acceptance, equal wherever the
                                         entropy order and the bound test are not within 1e-5 of flipping
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +23,6 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 ENTROPY_ATOL_VS_REFERENCE = 3e-5  # the reference's own fp32 error (measured up to 2.7e-5 at |y| ~ 1000)
 
 
@@ -31,7 +31,7 @@ def make_case(B: int, C_len: int, V: int, dtype=torch.float32, seed: int = 0):
     scale = 0.5 + 6 * torch.rand(B, C_len, 1, generator=gen)  # per-position sharpness: distinct entropies
     logits = (torch.randn(B, C_len, V, generator=gen) * scale).to(dtype)
     temperature = 0.4 + 0.4 * torch.rand(B, generator=gen)
-    seeds = torch.randint(-2**63, 2**63 - 1, (B,), generator=gen, dtype=torch.int64)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (B,), generator=gen, dtype=torch.int64)
     blocks = torch.randint(0, 6, (B,), generator=gen, dtype=torch.int64)
     steps = torch.randint(1, 49, (B,), generator=gen, dtype=torch.int64)
     bound = torch.rand(B, generator=gen) * 0.5 * C_len * max(1.0, float(np.log(V)))
@@ -127,8 +127,14 @@ def test_ties_take_the_lowest_index(C):
     gen = torch.Generator().manual_seed(11)
     logits = torch.randint(-2, 3, (2, 8, 97), generator=gen).to(torch.bfloat16)  # many exact ties
     logits[0, 0] = 0  # a constant row
-    case = (logits, torch.tensor([0.5, 0.7]), torch.tensor([3, 4]), torch.tensor([0, 1]), torch.tensor([9, 2]),
-            torch.tensor([1e30, 1e30]))
+    case = (
+        logits,
+        torch.tensor([0.5, 0.7]),
+        torch.tensor([3, 4]),
+        torch.tensor([0, 1]),
+        torch.tensor([9, 2]),
+        torch.tensor([1e30, 1e30]),
+    )
     out = ops.diffusion_step(*case)
     ref = reference.diffusion_step(*case)
     assert torch.equal(out.argmax, ref.argmax) and out.argmax[0, 0].item() == 0
@@ -159,14 +165,14 @@ def test_deterministic_and_thread_invariant(C):
     first = ops.diffusion_step(*case)
     for _ in range(10):
         again = ops.diffusion_step(*case)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         single = ops.diffusion_step(*case)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(first, single))
+    assert all(torch.equal(a, b) for a, b in zip(first, single, strict=True))
 
 
 def test_cpu_code_paths_identical(C, cpu_levels):
@@ -176,7 +182,7 @@ def test_cpu_code_paths_identical(C, cpu_levels):
         C._set_cpu_level(level)
         outs.append(ops.diffusion_step(*case))
     for other in outs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
 
 
 def test_native_disabled_is_the_reference(C):
@@ -184,31 +190,48 @@ def test_native_disabled_is_the_reference(C):
     with ops.native_disabled():
         got = ops.diffusion_step(*case)
     want = reference.diffusion_step(*case)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_unsupported_inputs_fall_back(C):
     case = list(make_case(1, 3, 11, seed=2))
     case[0] = case[0].half()
     out = ops.diffusion_step(*case)
-    assert all(torch.equal(a, b) for a, b in zip(out, reference.diffusion_step(*case)))
+    assert all(torch.equal(a, b) for a, b in zip(out, reference.diffusion_step(*case), strict=True))
 
 
 def test_validation_messages_name_the_argument(C):
     B, C_len, V = 2, 3, 5
-    outs = dict(canvas=torch.empty(B, C_len, dtype=torch.int64), argmax=torch.empty(B, C_len, dtype=torch.int64),
-                entropy=torch.empty(B, C_len), accepted=torch.empty(B, C_len, dtype=torch.bool),
-                mean_entropy=torch.empty(B), processed=torch.empty(B, C_len, V))
-    ins = dict(logits=torch.zeros(B, C_len, V), temperature=torch.ones(B), seeds=torch.zeros(B, dtype=torch.int64),
-               blocks=torch.zeros(B, dtype=torch.int64), steps=torch.ones(B, dtype=torch.int64),
-               entropy_bound=torch.ones(B))
+    outs = dict(
+        canvas=torch.empty(B, C_len, dtype=torch.int64),
+        argmax=torch.empty(B, C_len, dtype=torch.int64),
+        entropy=torch.empty(B, C_len),
+        accepted=torch.empty(B, C_len, dtype=torch.bool),
+        mean_entropy=torch.empty(B),
+        processed=torch.empty(B, C_len, V),
+    )
+    ins = dict(
+        logits=torch.zeros(B, C_len, V),
+        temperature=torch.ones(B),
+        seeds=torch.zeros(B, dtype=torch.int64),
+        blocks=torch.zeros(B, dtype=torch.int64),
+        steps=torch.ones(B, dtype=torch.int64),
+        entropy_bound=torch.ones(B),
+    )
     C.diffusion_step(**ins, **outs)  # valid
-    for name, bad in [("logits", torch.zeros(B, C_len, V).half()), ("temperature", torch.ones(B + 1)),
-                      ("steps", torch.ones(B)), ("entropy_bound", torch.ones(B, dtype=torch.float64))]:
+    for name, bad in [
+        ("logits", torch.zeros(B, C_len, V).half()),
+        ("temperature", torch.ones(B + 1)),
+        ("steps", torch.ones(B)),
+        ("entropy_bound", torch.ones(B, dtype=torch.float64)),
+    ]:
         with pytest.raises(ValueError, match=f"`{name}`"):
             C.diffusion_step(**{**ins, name: bad}, **outs)
-    for name, bad in [("processed", torch.empty(B, C_len, V + 1)), ("accepted", torch.empty(B, C_len)),
-                      ("mean_entropy", torch.empty(B, 1))]:
+    for name, bad in [
+        ("processed", torch.empty(B, C_len, V + 1)),
+        ("accepted", torch.empty(B, C_len)),
+        ("mean_entropy", torch.empty(B, 1)),
+    ]:
         with pytest.raises(ValueError, match=f"`{name}`"):
             C.diffusion_step(**ins, **{**outs, name: bad})
     with pytest.raises(ValueError, match="steps"):

@@ -1,5 +1,6 @@
 """CUDA diffusion_step vs the native CPU op (same Philox counters and dg_logf: identical tokens), determinism,
 and CUDA-graph capture. Skipped without a CUDA device (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,9 +30,9 @@ def test_cuda_tokens_equal_cpu_native(B, C, V, dtype):
     for seed in range(4):
         cpu = ops.diffusion_step(*_inputs(B, C, V, seed, "cpu", dtype))
         gpu = ops.diffusion_step(*_inputs(B, C, V, seed, "cuda", dtype))
-        assert torch.equal(gpu.processed.cpu(), cpu.processed)          # IEEE division, no reciprocal
+        assert torch.equal(gpu.processed.cpu(), cpu.processed)  # IEEE division, no reciprocal
         assert torch.equal(gpu.argmax.cpu(), cpu.argmax)
-        assert torch.equal(gpu.canvas.cpu(), cpu.canvas)                # same Gumbel winners, same renoise
+        assert torch.equal(gpu.canvas.cpu(), cpu.canvas)  # same Gumbel winners, same renoise
         assert torch.equal(gpu.accepted.cpu(), cpu.accepted)
         torch.testing.assert_close(gpu.entropy.cpu(), cpu.entropy, rtol=1e-5, atol=3e-5)
 
@@ -41,7 +42,7 @@ def test_cuda_determinism_loop():
     first = ops.diffusion_step(*args)
     for _ in range(10):
         again = ops.diffusion_step(*args)
-        for a, b in zip(first, again):
+        for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b)
 
 
@@ -53,11 +54,11 @@ def test_cuda_graph_capture_replays_the_step():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ops.diffusion_step(*args)   # warm-up on the side stream, as torch.cuda.graphs requires
+        ops.diffusion_step(*args)  # warm-up on the side stream, as torch.cuda.graphs requires
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
         captured = ops.diffusion_step(*args)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(eager, captured):
+    for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)

@@ -1,6 +1,7 @@
 """The exact Gumbel skip of diffusion_step (issue 20, item 5): an entry's draw is skipped when
 f32(y + kGumbelMax) < the running best z. It is exact only if kGumbelMax bounds every Gumbel value the contract
 can produce, and the sampled tokens must equal argmax(processed + the native noise) bit for bit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,8 @@ def test_gumbel_max_bounds_every_u(C):
     g = torch.empty(2**23, dtype=torch.float32)
     C.gumbel(j << 9, g)
     bound = np.float32(C.build_info()["gumbel_max"])
-    assert g.max().item() <= bound          # the skip never drops a possible winner
-    assert g.max().item() == bound          # and the bound is tight (the value at u = 1 - 2^-24)
+    assert g.max().item() <= bound  # the skip never drops a possible winner
+    assert g.max().item() == bound  # and the bound is tight (the value at u = 1 - 2^-24)
 
 
 def _race_case(B, C_len, V, seed):
@@ -35,7 +36,7 @@ def _race_case(B, C_len, V, seed):
     seeds = torch.randint(0, 2**62, (B,), generator=gen)
     blocks = torch.randint(0, 9, (B,), generator=gen)
     steps = torch.randint(1, 48, (B,), generator=gen)
-    bound = torch.full((B,), 1e30)          # everything accepted: canvas = the sample
+    bound = torch.full((B,), 1e30)  # everything accepted: canvas = the sample
     return logits, temperature, seeds, blocks, steps, bound
 
 
@@ -45,7 +46,7 @@ def test_skip_leaves_the_sample_exact(C, dtype):
     case[0] = case[0].to(dtype)
     out = ops.diffusion_step(*case)
     _, _, seeds, blocks, steps, _ = case
-    noise = ops.gumbel_noise(seeds, blocks, steps, 6, 65536)     # the native draw, bit for bit
+    noise = ops.gumbel_noise(seeds, blocks, steps, 6, 65536)  # the native draw, bit for bit
     want = torch.argmax(out.processed + noise, dim=-1)
     assert out.accepted.all()
     assert torch.equal(out.canvas, want)
@@ -65,9 +66,9 @@ def test_skip_keeps_the_sample_when_the_leader_comes_late(C):
 
 def test_nan_and_inf_rows_are_unaffected_by_the_skip(C):
     case = list(_race_case(1, 3, 3000, seed=5))
-    case[0][0, 0, 1234] = float("nan")          # a NaN wins (torch.argmax's rule)
-    case[0][0, 1, :] = float("-inf")            # all -inf: index 0
-    case[0][0, 2, 2999] = float("inf")          # +inf wins
+    case[0][0, 0, 1234] = float("nan")  # a NaN wins (torch.argmax's rule)
+    case[0][0, 1, :] = float("-inf")  # all -inf: index 0
+    case[0][0, 2, 2999] = float("inf")  # +inf wins
     out = ops.diffusion_step(*case)
     ref = reference.diffusion_step(*case)
     assert out.argmax[0].tolist() == [1234, 0, 2999]

@@ -1,4 +1,5 @@
 """moe_combine: native op bit-identical to reference.moe_combine (fp32 products and sums in slot order)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 from dgserve import ops
 from dgserve.ops import reference
-
 
 SHAPES = [(1, 1, 1), (1, 8, 64), (7, 2, 17), (33, 8, 96), (256, 3, 5), (5, 1, 2816)]
 

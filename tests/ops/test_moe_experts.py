@@ -1,5 +1,6 @@
 """moe_experts: the CPU dispatch (native align + torch GEMMs + native combine) is bit-identical to
 reference.moe_experts; the native grouped-GEMM loop (the CUDA kernels' contract) is within tolerance."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,22 +9,27 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 # (tokens, hidden, inter, experts, top_k, routing)
-CASES = [(1, 64, 32, 4, 2, "uniform"), (7, 48, 16, 5, 1, "uniform"), (7, 40, 24, 6, 3, "one_group"),
-         (33, 64, 32, 13, 5, "half_unused"), (256, 96, 24, 13, 8, "uniform"), (5, 32, 8, 3, 3, "uniform"),
-         (17, 72, 40, 128, 8, "uniform")]
+CASES = [
+    (1, 64, 32, 4, 2, "uniform"),
+    (7, 48, 16, 5, 1, "uniform"),
+    (7, 40, 24, 6, 3, "one_group"),
+    (33, 64, 32, 13, 5, "half_unused"),
+    (256, 96, 24, 13, 8, "uniform"),
+    (5, 32, 8, 3, 3, "uniform"),
+    (17, 72, 40, 128, 8, "uniform"),
+]
 
 
 def _problem(T, H, I, E, K, routing, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed + T * 31 + E)
     x = torch.randn(T, H, generator=gen).to(dtype)
-    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(dtype)
-    down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dtype)
     w, ids = torch.rand(T, E, generator=gen).softmax(-1).topk(K, dim=-1)
     if routing == "one_group":
-        ids = torch.arange(K).repeat(T, 1)          # all tokens to the same K experts
-    elif routing == "half_unused":                  # odd experts receive no tokens
+        ids = torch.arange(K).repeat(T, 1)  # all tokens to the same K experts
+    elif routing == "half_unused":  # odd experts receive no tokens
         ids = torch.rand(T, (E + 1) // 2, generator=gen).topk(K, dim=-1).indices * 2
     return x, gate_up, down, w.contiguous(), ids.contiguous()
 
@@ -60,7 +66,7 @@ def test_native_loop_close_to_reference(C, case, dtype):
     # bf16: an order change can flip an intermediate bf16 rounding (2^-8 relative) → rel L2 1e-2.
     x, gate_up, down, w, ids = _problem(*case, dtype)
     y, out = _native_loop(C, x, gate_up, down, w, ids, 1)
-    assert not torch.isnan(y).any()                      # every pair's row written exactly once
+    assert not torch.isnan(y).any()  # every pair's row written exactly once
     want = reference.moe_experts(x, gate_up, down, w, ids)
     assert _rel_l2(out, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -92,10 +98,14 @@ def test_validation_messages_name_the_argument(C):
     align = ops.moe_align(ids, 4, 1)
     act, y = torch.empty(6, 8), torch.empty(6, 32)
     args = [x, gate_up, down, w, align.counts, align.offsets, align.sorted_pairs, act, y]
-    for i, name, bad in [(1, "gate_up", gate_up.bfloat16()), (2, "down", down[:, :, :4].contiguous()),
-                         (7, "act", torch.empty(5, 8)), (8, "y", torch.empty(6, 31))]:
+    for i, name, bad in [
+        (1, "gate_up", gate_up.bfloat16()),
+        (2, "down", down[:, :, :4].contiguous()),
+        (7, "act", torch.empty(5, 8)),
+        (8, "y", torch.empty(6, 31)),
+    ]:
         with pytest.raises(ValueError, match=f"`{name}`"):
-            C.moe_experts(*args[:i], bad, *args[i + 1:])
+            C.moe_experts(*args[:i], bad, *args[i + 1 :])
     bad_pairs = align.sorted_pairs.clone()
     bad_pairs[0] = 99
     with pytest.raises(ValueError, match="sorted_pairs"):
@@ -108,9 +118,12 @@ def _cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] % 8 == 0 and c[2] % 8 == 0]
-                         + [(256, 2816, 704, 128, 8, "uniform"), (1024, 256, 64, 128, 8, "one_group")],
-                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c[1] % 8 == 0 and c[2] % 8 == 0]
+    + [(256, 2816, 704, 128, 8, "uniform"), (1024, 256, 64, 128, 8, "one_group")],
+    ids=lambda c: "-".join(map(str, c)),
+)
 def test_cuda_bf16_close_to_reference(C, case):
     _cuda()
     x, gate_up, down, w, ids = _problem(*case, torch.bfloat16)

@@ -1,4 +1,5 @@
 """moe_route: on CPU the native op is bit-identical to reference.moe_route (fp32 and bf16), ties included."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,17 @@ from dgserve.ops import moe, reference
 
 # (tokens, hidden, experts, top_k): 1 and 7 tokens, E not a power of two, k = 1 and 8, k = E, the partial_sort
 # branch of torch's topk (k·64 <= E) and the nth_element one.
-SHAPES = [(1, 64, 4, 2), (7, 48, 5, 1), (7, 40, 6, 3), (33, 64, 128, 8), (256, 96, 13, 8), (5, 32, 7, 7),
-          (3, 24, 129, 8), (9, 16, 200, 1), (2, 16, 1000, 8)]
+SHAPES = [
+    (1, 64, 4, 2),
+    (7, 48, 5, 1),
+    (7, 40, 6, 3),
+    (33, 64, 128, 8),
+    (256, 96, 13, 8),
+    (5, 32, 7, 7),
+    (3, 24, 129, 8),
+    (9, 16, 200, 1),
+    (2, 16, 1000, 8),
+]
 
 
 def _router(T, H, E, dtype, gen, device="cpu"):
@@ -130,8 +140,9 @@ def test_validation_messages_name_the_argument(C):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 64, 4, 2), (7, 48, 5, 1), (33, 64, 128, 8), (300, 96, 13, 8)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(1, 64, 4, 2), (7, 48, 5, 1), (33, 64, 128, 8), (300, 96, 13, 8)], ids=lambda s: "x".join(map(str, s))
+)
 def test_cuda_close_to_reference(C, shape, dtype):
     if not (torch.cuda.is_available() and ops._cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
@@ -144,8 +155,9 @@ def test_cuda_close_to_reference(C, shape, dtype):
     # compare the weights per selected expert where both picked it, and the id sets.
     same = (ids.cpu() == ids_ref).float().mean().item()
     assert same >= (0.97 if dtype == torch.bfloat16 else 0.995), same
-    torch.testing.assert_close(w.cpu().sum(-1), w_ref.sum(-1), rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
-                               atol=1e-3)
+    torch.testing.assert_close(
+        w.cpu().sum(-1), w_ref.sum(-1), rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-3
+    )
     for _ in range(10):  # determinism
         w2, ids2 = ops.moe_route(*[a.cuda() for a in args], K, 1e-6)
         assert torch.equal(w2, w) and torch.equal(ids2, ids)

@@ -9,12 +9,13 @@ gelu's 1 + tanh cancels, and torch's and CUDA's tanhf may give 0 vs one ulp of 1
 float64 model: rel L2 ≤ 6e-3 and the rigorous per-element bound (test_nvfp4_moe_experts.py says why T5's 3e-3
 does not hold at small I).
 """
+
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 
 pytestmark = pytest.mark.cuda
@@ -27,12 +28,14 @@ def test_device_decode_exhaustive_is_bit_exact():
         words, scales = ops.nvfp4_repack(weight, scale, interleave)
         cpu = ops.nvfp4_decode(words, scales)
         gpu = ops.nvfp4_decode(words.cuda(), scales.cuda())
-        assert torch.equal(gpu.cpu().view(torch.int16), cpu.view(torch.int16))    # same bits, not just values
+        assert torch.equal(gpu.cpu().view(torch.int16), cpu.view(torch.int16))  # same bits, not just values
     g = torch.Generator().manual_seed(0)
-    words = torch.randint(-2 ** 31, 2 ** 31, (2, 8, 3, 128), generator=g, dtype=torch.int64).to(torch.int32)
+    words = torch.randint(-(2**31), 2**31, (2, 8, 3, 128), generator=g, dtype=torch.int64).to(torch.int32)
     scales = torch.randint(0, 143, (2, 8, 3, 64), generator=g, dtype=torch.int64).to(torch.uint8)
-    assert torch.equal(ops.nvfp4_decode(words.cuda(), scales.cuda()).cpu().view(torch.int16),
-                       ops.nvfp4_decode(words, scales).view(torch.int16))
+    assert torch.equal(
+        ops.nvfp4_decode(words.cuda(), scales.cuda()).cpu().view(torch.int16),
+        ops.nvfp4_decode(words, scales).view(torch.int16),
+    )
 
 
 @pytest.mark.parametrize("E,N,K", [(3, 48, 40), (2, 1408, 2816), (2, 2816, 704)])
@@ -42,7 +45,7 @@ def test_device_repack_equals_cpu(E, N, K):
     for interleave in (False, True):
         cpu = ops.nvfp4_repack(weight, scale, interleave)
         gpu = ops.nvfp4_repack(weight.cuda(), scale.cuda(), interleave)
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu, strict=True))
 
 
 _PACKED: dict = {}
@@ -68,10 +71,13 @@ def _run_cuda(x, packed, weights, ids, block_size=8):
 
 # (E, H, I, T, K, experts used): T11 edge cases
 GPU_CASES = [
-    (5, 64, 40, 1, 2, None), (5, 64, 40, 7, 2, [0, 3]), (8, 48, 24, 7, 8, None), (3, 64, 32, 33, 1, [1]),
-    (16, 256, 128, 257, 4, None),            # two token chunks for most experts
+    (5, 64, 40, 1, 2, None),
+    (5, 64, 40, 7, 2, [0, 3]),
+    (8, 48, 24, 7, 8, None),
+    (3, 64, 32, 33, 1, [1]),
+    (16, 256, 128, 257, 4, None),  # two token chunks for most experts
     (16, 256, 128, 300, 8, list(range(8))),  # every token on the same 8 experts: 300 tokens each
-    (128, 2816, 704, 7, 8, None),            # the 26B shapes
+    (128, 2816, 704, 7, 8, None),  # the 26B shapes
 ]
 
 
@@ -85,18 +91,18 @@ def test_cuda_gemms_match_cpu_reference(case):
     torch.cuda.synchronize()
     assert not y.isnan().any()
     cpu_align = ops.moe_align(ids, E, 8)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(align, cpu_align))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(align, cpu_align, strict=True))
     want = nvfp4.expert_outputs(x, cpu, weights, cpu_align.offsets, cpu_align.sorted_pairs)
     assert cases.rel_l2(y.cpu(), want) <= 1e-3
     valid = (cpu_align.sorted_pairs >= 0) & (cpu_align.sorted_pairs < T * K)
     slots = valid.nonzero().squeeze(1)
     pairs = cpu_align.sorted_pairs[slots].long()
-    ref_act = torch.empty(len(slots), I, dtype=torch.bfloat16)   # the reference's GEMM1 output, by slot
-    gate_up = torch.empty(len(slots), I)                          # |gate · up|: fp32 gelu's 1 + tanh cancels
+    ref_act = torch.empty(len(slots), I, dtype=torch.bfloat16)  # the reference's GEMM1 output, by slot
+    gate_up = torch.empty(len(slots), I)  # |gate · up|: fp32 gelu's 1 + tanh cancels
     for e in range(E):
         sel = (slots >= cpu_align.offsets[e]) & (slots < cpu_align.offsets[e + 1])
         if sel.any():
-            one = nvfp4.PackedExperts(*(t[e:e + 1] for t in cpu[:5]), H, I)
+            one = nvfp4.PackedExperts(*(t[e : e + 1] for t in cpu[:5]), H, I)
             wg = nvfp4.decode_repacked(one.w13, one.s13)[0][torch.argsort(nvfp4.interleave_rows(2 * I)), :H]
             gu = x[pairs[sel] // K].float() @ wg.T
             a = torch.nn.functional.gelu(gu[:, :I] * one.gs[0, 0], approximate="tanh") * (gu[:, I:] * one.gs[0, 1])
@@ -126,15 +132,15 @@ def test_cuda_determinism_and_graph_capture():
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
     ids, weights = ids.cuda(), weights.cuda()
     first = ops.nvfp4_moe_experts(x, gpu, weights, ids)
-    for _ in range(10):                                            # T10: bit-identical runs
+    for _ in range(10):  # T10: bit-identical runs
         assert torch.equal(ops.nvfp4_moe_experts(x, gpu, weights, ids), first)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.nvfp4_moe_experts(x, gpu, weights, ids)                # warm-up outside capture
+        ops.nvfp4_moe_experts(x, gpu, weights, ids)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):                                  # no host sync, no allocation inside the op
+    with torch.cuda.graph(graph):  # no host sync, no allocation inside the op
         captured = ops.nvfp4_moe_experts(x, gpu, weights, ids)
     graph.replay()
     torch.cuda.synchronize()

@@ -16,12 +16,13 @@ relative L2 over the whole output), each with its reason:
   T5's rtol/atol (an element that is a cancelling sum of large terms carries their rounding errors: measured
   up to 1.4 % of rms(ref)), the rigorous worst-case bound of nvfp4_cases.exact_moe(with_bound=True).
 """
+
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 from dgserve.ops import reference
 
@@ -35,10 +36,10 @@ def C():
 
 # (E, H, I, T, K, experts used): odd shapes (kernels.md §9.9 T11)
 CASES = [
-    (5, 64, 40, 1, 2, None),        # one token; GEMM2's K = I = 40 is not a multiple of 16 (zero-padded to 48)
-    (5, 64, 40, 7, 2, [0, 3]),      # 7 tokens on 2 of 5 experts: three experts get no tokens
-    (8, 48, 24, 7, 8, None),        # k = E = 8; I = 24
-    (3, 64, 32, 33, 1, [1]),        # every token on one expert, k = 1
+    (5, 64, 40, 1, 2, None),  # one token; GEMM2's K = I = 40 is not a multiple of 16 (zero-padded to 48)
+    (5, 64, 40, 7, 2, [0, 3]),  # 7 tokens on 2 of 5 experts: three experts get no tokens
+    (8, 48, 24, 7, 8, None),  # k = E = 8; I = 24
+    (3, 64, 32, 33, 1, [1]),  # every token on one expert, k = 1
     (6, 128, 64, 20, 3, None),
 ]
 _LAYERS: dict = {}
@@ -97,7 +98,7 @@ def test_native_cpu_loop_matches_reference(C, case):
     _, _, _, packed, x, weights, ids = setup(*case)
     y, act, align = native_y(C, x, packed, weights, ids)
     want = nvfp4.expert_outputs(x, packed, weights, align.offsets, align.sorted_pairs)
-    assert not y.isnan().any()                                   # every pair's row written
+    assert not y.isnan().any()  # every pair's row written
     assert cases.rel_l2(y, want) <= 1e-3
     counts = align.counts.tolist()
     assert not act[: sum(counts)].isnan().any()
@@ -105,7 +106,7 @@ def test_native_cpu_loop_matches_reference(C, case):
     y8, act8, align8 = native_y(C, x, packed, weights, ids, block_size=8)
     assert torch.equal(y8, y)
     pad = align8.sorted_pairs >= T * K
-    assert act8[pad[: act8.shape[0]]].isnan().all()              # padding slots are skipped, not computed
+    assert act8[pad[: act8.shape[0]]].isnan().all()  # padding slots are skipped, not computed
 
 
 def test_extreme_scales_and_large_activations(C):
@@ -114,12 +115,12 @@ def test_extreme_scales_and_large_activations(C):
     gate, up, down = cases.layer(E, H, I, seed=3)
     g = torch.Generator().manual_seed(4)
     w = torch.randn(I, H, generator=g)
-    w[0] *= 1e5                                                    # sets amax: its blocks get 448
-    w[1:4] *= 1e-3                                                 # clamp to 2^-9 (codes mostly 0)
+    w[0] *= 1e5  # sets amax: its blocks get 448
+    w[1:4] *= 1e-3  # clamp to 2^-9 (codes mostly 0)
     q = nvfp4.quantize(w)
-    gate = tuple(torch.stack([a, b]) for a, b in zip(q, (gate[0][1], gate[1][1], gate[2][1])))
+    gate = tuple(torch.stack([a, b]) for a, b in zip(q, (gate[0][1], gate[1][1], gate[2][1]), strict=True))
     raw = gate[1].view(torch.uint8)
-    assert int(raw.max()) == 0x7E and int(raw.min()) == 0x01 and bool((raw < 8).any())   # 448, 2^-9, subnormals
+    assert int(raw.max()) == 0x7E and int(raw.min()) == 0x01 and bool((raw < 8).any())  # 448, 2^-9, subnormals
     packed = nvfp4.pack_experts(gate, up, down)
     ids, weights = cases.routing(T, E, K, 1)
     x = (torch.randn(T, H, generator=g) * 1e4).bfloat16()
@@ -161,9 +162,14 @@ def test_validation_names_the_argument(C):
     y = torch.empty(T * K, 64)
     args = [x, *packed[:5], weights, align.offsets, align.sorted_pairs, act, y]
     bad = {
-        "x": x.half(), "s13": packed.s13[..., :32], "w2": packed.w2[:4], "gs": packed.gs[:, :2],
-        "weights": weights[:, :1].contiguous().double(), "offsets": align.offsets[:-1],
-        "act": act[:, :8], "y": y[:, :32],
+        "x": x.half(),
+        "s13": packed.s13[..., :32],
+        "w2": packed.w2[:4],
+        "gs": packed.gs[:, :2],
+        "weights": weights[:, :1].contiguous().double(),
+        "offsets": align.offsets[:-1],
+        "act": act[:, :8],
+        "y": y[:, :32],
     }
     names = ["x", "w13", "s13", "w2", "s2", "gs", "weights", "offsets", "sorted_pairs", "act", "y"]
     for name, value in bad.items():

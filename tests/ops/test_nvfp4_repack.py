@@ -5,12 +5,13 @@ the native decode runs the kernels' own fragment code (csrc/ops/nvfp4_layout.h) 
 E2M1 · s · 2^-7 for every code and every finite E4M3 scale (kernels.md §9.9 T1/T2 on the CPU; the device
 versions are in test_nvfp4_cuda.py).
 """
+
 from __future__ import annotations
 
+import nvfp4_cases as cases
 import pytest
 import torch
 
-import nvfp4_cases as cases
 from dgserve import nvfp4, ops
 
 
@@ -25,7 +26,7 @@ def expected_operands(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tens
     """E2M1 · s · 2^-7 in float64 from the bits, rows in packed order → fp32 (exact) [128, 256]."""
     vals = torch.tensor([cases.e2m1_f64(c) for c in range(16)], dtype=torch.float64)[codes.long()]
     s = torch.tensor([cases.e4m3_f64(b) for b in range(256)], dtype=torch.float64)[scale.long()]
-    return (vals * s.repeat_interleave(16, dim=1) * 2.0 ** -7)[rows].float()
+    return (vals * s.repeat_interleave(16, dim=1) * 2.0**-7)[rows].float()
 
 
 def test_scale_codes_exhaustive():
@@ -34,7 +35,7 @@ def test_scale_codes_exhaustive():
     assert codes[0] == 0 and int(codes.max()) <= 142
     want = torch.tensor([cases.e4m3_f64(b) for b in range(0x7F)], dtype=torch.float64)
     assert torch.equal(nvfp4.decode_scale_codes(codes[1:]).double(), want[1:])
-    bits = (codes[1:].int() << 4) + 0x7680                       # bf16 of s · 2^119: always normal, never inf
+    bits = (codes[1:].int() << 4) + 0x7680  # bf16 of s · 2^119: always normal, never inf
     assert bool(((bits >> 7) >= 237).all() and ((bits >> 7) <= 254).all())
 
 
@@ -45,19 +46,19 @@ def test_decode_exhaustive_all_codes_all_scales(C, interleave):
     assert words.shape == (1, 8, 4, 128) and scales.shape == (1, 8, 4, 64)
     rows = nvfp4.interleave_rows(128) if interleave else torch.arange(128)
     want = expected_operands(codes, raw, rows)
-    got = ops.nvfp4_decode(words, scales)[0]                     # the kernels' fragment decode, on the CPU
+    got = ops.nvfp4_decode(words, scales)[0]  # the kernels' fragment decode, on the CPU
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.float(), want), "native decode is not E2M1·s·2^-7"
-    assert torch.equal(nvfp4.decode_repacked(words, scales)[0] * 2.0 ** -7, want)
+    assert torch.equal(nvfp4.decode_repacked(words, scales)[0] * 2.0**-7, want)
     nonzero = want != 0
-    assert bool((got.float()[nonzero].abs() >= 2.0 ** -17).all())    # smallest product 0.5·2^-9·2^-7: no flush
+    assert bool((got.float()[nonzero].abs() >= 2.0**-17).all())  # smallest product 0.5·2^-9·2^-7: no flush
 
 
 @pytest.mark.parametrize("E,N,K", [(1, 16, 16), (3, 48, 40), (2, 32, 80), (2, 64, 144), (1, 16, 2816)])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_native_repack_equals_reference_and_round_trips(C, E, N, K, interleave):
     weight, scale, scale_2 = cases.quantized(E, N, K, seed=N + K)
-    scale.view(torch.uint8)[0, 0, 0] = 0                         # a zero block scale: its codes must vanish
+    scale.view(torch.uint8)[0, 0, 0] = 0  # a zero block scale: its codes must vanish
     words, scales = ops.nvfp4_repack(weight, scale, interleave)
     ref_words, ref_scales = nvfp4.repack(weight, scale, interleave)
     assert words.dtype == torch.int32 and scales.dtype == torch.uint8
@@ -69,7 +70,7 @@ def test_native_repack_equals_reference_and_round_trips(C, E, N, K, interleave):
         want = nvfp4.dequantize(weight[e], scale[e], torch.tensor(1.0))[rows]
         assert torch.equal(dec[e, :, :kp], want)
         assert not dec[e, :, kp:].any()
-        assert torch.equal(ops.nvfp4_decode(words, scales)[e].float(), dec[e] * 2.0 ** -7)
+        assert torch.equal(ops.nvfp4_decode(words, scales)[e].float(), dec[e] * 2.0**-7)
 
 
 def test_unpermuted_scales_must_fail(C):
@@ -92,7 +93,7 @@ def test_real_26b_expert_shapes(C):
     assert torch.equal(w13, ref[0]) and torch.equal(s13, ref[1])
     w2, s2 = ops.nvfp4_repack(down[0], down[1])
     assert w2.shape == (1, 176, 11, 128)
-    assert torch.equal(nvfp4.decode_repacked(w2, s2)[0], nvfp4.dequantize(down[0][0], down[1][0], torch.tensor(1.)))
+    assert torch.equal(nvfp4.decode_repacked(w2, s2)[0], nvfp4.dequantize(down[0][0], down[1][0], torch.tensor(1.0)))
 
 
 def test_pack_experts_layout(C):
@@ -101,7 +102,7 @@ def test_pack_experts_layout(C):
     assert (packed.hidden, packed.inter) == (64, 40)
     assert packed.w13.shape == (3, 5, 1, 128) and packed.w2.shape == (3, 4, 1, 128)
     assert torch.equal(packed.gs, torch.stack([gate[2], up[2], down[2]], 1))
-    assert bool((packed.gs[:, 1] > 5 * packed.gs[:, 0]).all())      # gate and up keep their own global scales
+    assert bool((packed.gs[:, 1] > 5 * packed.gs[:, 0]).all())  # gate and up keep their own global scales
 
 
 def test_rejects_bad_scales_and_shapes(C):
@@ -117,8 +118,7 @@ def test_rejects_bad_scales_and_shapes(C):
     with pytest.raises(ValueError, match="`scales`"):
         C.nvfp4_repack(weight, scale.view(torch.uint8), 0, words, torch.empty(1, 1, 1, 63, dtype=torch.uint8))
     with pytest.raises(ValueError, match="`words`"):
-        C.nvfp4_repack(weight, scale.view(torch.uint8), 0, words[..., :64], torch.empty(1, 1, 1, 64,
-                                                                                       dtype=torch.uint8))
+        C.nvfp4_repack(weight, scale.view(torch.uint8), 0, words[..., :64], torch.empty(1, 1, 1, 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="interleav"):
         C.nvfp4_repack(weight, scale.view(torch.uint8), 4, words, torch.empty(1, 1, 1, 64, dtype=torch.uint8))
 
@@ -128,4 +128,4 @@ def test_reference_without_extension_is_identical(C):
     native = ops.nvfp4_repack(weight, scale, True)
     with ops.native_disabled():
         ref = ops.nvfp4_repack(weight, scale, True)
-    assert all(torch.equal(a, b) for a, b in zip(native, ref))
+    assert all(torch.equal(a, b) for a, b in zip(native, ref, strict=True))

@@ -1,5 +1,6 @@
 """Philox4x32-10 known answers (spec §7.2), the contract's float32 log dg_logf and the Gumbel transform
 (spec §7.5-§7.6): the torch reference, and the C++ routines through _C's test hooks."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,30 +10,62 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-
 # spec §7.2: (counter c0..c3, key k0 k1, output)
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
     ((0, 0, 0, 0), (0x000004D2, 0), (0x2090B348, 0xDA7CF0AB, 0x4401906F, 0xCBCA470E)),
     ((5, 0, 3, 14), (0x89ABCDEF, 0x01234567), (0xCDD96916, 0xAD9A428D, 0xA09F98A6, 0x32E5EF99)),
 ]
 
 # spec §7.5 worked example: seed 1234, b = 0, k = 48, p = 0 → words r for v = 0..7, then the extremes r = ~0, 0
-WORDS = [0xE61E225D, 0x4CD058FF, 0x2A0B4854, 0xE8025B7D, 0x7F488A93, 0xEFDA1CD5, 0x7B446E4A, 0x88F5337D,
-         0xFFFFFFFF, 0x00000000]
-G_ONCE_ROUNDED = [2.2387991, -0.185476884, -0.591368437, 2.31871033, 0.358445674, 2.73098063, 0.313585192,
-                  0.469196707, 16.6355324, -2.81154084]  # the table's "correctly rounded" column + extremes
-G_TORCH = [2.2387991, -0.185476854, -0.591368496, 2.31871033, 0.358445674, 2.73098063, 0.313585162,
-           0.469196677]  # the table's torch CPU fp32 column
+WORDS = [
+    0xE61E225D,
+    0x4CD058FF,
+    0x2A0B4854,
+    0xE8025B7D,
+    0x7F488A93,
+    0xEFDA1CD5,
+    0x7B446E4A,
+    0x88F5337D,
+    0xFFFFFFFF,
+    0x00000000,
+]
+G_ONCE_ROUNDED = [
+    2.2387991,
+    -0.185476884,
+    -0.591368437,
+    2.31871033,
+    0.358445674,
+    2.73098063,
+    0.313585192,
+    0.469196707,
+    16.6355324,
+    -2.81154084,
+]  # the table's "correctly rounded" column + extremes
+G_TORCH = [
+    2.2387991,
+    -0.185476854,
+    -0.591368496,
+    2.31871033,
+    0.358445674,
+    2.73098063,
+    0.313585162,
+    0.469196677,
+]  # the table's torch CPU fp32 column
 
 
 def _f32_ulps(a, b) -> np.ndarray:
     """Distance in representable float32 steps between same-sign float32 arrays."""
-    return np.abs(np.asarray(a, np.float32).view(np.int32).astype(np.int64)
-                  - np.asarray(b, np.float32).view(np.int32).astype(np.int64))
+    return np.abs(
+        np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+        - np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    )
 
 
 @pytest.mark.parametrize("ctr, key, want", KAT)
@@ -118,8 +151,9 @@ def test_gumbel_worked_example_samples_token_5(C):
     out = ops.diffusion_step(torch.zeros(1, 1, 8), torch.ones(1), seeds, blocks, steps, torch.tensor([1.0]))
     assert out.canvas.tolist() == [[5]] and out.accepted.tolist() == [[True]]
     with ops.native_disabled():
-        assert ops.diffusion_step(torch.zeros(1, 1, 8), torch.ones(1), seeds, blocks, steps,
-                                  torch.tensor([1.0])).canvas.tolist() == [[5]]
+        assert ops.diffusion_step(
+            torch.zeros(1, 1, 8), torch.ones(1), seeds, blocks, steps, torch.tensor([1.0])
+        ).canvas.tolist() == [[5]]
 
 
 def test_gumbel_over_every_u(C):

@@ -1,4 +1,5 @@
 """rms_norm: the native CPU op is bit-identical to reference.rms_norm (torch's sum order reproduced)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 from dgserve import ops
 from dgserve.ops import reference
-
 
 DIMS = [1, 2, 7, 8, 15, 16, 17, 33, 64, 111, 256, 989, 2816, 4097]
 

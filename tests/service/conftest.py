@@ -1,4 +1,5 @@
 """Fixtures: one shared server over a tiny random checkpoint with a BPE tokenizer, stubs, a local engine."""
+
 from __future__ import annotations
 
 import grpc
@@ -8,7 +9,6 @@ from service_helpers import ServerThread, base_config
 from dgserve import Engine
 from dgserve.default_model import write_tiny_random_model
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Helpers for the service tests: a real dgserve server on 127.0.0.1 (ephemeral ports) on its own event loop
 thread, and request builders."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,15 +21,26 @@ def _ensure_stubs() -> None:
         from grpc_tools import protoc
 
         protos = [str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto")]
-        assert protoc.main(["protoc", "-I", str(ROOT / "proto"), f"--python_out={ROOT / 'python'}",
-                            f"--grpc_python_out={ROOT / 'python'}", *protos]) == 0
+        assert (
+            protoc.main(
+                [
+                    "protoc",
+                    "-I",
+                    str(ROOT / "proto"),
+                    f"--python_out={ROOT / 'python'}",
+                    f"--grpc_python_out={ROOT / 'python'}",
+                    *protos,
+                ]
+            )
+            == 0
+        )
 
 
 _ensure_stubs()
 
-from dgserve.v1 import text_generation_pb2 as pb  # noqa: E402
 from dgserve.service.config import ServiceConfig  # noqa: E402
 from dgserve.service.server import Server  # noqa: E402
+from dgserve.v1 import text_generation_pb2 as pb  # noqa: E402
 
 
 class ServerThread:
@@ -64,8 +76,16 @@ class ServerThread:
 
 
 def base_config(model_dir, **kw) -> ServiceConfig:
-    base = dict(model=str(model_dir), host="127.0.0.1", port=0, http_port=0, max_num_seqs=4, max_queue_len=4,
-                drain_timeout=5.0, served_model_name=("tiny", "tiny-alias"))
+    base = dict(
+        model=str(model_dir),
+        host="127.0.0.1",
+        port=0,
+        http_port=0,
+        max_num_seqs=4,
+        max_queue_len=4,
+        drain_timeout=5.0,
+        served_model_name=("tiny", "tiny-alias"),
+    )
     base.update(kw)
     return ServiceConfig(**base)
 

@@ -5,6 +5,7 @@ RSS, threads and open fds read from /proc.
 A stream's outcome is the status its client saw ("OK", "CANCELLED", ...); a storm is healthy when every outcome
 is one a client may legitimately get (``STREAM_CODES``, ``FUZZ_CODES``) and the server survives it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,28 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER_COMMAND = [sys.executable, "-m", "dgserve.service"]
-MODES = ("cancel_at_once", "cancel_after_started", "cancel_after_block", "cancel_at_random", "client_break",
-         "deadline", "abort", "complete")
+MODES = (
+    "cancel_at_once",
+    "cancel_after_started",
+    "cancel_after_block",
+    "cancel_at_random",
+    "client_break",
+    "deadline",
+    "abort",
+    "complete",
+)
 STREAM_CODES = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
-FUZZ_CODES = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED",
-              "UNAUTHENTICATED", "CANCELLED", "DEADLINE_EXCEEDED"}
+FUZZ_CODES = {
+    "OK",
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "UNIMPLEMENTED",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+}
 
 
 class ServerProcess:
@@ -39,8 +57,25 @@ class ServerProcess:
     def __init__(self, model_dir, *extra: str, ready_timeout: float = 120):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
-            [*SERVER_COMMAND, "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-             "--served-model-name", "tiny", *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+            [
+                *SERVER_COMMAND,
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--served-model-name",
+                "tiny",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.port = self.http_port = None
         self._listening = threading.Event()
@@ -92,15 +127,22 @@ def process_stats(pid: int) -> dict:
         for line in f:
             key, _, value = line.partition(":")
             fields[key] = value.split()
-    return {"rss_mb": round(int(fields["VmRSS"][0]) / 1024, 1), "threads": int(fields["Threads"][0]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {
+        "rss_mb": round(int(fields["VmRSS"][0]) / 1024, 1),
+        "threads": int(fields["Threads"][0]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- streams
 
+
 def stream_request(i: int, request_id: str = "", max_new_tokens: int = 48) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, prompt=f"storm {i}", params=pb.SamplingParams(
-        max_new_tokens=max_new_tokens, max_denoising_steps=4, seed=i, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt=f"storm {i}",
+        params=pb.SamplingParams(max_new_tokens=max_new_tokens, max_denoising_steps=4, seed=i, ignore_eos=True),
+    )
 
 
 def one_stream(stub, client: Client, mode: str, i: int, rng: random.Random) -> str:
@@ -168,8 +210,15 @@ def storm(stub, target: str, n: int, concurrency: int = 16, seed: int = 0) -> Co
 
 def seeded_tokens(stub) -> list[int]:
     """The tokens of one fixed seeded request (to compare before and after a storm)."""
-    events = list(stub.Generate(pb.GenerateRequest(prompt="the same seeded request", params=pb.SamplingParams(
-        max_new_tokens=48, max_denoising_steps=4, seed=1234, ignore_eos=True)), timeout=60))
+    events = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt="the same seeded request",
+                params=pb.SamplingParams(max_new_tokens=48, max_denoising_steps=4, seed=1234, ignore_eos=True),
+            ),
+            timeout=60,
+        )
+    )
     return [t for e in events if e.HasField("block") for t in e.block.token_ids]
 
 
@@ -185,23 +234,35 @@ def malformed_call(channel, rng: random.Random) -> str:
     method = rng.choice(_METHODS)
     metadata = _odd_metadata(rng)
     try:
-        if kind == 0:     # raw bytes that may not parse at all
+        if kind == 0:  # raw bytes that may not parse at all
             data = rng.randbytes(rng.randrange(0, 64))
             _raw(channel, method, data, metadata)
-        elif kind == 1:   # a valid message with hostile identifiers
+        elif kind == 1:  # a valid message with hostile identifiers
             rid = rng.choice(_NASTY)
-            msg = (pb.AbortRequest(request_id=rid) if method == "Abort" else
-                   pb.GenerateRequest(request_id=rid, prompt=rng.choice(_NASTY) or "x",
-                                      params=pb.SamplingParams(max_new_tokens=1, max_denoising_steps=1, seed=1)))
+            msg = (
+                pb.AbortRequest(request_id=rid)
+                if method == "Abort"
+                else pb.GenerateRequest(
+                    request_id=rid,
+                    prompt=rng.choice(_NASTY) or "x",
+                    params=pb.SamplingParams(max_new_tokens=1, max_denoising_steps=1, seed=1),
+                )
+            )
             _raw(channel, "Abort" if method == "Abort" else "Generate", msg.SerializeToString(), metadata)
-        elif kind == 2:   # absurd knobs and inputs
-            req = pb.GenerateRequest(prompt=rng.choice(["", "hi", "x" * 5000]), params=pb.SamplingParams(
-                max_new_tokens=rng.choice([0, 1, 2**32 - 1]), max_denoising_steps=rng.choice([0, 1, 10**6]),
-                t_min=rng.choice([-1.0, float("nan"), 0.1]), seed=1))
+        elif kind == 2:  # absurd knobs and inputs
+            req = pb.GenerateRequest(
+                prompt=rng.choice(["", "hi", "x" * 5000]),
+                params=pb.SamplingParams(
+                    max_new_tokens=rng.choice([0, 1, 2**32 - 1]),
+                    max_denoising_steps=rng.choice([0, 1, 10**6]),
+                    t_min=rng.choice([-1.0, float("nan"), 0.1]),
+                    seed=1,
+                ),
+            )
             if rng.random() < 0.3:
                 req.token_ids.ids.extend(rng.randrange(0, 2**32) for _ in range(rng.randrange(0, 8)))
             _raw(channel, "Generate", req.SerializeToString(), metadata)
-        else:             # Tokenize of odd text and chats
+        else:  # Tokenize of odd text and chats
             req = pb.TokenizeRequest(prompt="".join(rng.choice(string.printable + "\x00é") for _ in range(50)))
             if rng.random() < 0.5:
                 req.chat.messages.add(role=rng.choice(["user", "robot", ""]), content=rng.choice(_NASTY))

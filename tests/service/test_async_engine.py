@@ -1,5 +1,6 @@
 """AsyncEngine and Engine scheduling without gRPC: slow consumers (§10 row 16), chunked prefill (row 19),
 deadlines in the queue, abort bookkeeping."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,8 @@ def test_slow_reader_keeps_every_block_and_drops_drafts(model_dir):
         ae.start()
         p = SamplingParams(max_new_tokens=80, max_denoising_steps=6, seed=3, ignore_eos=True)
         stream = await ae.submit([2, 40, 41], p, drafts=DraftSpec())
-        while engine.has_unfinished():          # the reader sleeps while the request runs to the end
+        # the reader sleeps while the request runs to the end (polling the engine thread: no event to await)
+        while engine.has_unfinished():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         events = [e async for e in stream]
@@ -49,10 +51,11 @@ def test_slow_reader_keeps_every_block_and_drops_drafts(model_dir):
     events = run(main())
     blocks = [e for e in events if isinstance(e, BlockOutput)]
     assert [b.index for b in blocks] == list(range(5)) and isinstance(events[-1], Finished)
-    ref = engine.generate([2, 40, 41], SamplingParams(max_new_tokens=80, max_denoising_steps=6, seed=3,
-                                                       ignore_eos=True))
+    ref = engine.generate(
+        [2, 40, 41], SamplingParams(max_new_tokens=80, max_denoising_steps=6, seed=3, ignore_eos=True)
+    )
     assert [t for b in blocks for t in b.token_ids] == ref.token_ids
-    assert obs.dropped >= 20          # 5 blocks × 5 drafts each, all but the unread last one replaced or cleared
+    assert obs.dropped >= 20  # 5 blocks × 5 drafts each, all but the unread last one replaced or cleared
 
 
 def test_stalled_reader_is_aborted(model_dir):
@@ -65,12 +68,12 @@ def test_stalled_reader_is_aborted(model_dir):
         p = SamplingParams(max_new_tokens=16 * 250, max_denoising_steps=2, seed=1, ignore_eos=True)
         stream = await ae.submit([2, 5], p)
         t0 = time.monotonic()
-        while engine.has_unfinished() and time.monotonic() - t0 < 30:
+        while engine.has_unfinished() and time.monotonic() - t0 < 30:  # noqa: ASYNC110 - polls the engine thread
             await asyncio.sleep(0.05)
         got = []
         with pytest.raises(StreamStalledError):
             async for e in stream:
-                got.append(e)
+                got.append(e)  # noqa: PERF401 - a comprehension would lose what arrived before the error
         await ae.stop()
         return got
 
@@ -83,8 +86,9 @@ def test_chunked_prefill_equals_whole_prompt(model_dir):
     prompt = [2] + [(7 * i) % 290 + 5 for i in range(300)]
     p = SamplingParams(max_new_tokens=32, max_denoising_steps=5, seed=4, ignore_eos=True)
     whole = Engine.from_pretrained(model_dir).generate(prompt, p)
-    chunked = Engine.from_pretrained(model_dir, scheduler_config=SchedulerConfig(prefill_chunk=64,
-                                                                                max_prefill_tokens=64))
+    chunked = Engine.from_pretrained(
+        model_dir, scheduler_config=SchedulerConfig(prefill_chunk=64, max_prefill_tokens=64)
+    )
     assert chunked.generate(prompt, p).token_ids == whole.token_ids
 
 

@@ -1,4 +1,5 @@
 """dgserve.client (sync and asyncio) and the ``dgserve`` CLI against the shared server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,10 @@ def test_sync_client(server, local_engine):
 def test_async_client(server):
     async def go():
         async with AsyncClient(server.target) as c:
-            kinds = [e.WhichOneof("event") async for e in c.generate(token_ids=[2, 7, 8], max_new_tokens=20,
-                                                                     max_denoising_steps=2, seed=1)]
+            kinds = [
+                e.WhichOneof("event")
+                async for e in c.generate(token_ids=[2, 7, 8], max_new_tokens=20, max_denoising_steps=2, seed=1)
+            ]
             res = await c.generate_text("x", max_new_tokens=5, max_denoising_steps=2, seed=1, request_id="async-1")
             return kinds, res, await c.abort("async-1"), await c.tokenize("x"), (await c.model_info()).vocab_size
 
@@ -43,16 +46,49 @@ def test_async_client(server):
 
 
 def test_cli_generate_streams_blocks_with_progress(server, capsys):
-    assert main(["generate", "hello cli", "--server", server.target, "--max-new-tokens", "40",
-                 "--max-denoising-steps", "3", "--seed", "4", "--ignore-eos"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "hello cli",
+                "--server",
+                server.target,
+                "--max-new-tokens",
+                "40",
+                "--max-denoising-steps",
+                "3",
+                "--seed",
+                "4",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert err.count("[block ") == 3 and "[block 2: 8 tokens, 3 steps" in err
     assert "# finished: length; " in err and "40 generated tokens in 3 blocks" in err
 
 
 def test_cli_generate_json_and_errors(server, capsys):
-    assert main(["generate", "--prompt", "x", "--server", server.target, "--json", "--max-new-tokens", "3",
-                 "--max-denoising-steps", "2", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--server",
+                server.target,
+                "--json",
+                "--max-new-tokens",
+                "3",
+                "--max-denoising-steps",
+                "2",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "started" in events[0] and "finished" in events[-1]
     assert main(["generate", "x", "--server", server.target, "--max-new-tokens", "0"]) == 1
@@ -66,7 +102,23 @@ def test_cli_info(server, capsys):
 
 
 def test_cli_local_mode(model_dir, capsys):
-    assert main(["generate", "hi", "--model", str(model_dir), "--max-new-tokens", "20", "--max-denoising-steps",
-                 "2", "--seed", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "hi",
+                "--model",
+                str(model_dir),
+                "--max-new-tokens",
+                "20",
+                "--max-denoising-steps",
+                "2",
+                "--seed",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["block"] for x in lines] == list(range(len(lines))) and lines[-1]["finish_reason"]

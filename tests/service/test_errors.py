@@ -1,5 +1,6 @@
 """Bad input → status codes (serving.md §10 rows 1-6, 26), with messages naming the field and the bound, and
 google.rpc details; the server keeps serving."""
+
 from __future__ import annotations
 
 import grpc
@@ -28,12 +29,15 @@ def bad_request_field(err) -> str:
     raise AssertionError("no BadRequest detail")
 
 
-@pytest.mark.parametrize("request_kw, field", [
-    (dict(prompt=""), "prompt"),
-    (dict(), "input"),
-    (dict(token_ids=pb.TokenIds()), "token_ids.ids"),
-    (dict(chat=pb.Chat()), "chat.messages"),
-])
+@pytest.mark.parametrize(
+    "request_kw, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(), "input"),
+        (dict(token_ids=pb.TokenIds()), "token_ids.ids"),
+        (dict(chat=pb.Chat()), "chat.messages"),
+    ],
+)
 def test_empty_input_is_invalid_argument(stub, server, request_kw, field):
     """§10 row 1: INVALID_ARGUMENT + BadRequest naming the input; no model work; failure counted."""
     m = server.server.metrics
@@ -45,22 +49,25 @@ def test_empty_input_is_invalid_argument(stub, server, request_kw, field):
     wait_until(lambda: m.value("dgserve_rpc_total", {"method": "Generate", "code": "INVALID_ARGUMENT"}) == before + 1)
 
 
-@pytest.mark.parametrize("knobs, field, bound", [
-    (dict(max_new_tokens=0), "params.max_new_tokens", "[1, 1048576]"),
-    (dict(max_new_tokens=2**31), "params.max_new_tokens", "[1, 1048576]"),
-    (dict(max_denoising_steps=0), "params.max_denoising_steps", "[1, 1024]"),
-    (dict(max_denoising_steps=5000), "params.max_denoising_steps", "[1, 1024]"),
-    (dict(t_min=0.9, t_max=0.5), "params.t_max", "> t_min"),
-    (dict(t_min=-1.0), "params.t_min", ">= 0"),
-    (dict(t_max=float("nan")), "params.t_max", "finite"),
-    (dict(entropy_bound=0.0), "params.entropy_bound", "> 0"),
-    (dict(entropy_bound=-3.0), "params.entropy_bound", "> 0"),
-    (dict(confidence_threshold=0.0), "params.confidence_threshold", "> 0"),
-    (dict(stability_threshold=2000), "params.stability_threshold", "[0, 1024]"),
-    (dict(stop=["s"] * 17), "params.stop", "at most 16"),
-    (dict(stop=["x" * 300]), "params.stop[0]", "at most 256"),
-    (dict(stop=[""]), "params.stop[0]", "non-empty"),
-])
+@pytest.mark.parametrize(
+    "knobs, field, bound",
+    [
+        (dict(max_new_tokens=0), "params.max_new_tokens", "[1, 1048576]"),
+        (dict(max_new_tokens=2**31), "params.max_new_tokens", "[1, 1048576]"),
+        (dict(max_denoising_steps=0), "params.max_denoising_steps", "[1, 1024]"),
+        (dict(max_denoising_steps=5000), "params.max_denoising_steps", "[1, 1024]"),
+        (dict(t_min=0.9, t_max=0.5), "params.t_max", "> t_min"),
+        (dict(t_min=-1.0), "params.t_min", ">= 0"),
+        (dict(t_max=float("nan")), "params.t_max", "finite"),
+        (dict(entropy_bound=0.0), "params.entropy_bound", "> 0"),
+        (dict(entropy_bound=-3.0), "params.entropy_bound", "> 0"),
+        (dict(confidence_threshold=0.0), "params.confidence_threshold", "> 0"),
+        (dict(stability_threshold=2000), "params.stability_threshold", "[0, 1024]"),
+        (dict(stop=["s"] * 17), "params.stop", "at most 16"),
+        (dict(stop=["x" * 300]), "params.stop[0]", "at most 256"),
+        (dict(stop=[""]), "params.stop[0]", "non-empty"),
+    ],
+)
 def test_out_of_range_knobs(stub, knobs, field, bound):
     """§10 row 2: INVALID_ARGUMENT; the message names the field and the bound."""
     err = error_of(stub, pb.GenerateRequest(prompt="hi", params=params(**knobs)))
@@ -94,7 +101,9 @@ def test_request_larger_than_max_message(stub):
     """§10 row 4: RESOURCE_EXHAUSTED from the library (16 MiB limit); the server stays healthy."""
     err = error_of(stub, pb.GenerateRequest(prompt="x" * (17 << 20), params=params()))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.details()
-    assert list(stub.Generate(pb.GenerateRequest(prompt="ok", params=params(max_new_tokens=1))))[-1].HasField("finished")
+    assert list(stub.Generate(pb.GenerateRequest(prompt="ok", params=params(max_new_tokens=1))))[-1].HasField(
+        "finished"
+    )
 
 
 def test_unknown_model_is_not_found(stub):
@@ -106,12 +115,29 @@ def test_unknown_model_is_not_found(stub):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.parametrize("request_kw, field", [
-    (dict(prompt="hi", params=params(n=2)), "params.n"),
-    (dict(chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=[
-        pb.ContentPart(text="look"), pb.ContentPart(image=pb.Media(data=b"\x89PNG", mime_type="image/png"))])]),
-        params=params()), "chat.messages[0].parts[1].image"),
-])
+@pytest.mark.parametrize(
+    "request_kw, field",
+    [
+        (dict(prompt="hi", params=params(n=2)), "params.n"),
+        (
+            dict(
+                chat=pb.Chat(
+                    messages=[
+                        pb.ChatMessage(
+                            role="user",
+                            parts=[
+                                pb.ContentPart(text="look"),
+                                pb.ContentPart(image=pb.Media(data=b"\x89PNG", mime_type="image/png")),
+                            ],
+                        )
+                    ]
+                ),
+                params=params(),
+            ),
+            "chat.messages[0].parts[1].image",
+        ),
+    ],
+)
 def test_unsupported_options_are_unimplemented(stub, request_kw, field):
     """§10 row 6: n > 1 and image parts: UNIMPLEMENTED naming the field."""
     err = error_of(stub, pb.GenerateRequest(**request_kw))

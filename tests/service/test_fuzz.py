@@ -1,5 +1,6 @@
 """Fuzzing the live server: random (often invalid) GenerateRequests and raw malformed bytes. Every call ends with
 an expected status (never INTERNAL from our code), the server stays healthy and its memory stays flat."""
+
 from __future__ import annotations
 
 import gc
@@ -13,8 +14,12 @@ from hypothesis import strategies as st
 
 from dgserve.v1 import text_generation_pb2 as pb
 
-EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.RESOURCE_EXHAUSTED}
+EXPECTED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 
 u32 = st.one_of(st.integers(0, 40), st.integers(0, 2**32 - 1))
@@ -25,14 +30,22 @@ text = st.text(string.printable + "éü漢\u0000\ufffd", max_size=40)
 @st.composite
 def sampling(draw):
     p = pb.SamplingParams()
-    for name, strat in (("max_new_tokens", st.integers(0, 48) | u32), ("max_denoising_steps", st.integers(0, 4) | u32),
-                        ("t_min", f64), ("t_max", f64), ("entropy_bound", f64), ("stability_threshold", u32),
-                        ("confidence_threshold", f64), ("seed", st.integers(0, 2**64 - 1)),
-                        ("ignore_eos", st.booleans()), ("n", st.integers(0, 3))):
+    for name, strat in (
+        ("max_new_tokens", st.integers(0, 48) | u32),
+        ("max_denoising_steps", st.integers(0, 4) | u32),
+        ("t_min", f64),
+        ("t_max", f64),
+        ("entropy_bound", f64),
+        ("stability_threshold", u32),
+        ("confidence_threshold", f64),
+        ("seed", st.integers(0, 2**64 - 1)),
+        ("ignore_eos", st.booleans()),
+        ("n", st.integers(0, 3)),
+    ):
         if draw(st.booleans()):
             setattr(p, name, draw(strat))
     if not p.HasField("max_new_tokens") or p.max_new_tokens > 48:
-        p.max_new_tokens = draw(st.integers(0, 48))       # keep the valid ones cheap
+        p.max_new_tokens = draw(st.integers(0, 48))  # keep the valid ones cheap
     if not p.HasField("max_denoising_steps") or p.max_denoising_steps > 4:
         p.max_denoising_steps = draw(st.integers(0, 4))
     p.stop.extend(draw(st.lists(st.text(max_size=300), max_size=18)))
@@ -41,9 +54,11 @@ def sampling(draw):
 
 @st.composite
 def requests(draw):
-    r = pb.GenerateRequest(request_id=draw(st.text(max_size=300) | st.just("")),
-                           model=draw(st.sampled_from(["", "", "tiny", "tiny-alias", "other"])),
-                           params=draw(sampling()))
+    r = pb.GenerateRequest(
+        request_id=draw(st.text(max_size=300) | st.just("")),
+        model=draw(st.sampled_from(["", "", "tiny", "tiny-alias", "other"])),
+        params=draw(sampling()),
+    )
     kind = draw(st.sampled_from(["prompt", "token_ids", "chat", "none"]))
     if kind == "prompt":
         r.prompt = draw(text)
@@ -51,8 +66,9 @@ def requests(draw):
         r.token_ids.ids.extend(draw(st.lists(st.integers(0, 320) | u32, max_size=30)))
     elif kind == "chat":
         for _ in range(draw(st.integers(0, 3))):
-            m = r.chat.messages.add(role=draw(st.sampled_from(["user", "assistant", "system", "model", "x", ""])),
-                                    content=draw(text))
+            m = r.chat.messages.add(
+                role=draw(st.sampled_from(["user", "assistant", "system", "model", "x", ""])), content=draw(text)
+            )
             if draw(st.booleans()):
                 m.parts.add(text=draw(text))
             if draw(st.integers(0, 5)) == 0:
@@ -85,7 +101,7 @@ def test_fuzz_generate_requests(stub, channel, server):
     one()
     gc.collect()
     rss0 = _rss_mb()
-    one()                                  # the same 800 again: memory must not grow with the work
+    one()  # the same 800 again: memory must not grow with the work
     gc.collect()
     assert _rss_mb() - rss0 < 40
     assert {"OK", "INVALID_ARGUMENT"} <= seen and time.monotonic() - t0 < 120
@@ -110,11 +126,19 @@ def test_fuzz_malformed_bytes(stub, channel, server):
 
 
 def _healthy(stub, channel, server):
-    status = health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service="dgserve.v1.TextGeneration"), timeout=5).status
+    status = (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service="dgserve.v1.TextGeneration"), timeout=5)
+        .status
+    )
     assert status == health_pb2.HealthCheckResponse.SERVING
-    events = list(stub.Generate(pb.GenerateRequest(prompt="still alive", params=pb.SamplingParams(
-        max_new_tokens=8, max_denoising_steps=2, seed=1))))
+    events = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt="still alive", params=pb.SamplingParams(max_new_tokens=8, max_denoising_steps=2, seed=1)
+            )
+        )
+    )
     assert events[-1].HasField("finished")
     deadline = time.monotonic() + 10
     while server.engine.engine.has_unfinished() and time.monotonic() < deadline:

@@ -1,5 +1,6 @@
 """Generate over a real server: stream = Engine.generate for the same seed; inputs; output rules (serving.md §10
 rows 21-24, 27); drafts; Tokenize; GetModelInfo."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -44,13 +45,19 @@ def test_token_ids_and_chat_inputs_equal_engine(stub, local_engine):
     p = params(seed=5)
     _, blocks, _ = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2, 50, 60, 70]), params=p))
     assert [t for b in blocks for t in b.token_ids] == local(local_engine, [2, 50, 60, 70], p).token_ids
-    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hello there"),
-                             pb.ChatMessage(role="assistant", parts=[pb.ContentPart(text="Hi")]),
-                             pb.ChatMessage(role="user", content="How are you?")])
+    chat = pb.Chat(
+        messages=[
+            pb.ChatMessage(role="user", content="Hello there"),
+            pb.ChatMessage(role="assistant", parts=[pb.ContentPart(text="Hi")]),
+            pb.ChatMessage(role="user", content="How are you?"),
+        ]
+    )
     _, blocks, _ = collect(stub, pb.GenerateRequest(chat=chat, params=p))
-    messages = ({"role": "user", "content": "Hello there"},
-                {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]},
-                {"role": "user", "content": "How are you?"})
+    messages = (
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "user", "content": "How are you?"},
+    )
     assert [t for b in blocks for t in b.token_ids] == local(local_engine, ChatPrompt(messages), p).token_ids
 
 
@@ -68,13 +75,16 @@ def test_same_seed_twice_identical_and_random_seed_echoed(stub):
 
 def test_concurrent_streams_equal_alone(stub, local_engine):
     """More streams than running slots (4): batched and queued, each equals its solo run (§10 row 18 in small)."""
-    reqs = [pb.GenerateRequest(prompt=f"request number {i}", params=params(seed=i, max_new_tokens=20 + 7 * i))
-            for i in range(7)]
+    reqs = [
+        pb.GenerateRequest(prompt=f"request number {i}", params=params(seed=i, max_new_tokens=20 + 7 * i))
+        for i in range(7)
+    ]
     with cf.ThreadPoolExecutor(7) as pool:
         results = list(pool.map(lambda r: collect(stub, r), reqs))
-    for req, (_, blocks, fin) in zip(reqs, results):
+    for req, (_, blocks, fin) in zip(reqs, results, strict=True):
         ref = local(local_engine, req.prompt, req.params)
         assert [t for b in blocks for t in b.token_ids] == ref.token_ids
+        assert pb.FinishReason.Name(fin.finish_reason) == f"FINISH_REASON_{ref.finish_reason.upper()}"
 
 
 def test_stop_string_across_block_boundary(stub, local_engine):
@@ -82,7 +92,7 @@ def test_stop_string_across_block_boundary(stub, local_engine):
     p = params(max_new_tokens=48, ignore_eos=True, seed=5)
     free = local(local_engine, "stop test", p)
     cut = len(local_engine.tokenizer.decode(free.blocks[0].token_ids))
-    stop = free.text[cut - 2: cut + 2]
+    stop = free.text[cut - 2 : cut + 2]
     start = free.text.find(stop)
     assert len(stop) == 4 and 0 <= start < cut
     p.stop.append(stop)
@@ -116,8 +126,11 @@ def test_eos_inside_block(stub):
 def test_usage_accounting_and_metrics(stub, server):
     """§10 row 27: prompt + completion = total; completion = sum of block lengths; metrics counters match."""
     m = server.server.metrics
-    before = (m.value("dgserve_generation_tokens_total"), m.value("dgserve_prompt_tokens_total"),
-              m.value("dgserve_request_finish_total", {"reason": "length"}))
+    before = (
+        m.value("dgserve_generation_tokens_total"),
+        m.value("dgserve_prompt_tokens_total"),
+        m.value("dgserve_request_finish_total", {"reason": "length"}),
+    )
     started, blocks, fin = collect(stub, pb.GenerateRequest(prompt="count me", params=params(ignore_eos=True)))
     u = fin.usage
     assert u.prompt_tokens + u.completion_tokens == u.total_tokens
@@ -125,14 +138,20 @@ def test_usage_accounting_and_metrics(stub, server):
     assert u.prompt_tokens == started.prompt_tokens and u.blocks == len(blocks)
     assert u.denoising_steps == sum(b.stats.denoising_steps for b in blocks)
     assert fin.timing.total_ms >= fin.timing.first_block_ms > 0
-    after = (m.value("dgserve_generation_tokens_total"), m.value("dgserve_prompt_tokens_total"),
-             m.value("dgserve_request_finish_total", {"reason": "length"}))
+    after = (
+        m.value("dgserve_generation_tokens_total"),
+        m.value("dgserve_prompt_tokens_total"),
+        m.value("dgserve_request_finish_total", {"reason": "length"}),
+    )
     assert after[0] - before[0] >= 40 and after[1] - before[1] >= u.prompt_tokens and after[2] > before[2]
 
 
 def test_drafts_precede_their_block(stub):
-    req = pb.GenerateRequest(prompt="drafts", params=params(max_new_tokens=32, max_denoising_steps=5),
-                             drafts=pb.DraftOptions(enabled=True, include_text=True))
+    req = pb.GenerateRequest(
+        prompt="drafts",
+        params=params(max_new_tokens=32, max_denoising_steps=5),
+        drafts=pb.DraftOptions(enabled=True, include_text=True),
+    )
     events = list(stub.Generate(req))
     current = 0
     drafts = 0
@@ -148,7 +167,7 @@ def test_drafts_precede_their_block(stub):
 def test_tokenize_matches_generate(stub):
     ids = stub.Tokenize(pb.TokenizeRequest(prompt="the lazy dog")).token_ids
     started, _, _ = collect(stub, pb.GenerateRequest(prompt="the lazy dog", params=params(max_new_tokens=1)))
-    assert started.prompt_tokens == len(ids) and ids[0] == 2     # BOS
+    assert started.prompt_tokens == len(ids) and ids[0] == 2  # BOS
     chat = stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])))
     assert len(chat.token_ids) > 1 and chat.max_model_len == 4096
 
@@ -160,8 +179,16 @@ def test_model_info(stub):
     assert info.has_tokenizer and info.deterministic and list(info.eos_token_ids) == [1]
     assert info.defaults.max_denoising_steps == 48 and info.defaults.t_min == pytest.approx(0.4)
     names = {b.name for b in info.bounds}
-    assert names == {"max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound",
-                     "stability_threshold", "confidence_threshold", "seed"}
+    assert names == {
+        "max_new_tokens",
+        "max_denoising_steps",
+        "t_min",
+        "t_max",
+        "entropy_bound",
+        "stability_threshold",
+        "confidence_threshold",
+        "seed",
+    }
     assert info.max_num_seqs == 4 and info.max_queue_len == 4 and info.max_stop_strings == 16
     alias = list(stub.Generate(pb.GenerateRequest(model="tiny-alias", prompt="a", params=params(max_new_tokens=1))))
     assert alias[-1].HasField("finished")

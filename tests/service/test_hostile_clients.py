@@ -1,6 +1,7 @@
 """Careless and hostile clients (issue 19): huge prompts are rejected with bounded work, identifiers are clean,
 headers are bounded, logs cannot be forged, Abort is scoped to its caller, and every call — denied or expired —
 is logged and counted with its own code."""
+
 from __future__ import annotations
 
 import io
@@ -13,11 +14,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from service_helpers import ServerThread, base_config, long_params, params, wait_until
 
+from dgserve.service.logs import JsonFormatter, TextFormatter
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from dgserve.service.logs import JsonFormatter, TextFormatter
 
-HUGE = "The quick brown fox jumps over the lazy dog. " * 333_334        # 15 MB
+HUGE = "The quick brown fox jumps over the lazy dog. " * 333_334  # 15 MB
 
 
 def error_of(call) -> grpc.RpcError:
@@ -37,14 +38,17 @@ def bad_request_field(err: grpc.RpcError) -> str:
 
 # ---------------------------------------------------------------------------------------------- bounded work
 
+
 @pytest.mark.parametrize("kind", ["generate", "tokenize", "chat"])
 def test_huge_prompt_is_rejected_before_tokenizing(stub, kind):
     """A 15 MB prompt cannot fit 4096 positions: INVALID_ARGUMENT from its byte length (tokenizing it took
     9.5 s and 1.6 GB before); the bound on the time is loose for loaded CPUs, bench/bench_storm.py measures."""
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=HUGE)])
-    call = {"generate": lambda: list(stub.Generate(pb.GenerateRequest(prompt=HUGE, params=params()))),
-            "tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(prompt=HUGE)),
-            "chat": lambda: list(stub.Generate(pb.GenerateRequest(chat=chat, params=params())))}[kind]
+    call = {
+        "generate": lambda: list(stub.Generate(pb.GenerateRequest(prompt=HUGE, params=params()))),
+        "tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(prompt=HUGE)),
+        "chat": lambda: list(stub.Generate(pb.GenerateRequest(chat=chat, params=params()))),
+    }[kind]
     t0 = time.perf_counter()
     err = error_of(call)
     assert time.perf_counter() - t0 < 5
@@ -61,19 +65,21 @@ def test_tokenize_output_is_capped_at_the_context(stub):
 
 # ---------------------------------------------------------------------------------------------- identifiers
 
+
 @pytest.mark.parametrize("rid", ["two\nlines", "nul\x00", "esc\x1b[2J", "sep\u2028", "r" * 257])
 def test_request_id_must_be_short_and_printable(stub, rid):
     """Generate and Abort: INVALID_ARGUMENT naming request_id, without echoing the id."""
-    for call in (lambda: list(stub.Generate(pb.GenerateRequest(request_id=rid, prompt="hi", params=params()))),
-                 lambda: stub.Abort(pb.AbortRequest(request_id=rid))):
+    for call in (
+        lambda: list(stub.Generate(pb.GenerateRequest(request_id=rid, prompt="hi", params=params()))),
+        lambda: stub.Abort(pb.AbortRequest(request_id=rid)),
+    ):
         err = error_of(call)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("request_id: must be 1 to")
         assert bad_request_field(err) == "request_id" and rid not in err.details()
 
 
 def test_request_id_limits_are_exact(stub):
-    events = list(stub.Generate(pb.GenerateRequest(request_id="é" * 256, prompt="hi", params=params(
-        max_new_tokens=1))))
+    events = list(stub.Generate(pb.GenerateRequest(request_id="é" * 256, prompt="hi", params=params(max_new_tokens=1))))
     assert events[-1].request_id == "é" * 256
     assert stub.Abort(pb.AbortRequest(request_id="é" * 256)).outcome == pb.ABORT_OUTCOME_ALREADY_FINISHED
 
@@ -102,6 +108,7 @@ def test_logs_escape_what_they_print():
 
 # ---------------------------------------------------------------------------------------------- auth, ownership
 
+
 @pytest.fixture(scope="module")
 def auth_server(model_dir, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("auth") / "tokens"
@@ -125,13 +132,12 @@ def test_abort_is_scoped_to_its_caller(auth_server):
     other = error_of(lambda: stub.Abort(pb.AbortRequest(request_id="job-1"), metadata=B))
     assert other.code() == never.code() == grpc.StatusCode.NOT_FOUND
     assert other.details() == never.details().replace("job-0", "job-1")
-    assert next(call).HasField("block")                         # A's stream is untouched
+    assert next(call).HasField("block")  # A's stream is untouched
     assert stub.Abort(pb.AbortRequest(request_id="job-1"), metadata=A).outcome == pb.ABORT_OUTCOME_CANCELLED
     assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_CANCELLED
     again = error_of(lambda: stub.Abort(pb.AbortRequest(request_id="job-1"), metadata=B))
     assert again.code() == grpc.StatusCode.NOT_FOUND
-    assert stub.Abort(pb.AbortRequest(request_id="job-1"), metadata=A).outcome == \
-        pb.ABORT_OUTCOME_ALREADY_FINISHED
+    assert stub.Abort(pb.AbortRequest(request_id="job-1"), metadata=A).outcome == pb.ABORT_OUTCOME_ALREADY_FINISHED
 
 
 def test_denied_calls_are_logged_and_counted(auth_server):
@@ -161,13 +167,13 @@ def _capture_access_log() -> io.StringIO:
 
 # ---------------------------------------------------------------------------------------------- accounting
 
+
 def test_deadline_expiry_counts_as_deadline_exceeded(stub, server):
     m = server.server.metrics
     expired = {"method": "Generate", "code": "DEADLINE_EXCEEDED"}
     cancelled = {"method": "Generate", "code": "CANCELLED"}
     before = m.value("dgserve_rpc_total", expired), m.value("dgserve_rpc_total", cancelled)
-    err = error_of(lambda: list(stub.Generate(pb.GenerateRequest(prompt="slow", params=long_params()),
-                                              timeout=0.5)))
+    err = error_of(lambda: list(stub.Generate(pb.GenerateRequest(prompt="slow", params=long_params()), timeout=0.5)))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: m.value("dgserve_rpc_total", expired) == before[0] + 1)
     assert m.value("dgserve_rpc_total", cancelled) == before[1]
@@ -192,20 +198,38 @@ def two_client_certs(tmp_path_factory):
     (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name in ("server", "alice", "bob"):
         ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", *(["-extfile", "san.cnf"] if name == "server" else []))
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            *(["-extfile", "san.cnf"] if name == "server" else []),
+        )
     return d
 
 
 def test_abort_is_scoped_to_the_client_certificate(model_dir, two_client_certs):
     """mTLS without tokens: only the certificate that started a request may abort it."""
     d = two_client_certs
-    s = ServerThread(base_config(model_dir, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
-                                 tls_client_ca=str(d / "ca.pem")))
+    s = ServerThread(
+        base_config(
+            model_dir, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"), tls_client_ca=str(d / "ca.pem")
+        )
+    )
 
     def channel(name):
-        creds = grpc.ssl_channel_credentials((d / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(),
-                                             (d / f"{name}.pem").read_bytes())
+        creds = grpc.ssl_channel_credentials(
+            (d / "ca.pem").read_bytes(), (d / f"{name}.key").read_bytes(), (d / f"{name}.pem").read_bytes()
+        )
         return grpc.secure_channel(s.target, creds)
 
     try:
@@ -215,8 +239,7 @@ def test_abort_is_scoped_to_the_client_certificate(model_dir, two_client_certs):
             assert next(call).HasField("started")
             err = error_of(lambda: bob.Abort(pb.AbortRequest(request_id="cert-job"), timeout=10))
             assert err.code() == grpc.StatusCode.NOT_FOUND and "is not known" in err.details()
-            assert alice.Abort(pb.AbortRequest(request_id="cert-job"), timeout=10).outcome == \
-                pb.ABORT_OUTCOME_CANCELLED
+            assert alice.Abort(pb.AbortRequest(request_id="cert-job"), timeout=10).outcome == pb.ABORT_OUTCOME_CANCELLED
             assert list(call)[-1].finished.finish_reason == pb.FINISH_REASON_CANCELLED
     finally:
         s.stop()

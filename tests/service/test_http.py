@@ -2,6 +2,7 @@
 real sockets): the official ``openai`` client (sync and streaming; completions and chat), raw SSE with httpx, the
 same seeded request over HTTP and gRPC giving the same tokens, every error status, X-Request-Id, bearer auth,
 overload, loading, a client that disconnects mid-stream, and drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,6 +43,7 @@ def grpc_text(stub, **request) -> tuple[str, pb.Finished, list[int]]:
 
 # ---------------------------------------------------------------------------------------------- happy paths
 
+
 def test_models_lists_the_served_name_and_aliases(client):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
 
@@ -65,21 +67,31 @@ def test_token_id_prompt_and_alias(client, stub):
 
 def test_chat_equals_grpc_chat_and_streams_one_chunk_per_block(client, stub):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    text, fin, sizes = grpc_text(stub, chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
-                                                              for m in messages]),
-                                 params=params(max_new_tokens=48, seed=5))
-    r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=48, seed=5,
-                                       extra_body=KNOBS)
+    text, fin, sizes = grpc_text(
+        stub,
+        chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]),
+        params=params(max_new_tokens=48, seed=5),
+    )
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=48, seed=5, extra_body=KNOBS
+    )
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == fin.usage.completion_tokens
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=48, seed=5,
-                                            stream=True, stream_options={"include_usage": True}, extra_body=KNOBS)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=48,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=KNOBS,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(c.choices[0].delta.content for c in content) == text
     blocks = [c for c in chunks if c.choices and (c.model_extra.get("dgserve") or {}).get("block")]
-    assert [c.model_extra["dgserve"]["block"]["tokens"] for c in blocks] == sizes     # one chunk per block
+    assert [c.model_extra["dgserve"]["block"]["tokens"] for c in blocks] == sizes  # one chunk per block
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [c.choices[0].finish_reason for c in finals] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == fin.usage.completion_tokens
@@ -88,20 +100,33 @@ def test_chat_equals_grpc_chat_and_streams_one_chunk_per_block(client, stub):
 def test_stop_string_gives_stop_and_cuts_the_text(client):
     full = client.completions.create(model="tiny", prompt="stop test", max_tokens=48, seed=2, extra_body=KNOBS)
     text = full.choices[0].text
-    stop = next((text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() == text[i:i + 2]
-                 and "\ufffd" not in text[i:i + 2]), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(4, len(text) - 2)
+            if text[i : i + 2].strip() == text[i : i + 2] and "\ufffd" not in text[i : i + 2]
+        ),
+        None,
+    )
     if stop is None:
         pytest.skip("no usable two-character stop string in this output")
-    r = client.completions.create(model="tiny", prompt="stop test", max_tokens=48, seed=2, stop=[stop],
-                                  extra_body=KNOBS)
+    r = client.completions.create(
+        model="tiny", prompt="stop test", max_tokens=48, seed=2, stop=[stop], extra_body=KNOBS
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.index(stop)]
 
 
 def test_raw_sse_frames_seed_header_and_drafts(server):
     # ignore_eos: no seed is given, so the draw is random; without it an early EOS would end the stream "stop"
-    body = {"prompt": "raw", "max_tokens": 40, "stream": True, "drafts": {"every_n_steps": 1}, "ignore_eos": True,
-            **SLOW_BLOCKS}
+    body = {
+        "prompt": "raw",
+        "max_tokens": 40,
+        "stream": True,
+        "drafts": {"every_n_steps": 1},
+        "ignore_eos": True,
+        **SLOW_BLOCKS,
+    }
     with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         seed = int(r.headers["x-dgserve-seed"])
@@ -118,41 +143,62 @@ def test_raw_sse_frames_seed_header_and_drafts(server):
     assert drafts and all(d["choices"] == [] and "token_ids" in d["dgserve"]["draft"] for d in drafts)
     plain = [d for k, d in events if k is None]
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
-    assert plain[-1]["dgserve"]["seed"] == seed                # no seed asked: the one used, in header and body
-    again = httpx.post(base_url(server) + "/v1/completions", timeout=60,
-                       json={"prompt": "raw", "max_tokens": 40, "seed": seed, "ignore_eos": True,
-                             **SLOW_BLOCKS}).json()
+    assert plain[-1]["dgserve"]["seed"] == seed  # no seed asked: the one used, in header and body
+    again = httpx.post(
+        base_url(server) + "/v1/completions",
+        timeout=60,
+        json={"prompt": "raw", "max_tokens": 40, "seed": seed, "ignore_eos": True, **SLOW_BLOCKS},
+    ).json()
     assert again["choices"][0]["text"] == "".join(d["choices"][0]["text"] for d in plain)
 
 
 def test_official_client_skips_draft_events(client):
     """Drafts are typed SSE events whose chunks have no choices: the official client yields no text for them."""
     kw = dict(model="tiny", prompt="drafts", max_tokens=40, seed=9, stream=True)
-    plain = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=SLOW_BLOCKS)
-                    if c.choices)
+    plain = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=SLOW_BLOCKS) if c.choices)
     chunks = list(client.completions.create(**kw, extra_body={**SLOW_BLOCKS, "drafts": {"include_text": True}}))
-    assert any(not c.choices for c in chunks)                  # the drafts reached the client
+    assert any(not c.choices for c in chunks)  # the drafts reached the client
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
 
 
 def test_request_id_in_and_out(server):
-    r = httpx.post(base_url(server) + "/v1/completions", headers={"X-Request-Id": "my-request-1"}, timeout=60,
-                   json={"prompt": "id", "max_tokens": 8, "max_denoising_steps": 2})
+    r = httpx.post(
+        base_url(server) + "/v1/completions",
+        headers={"X-Request-Id": "my-request-1"},
+        timeout=60,
+        json={"prompt": "id", "max_tokens": 8, "max_denoising_steps": 2},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-request-1" and r.json()["id"] == "my-request-1"
-    r = httpx.post(base_url(server) + "/v1/completions", headers={"X-Request-Id": "x" * 300}, timeout=60,
-                   json={"prompt": "id", "max_tokens": 8})
+    r = httpx.post(
+        base_url(server) + "/v1/completions",
+        headers={"X-Request-Id": "x" * 300},
+        timeout=60,
+        json={"prompt": "id", "max_tokens": 8},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
 
 
 # ---------------------------------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("extra, param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": 0.7}, "temperature"), ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"), ({"top_p": 0.9}, "top_p"), ({"seed": -1}, "seed"), ({"t_max": 0.1}, "t_max"),
-    ({"stop": [1]}, "stop[0]"), ({"best_of": 3}, "best_of"), ({"frobnicate": 1}, "frobnicate"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt[0]"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-])
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"top_p": 0.9}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"t_max": 0.1}, "t_max"),
+        ({"stop": [1]}, "stop[0]"),
+        ({"best_of": 3}, "best_of"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [10**9]}, "prompt[0]"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_bad_completion_fields_are_400_naming_the_field(server, extra, param):
     r = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "x", "max_tokens": 8, **extra}, timeout=30)
     assert r.status_code == 400, r.text
@@ -160,13 +206,19 @@ def test_bad_completion_fields_are_400_naming_the_field(server, extra, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0].type"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"), ({"messages": []}, "messages"),
-    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": []}, "messages"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ],
+)
 def test_bad_chat_fields_are_400_naming_the_field(server, extra, param):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
     r = httpx.post(base_url(server) + "/v1/chat/completions", json=body, timeout=30)
@@ -192,13 +244,15 @@ def test_not_json_and_unknown_route(server):
 
 # ---------------------------------------------------------------------------------------------- a guarded server
 
+
 @pytest.fixture(scope="module")
 def guarded(model_dir, tmp_path_factory):
     """Bearer auth, a 4 KiB body limit, one running request and no queue."""
     tokens = tmp_path_factory.mktemp("auth") / "tokens"
     tokens.write_text("# accepted\nsecret-a\nsecret-b\n")
-    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens), max_message_bytes=4096, max_num_seqs=1,
-                                 max_queue_len=0))
+    s = ServerThread(
+        base_config(model_dir, auth_token_file=str(tokens), max_message_bytes=4096, max_num_seqs=1, max_queue_len=0)
+    )
     yield s
     s.stop()
 
@@ -213,7 +267,7 @@ def test_bearer_auth_matches_the_grpc_rule(guarded):
         bad.completions.create(model="tiny", prompt="x", max_tokens=4)
     r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-    for path in ("/v1/health/live", "/v1/health/ready", "/metrics"):     # exempt, as gRPC health is
+    for path in ("/v1/health/live", "/v1/health/ready", "/metrics"):  # exempt, as gRPC health is
         assert httpx.get(url + path, timeout=30).status_code == 200
     ch = grpc.insecure_channel(guarded.target)
     with pytest.raises(grpc.RpcError) as e:
@@ -223,8 +277,12 @@ def test_bearer_auth_matches_the_grpc_rule(guarded):
 
 
 def test_oversized_body_is_413(guarded):
-    r = httpx.post(base_url(guarded) + "/v1/completions", headers={"Authorization": "Bearer secret-a"},
-                   json={"prompt": "x" * 8000}, timeout=30)
+    r = httpx.post(
+        base_url(guarded) + "/v1/completions",
+        headers={"Authorization": "Bearer secret-a"},
+        json={"prompt": "x" * 8000},
+        timeout=30,
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -232,8 +290,9 @@ def test_overload_is_429_with_retry_after_shared_with_grpc(guarded):
     """One admission limit for both front doors: a gRPC stream holds the only slot, HTTP gets 429."""
     ch = grpc.insecure_channel(guarded.target)
     stub = pb_grpc.TextGenerationStub(ch)
-    call = stub.Generate(pb.GenerateRequest(prompt="hold", params=long_params()),
-                         metadata=(("authorization", "Bearer secret-a"),))
+    call = stub.Generate(
+        pb.GenerateRequest(prompt="hold", params=long_params()), metadata=(("authorization", "Bearer secret-a"),)
+    )
     try:
         assert next(call).HasField("started")
         c = openai.OpenAI(base_url=base_url(guarded) + "/v1", api_key="secret-b", max_retries=0)
@@ -246,7 +305,8 @@ def test_overload_is_429_with_retry_after_shared_with_grpc(guarded):
     wait_until(lambda: guarded.engine.num_running == 0)
 
 
-# ---------------------------------------------------------------------------------------------- disconnect, loading, drain
+# ------------------------------------------------------------------------------------------- disconnect, loading, drain
+
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     eng = server.engine
@@ -298,8 +358,7 @@ def test_drain_finishes_running_http_streams_and_refuses_new_ones(model_dir):
     s = ServerThread(base_config(model_dir))
     url = base_url(s)
     try:
-        body = {"prompt": "drain", "stream": True, "max_tokens": 16 * 12, "ignore_eos": True,
-                "max_denoising_steps": 8}
+        body = {"prompt": "drain", "stream": True, "max_tokens": 16 * 12, "ignore_eos": True, "max_denoising_steps": 8}
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))

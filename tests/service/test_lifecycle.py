@@ -1,5 +1,6 @@
 """Request lifecycle on a real server: duplicate ids, overload, cancellation, deadlines, Abort
 (serving.md §10 rows 8, 9, 12-15). The shared server has 4 running slots and a queue of 4."""
+
 from __future__ import annotations
 
 import grpc
@@ -43,8 +44,12 @@ def test_overload_rejects_at_once_with_retry_pushback(stub, idle):
     """§10 row 9: slots + queue full → RESOURCE_EXHAUSTED with grpc-retry-pushback-ms and RetryInfo;
     the queued requests still complete; the queue beyond the free slots never exceeds max_queue_len."""
     server, m = idle
-    reqs = [pb.GenerateRequest(prompt=f"load {i}", params=params(seed=i, max_new_tokens=256, max_denoising_steps=6,
-                                                                 ignore_eos=True)) for i in range(8)]
+    reqs = [
+        pb.GenerateRequest(
+            prompt=f"load {i}", params=params(seed=i, max_new_tokens=256, max_denoising_steps=6, ignore_eos=True)
+        )
+        for i in range(8)
+    ]
     calls = [stub.Generate(r) for r in reqs]
     wait_until(lambda: server.engine.num_running + server.engine.num_waiting == 8)
     with pytest.raises(grpc.RpcError) as e:
@@ -120,7 +125,7 @@ def test_deadline_shorter_than_queue_wait(stub, idle):
     events = []
     with pytest.raises(grpc.RpcError) as e:
         for ev in stub.Generate(pb.GenerateRequest(prompt="late", params=params()), timeout=0.4):
-            events.append(ev)
+            events.append(ev)  # noqa: PERF402 - list() would lose what arrived before the error
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and events == []
     wait_until(lambda: server.engine.num_waiting == 0, timeout=5)
     assert m.value("dgserve_request_queue_time_seconds_count") == started_before
@@ -164,7 +169,7 @@ def test_many_cancels_keep_memory_flat(stub, idle):
             call.cancel()
         wait_until(lambda: not server.engine.engine.has_unfinished(), timeout=10)
 
-    cycle(100)                      # warm-up: allocator pools, channel state
+    cycle(100)  # warm-up: allocator pools, channel state
     rss0 = _rss_mb()
     cycle(300)
     assert _rss_mb() - rss0 < 30

@@ -1,5 +1,6 @@
-"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (Decision 8), --dry-run, and SIGTERM drain of a real
-server process (serving.md §10 row 17)."""
+"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (Decision 8), --dry-run, and
+SIGTERM drain of a real server process (serving.md §10 row 17)."""
+
 from __future__ import annotations
 
 import json
@@ -17,31 +18,55 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_helpers import ROOT, params
 
+from dgserve.service.__main__ import build_config
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
-from dgserve.service.__main__ import build_config
 
 
 def test_flags_override_environment_which_overrides_defaults():
-    env = {"NIM_MODEL_PATH": "/models/a", "NIM_SERVED_MODEL_NAME": "a,b", "DGSERVE_GRPC_PORT": "6000",
-           "NIM_SERVER_PORT": "off", "NIM_MAX_MODEL_LEN": "2048", "NIM_LOG_LEVEL": "DEBUG", "NIM_JSONL_LOGGING": "true",
-           "DGSERVE_MAX_NUM_SEQS": "8", "DGSERVE_MAX_QUEUE_LEN": "3", "DGSERVE_DRAIN_TIMEOUT": "2.5",
-           "DGSERVE_AUTH_TOKEN_FILE": "/run/tokens"}
+    env = {
+        "NIM_MODEL_PATH": "/models/a",
+        "NIM_SERVED_MODEL_NAME": "a,b",
+        "DGSERVE_GRPC_PORT": "6000",
+        "NIM_SERVER_PORT": "off",
+        "NIM_MAX_MODEL_LEN": "2048",
+        "NIM_LOG_LEVEL": "DEBUG",
+        "NIM_JSONL_LOGGING": "true",
+        "DGSERVE_MAX_NUM_SEQS": "8",
+        "DGSERVE_MAX_QUEUE_LEN": "3",
+        "DGSERVE_DRAIN_TIMEOUT": "2.5",
+        "DGSERVE_AUTH_TOKEN_FILE": "/run/tokens",
+    }
     cfg, dry = build_config(["--port", "7000", "--max-num-seqs", "9"], env)
     assert not dry
-    assert (cfg.model, cfg.served_model_name, cfg.port, cfg.http_port, cfg.max_model_len) == \
-        ("/models/a", ("a", "b"), 7000, None, 2048)
-    assert (cfg.log_level, cfg.json_logs, cfg.max_num_seqs, cfg.max_queue_len, cfg.drain_timeout) == \
-        ("DEBUG", True, 9, 3, 2.5)
+    assert (cfg.model, cfg.served_model_name, cfg.port, cfg.http_port, cfg.max_model_len) == (
+        "/models/a",
+        ("a", "b"),
+        7000,
+        None,
+        2048,
+    )
+    assert (cfg.log_level, cfg.json_logs, cfg.max_num_seqs, cfg.max_queue_len, cfg.drain_timeout) == (
+        "DEBUG",
+        True,
+        9,
+        3,
+        2.5,
+    )
     assert cfg.auth_token_file == "/run/tokens"
     defaults, _ = build_config([], {})
     assert (defaults.port, defaults.http_port, defaults.model, defaults.json_logs) == (50051, 8000, None, False)
 
 
-@pytest.mark.parametrize("argv, env, field", [
-    (["--port", "70000"], {}, "port"), ([], {"DGSERVE_MAX_NUM_SEQS": "many"}, "max_num_seqs"),
-    (["--tls-cert", "c.pem"], {}, "tls_cert"), (["--dtype", "int3"], {}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "argv, env, field",
+    [
+        (["--port", "70000"], {}, "port"),
+        ([], {"DGSERVE_MAX_NUM_SEQS": "many"}, "max_num_seqs"),
+        (["--tls-cert", "c.pem"], {}, "tls_cert"),
+        (["--dtype", "int3"], {}, "dtype"),
+    ],
+)
 def test_bad_configuration_names_field(argv, env, field):
     with pytest.raises(ValueError, match=field):
         build_config(argv, env)
@@ -49,8 +74,14 @@ def test_bad_configuration_names_field(argv, env, field):
 
 def test_dry_run_prints_resolved_config():
     env = {**os.environ, "NIM_MODEL_PATH": "/models/x", "DGSERVE_MAX_QUEUE_LEN": "5"}
-    out = subprocess.run([sys.executable, "-m", "dgserve.service", "--dry-run", "--port", "1234"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dgserve.service", "--dry-run", "--port", "1234"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert (cfg["model"], cfg["port"], cfg["max_queue_len"], cfg["http_port"]) == ("/models/x", 1234, 5, 8000)
@@ -60,9 +91,27 @@ class ServerProcess:
     def __init__(self, model_dir, *extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dgserve.service", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-             "--http-port", "0", "--served-model-name", "tiny", *extra], cwd=ROOT, env=env,
-            stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "dgserve.service",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--served-model-name",
+                "tiny",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.port = self.http_port = None
         self._ready = threading.Event()
@@ -92,8 +141,11 @@ def test_sigterm_drain(model_dir):
         watch = health.Watch(health_pb2.HealthCheckRequest(service="dgserve.v1.TextGeneration"))
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         stub = pb_grpc.TextGenerationStub(ch)
-        call = stub.Generate(pb.GenerateRequest(prompt="drain", params=params(
-            max_new_tokens=16 * 20, max_denoising_steps=8, ignore_eos=True)))
+        call = stub.Generate(
+            pb.GenerateRequest(
+                prompt="drain", params=params(max_new_tokens=16 * 20, max_denoising_steps=8, ignore_eos=True)
+            )
+        )
         assert next(call).HasField("started")
         srv.proc.send_signal(signal.SIGTERM)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING

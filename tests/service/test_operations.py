@@ -1,5 +1,6 @@
 """Operating the server: health during load (§10 row 11), auth (row 7), TLS/mTLS, HTTP probes and metrics,
 engine fault (row 20), drain at grace end (row 17, in process), keepalive (row 25), JSON logs, reflection."""
+
 from __future__ import annotations
 
 import io
@@ -17,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import ServerThread, base_config, long_params, params, wait_until
 
-from dgserve.v1 import text_generation_pb2 as pb
-from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 from dgserve.service.logs import setup_logging
 from dgserve.service.server import load_engine
+from dgserve.v1 import text_generation_pb2 as pb
+from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 READY = "dgserve.v1.TextGeneration"
 
@@ -49,13 +50,16 @@ def test_not_ready_during_model_load(model_dir):
                 list(pb_grpc.TextGenerationStub(ch).Generate(pb.GenerateRequest(prompt="x", params=params())))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
             assert (health(ch, ""), health(ch, READY)) == ("SERVING", "NOT_SERVING")
-            assert (http_status(s.server.http_port, "/v1/health/live"),
-                    http_status(s.server.http_port, "/v1/health/ready")) == (200, 503)
+            assert (
+                http_status(s.server.http_port, "/v1/health/live"),
+                http_status(s.server.http_port, "/v1/health/ready"),
+            ) == (200, 503)
             gate.set()
             s.call(s.server.loaded.wait)
             assert health(ch, READY) == "SERVING" and http_status(s.server.http_port, "/v1/health/ready") == 200
-            assert list(pb_grpc.TextGenerationStub(ch).Generate(
-                pb.GenerateRequest(prompt="x", params=params(max_new_tokens=1))))[-1].HasField("finished")
+            assert list(
+                pb_grpc.TextGenerationStub(ch).Generate(pb.GenerateRequest(prompt="x", params=params(max_new_tokens=1)))
+            )[-1].HasField("finished")
     finally:
         gate.set()
         s.stop()
@@ -105,19 +109,42 @@ def certs(tmp_path_factory):
     (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name in ("server", "client"):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.cnf",
+            cwd=d,
+        )
     return d
 
 
 def test_mtls(model_dir, certs):
     """TLS with client certificates: a client with the CA-signed cert works; without one it cannot connect."""
-    s = ServerThread(base_config(model_dir, tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"),
-                                 tls_client_ca=str(certs / "ca.pem")))
+    s = ServerThread(
+        base_config(
+            model_dir,
+            tls_cert=str(certs / "server.pem"),
+            tls_key=str(certs / "server.key"),
+            tls_client_ca=str(certs / "ca.pem"),
+        )
+    )
     ca = (certs / "ca.pem").read_bytes()
     try:
-        good = grpc.ssl_channel_credentials(ca, (certs / "client.key").read_bytes(),
-                                            (certs / "client.pem").read_bytes())
+        good = grpc.ssl_channel_credentials(
+            ca, (certs / "client.key").read_bytes(), (certs / "client.pem").read_bytes()
+        )
         with grpc.secure_channel(s.target, good) as ch:
             assert pb_grpc.TextGenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model == "tiny"
         with grpc.secure_channel(s.target, grpc.ssl_channel_credentials(ca)) as ch:
@@ -132,10 +159,18 @@ def test_http_metrics_and_probes(server, stub):
     list(stub.Generate(pb.GenerateRequest(prompt="metrics", params=params(max_new_tokens=20))))
     port = server.server.http_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ("dgserve_num_requests_running", "dgserve_num_requests_waiting", "dgserve_request_queue_time_seconds",
-                 "dgserve_time_to_first_block_seconds", "dgserve_e2e_request_latency_seconds",
-                 "dgserve_generation_tokens_total", "dgserve_request_finish_total", "dgserve_denoise_steps_per_block",
-                 "dgserve_tokens_per_forward", "dgserve_engine_step_seconds"):
+    for name in (
+        "dgserve_num_requests_running",
+        "dgserve_num_requests_waiting",
+        "dgserve_request_queue_time_seconds",
+        "dgserve_time_to_first_block_seconds",
+        "dgserve_e2e_request_latency_seconds",
+        "dgserve_generation_tokens_total",
+        "dgserve_request_finish_total",
+        "dgserve_denoise_steps_per_block",
+        "dgserve_tokens_per_forward",
+        "dgserve_engine_step_seconds",
+    ):
         assert name in body, name
     assert http_status(port, "/v1/metrics") == 200 and http_status(port, "/nope") == 404
     assert http_status(port, "/v1/health/live") == http_status(port, "/v1/health/ready") == 200
@@ -145,6 +180,7 @@ def test_engine_fault_fails_calls_and_health(model_dir):
     """§10 row 20: in-flight RPCs INTERNAL; readiness and liveness NOT_SERVING (HTTP 503); new calls UNAVAILABLE."""
     s = ServerThread(base_config(model_dir))
     try:
+
         def broken(*a, **k):
             raise RuntimeError("simulated device failure")
 
@@ -191,15 +227,18 @@ def test_client_keepalive_pings_do_not_trigger_goaway(model_dir):
     """§10 row 25: a client pinging often (here every 300 ms, idle and during a stream) is not sent
     GOAWAY too_many_pings when the server's minimum ping interval is below it."""
     s = ServerThread(base_config(model_dir, keepalive_min_ping_ms=200))
-    opts = [("grpc.keepalive_time_ms", 300), ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0)]
+    opts = [
+        ("grpc.keepalive_time_ms", 300),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
     try:
         with grpc.insecure_channel(s.target, opts) as ch:
             stub = pb_grpc.TextGenerationStub(ch)
             stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             import time
 
-            time.sleep(2.0)                  # idle: ~6 pings
+            time.sleep(2.0)  # idle: ~6 pings
             events = list(stub.Generate(pb.GenerateRequest(prompt="x", params=params(max_new_tokens=64))))
             assert events[-1].HasField("finished")
             time.sleep(1.0)

@@ -2,6 +2,7 @@
 with status 2 and one line on stderr naming the problem, the port or file, and the flag / env var that fixes it —
 no traceback, no "Event loop is closed", no "coroutine ... was never awaited". The cases run as parallel processes
 (each pays the imports once)."""
+
 from __future__ import annotations
 
 import os
@@ -42,9 +43,17 @@ def outcomes(model_dir, tmp_path_factory):
         "bad_env_value": (base[:4] + ["--http-port", "0"], {"DGSERVE_GRPC_PORT": "fifty"}),
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "dgserve", "serve", *argv], env={**env, **extra},
-                                    cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (argv, extra) in cases.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "dgserve", "serve", *argv],
+            env={**env, **extra},
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (argv, extra) in cases.items()
+    }
     try:
         out = {}
         for name, p in procs.items():
@@ -59,15 +68,18 @@ def outcomes(model_dir, tmp_path_factory):
         held_http.close()
 
 
-@pytest.mark.parametrize("case, must_say", [
-    ("grpc_port_in_use", ["gRPC port 127.0.0.1:", "address already in use", "--port", "DGSERVE_GRPC_PORT"]),
-    ("http_port_in_use", ["HTTP port 127.0.0.1:", "address already in use", "--http-port", "NIM_SERVER_PORT"]),
-    ("missing_model", ["no-such-model", "no such directory", "--model", "NIM_MODEL_PATH"]),
-    ("model_fails_to_load", ["broken-model", "failed to load", "--model"]),
-    ("missing_auth_file", ["no-tokens", "No such file", "--auth-token-file", "DGSERVE_AUTH_TOKEN_FILE"]),
-    ("missing_tls_cert", ["no-cert.pem", "No such file", "--tls-cert"]),
-    ("bad_env_value", ["port", "fifty", "DGSERVE_GRPC_PORT"]),
-])
+@pytest.mark.parametrize(
+    "case, must_say",
+    [
+        ("grpc_port_in_use", ["gRPC port 127.0.0.1:", "address already in use", "--port", "DGSERVE_GRPC_PORT"]),
+        ("http_port_in_use", ["HTTP port 127.0.0.1:", "address already in use", "--http-port", "NIM_SERVER_PORT"]),
+        ("missing_model", ["no-such-model", "no such directory", "--model", "NIM_MODEL_PATH"]),
+        ("model_fails_to_load", ["broken-model", "failed to load", "--model"]),
+        ("missing_auth_file", ["no-tokens", "No such file", "--auth-token-file", "DGSERVE_AUTH_TOKEN_FILE"]),
+        ("missing_tls_cert", ["no-cert.pem", "No such file", "--tls-cert"]),
+        ("bad_env_value", ["port", "fifty", "DGSERVE_GRPC_PORT"]),
+    ],
+)
 def test_startup_failure_is_one_line_and_exit_2(outcomes, case, must_say):
     code, err = outcomes[case]
     assert code == 2, err
@@ -78,6 +90,5 @@ def test_startup_failure_is_one_line_and_exit_2(outcomes, case, must_say):
     assert errors[0].startswith("dgserve serve: error: ")
     for words in must_say:
         assert words in errors[0], errors[0]
-    if case != "model_fails_to_load":          # these fail before anything is bound or logged
+    if case != "model_fails_to_load":  # these fail before anything is bound or logged
         assert len(lines) == 1, err
-

@@ -2,6 +2,7 @@
 once, after Started, after a Block, after a random delay, left early through our own client's ``generate()``,
 cut by deadlines, stopped by Abort — against a real server process. Afterwards the process is alive and SERVING,
 gives the same seeded tokens, its RSS grew little, and the metrics counted every kind of ending."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -36,7 +37,7 @@ def test_storm_of_ended_streams(server_process):
     with grpc.insecure_channel(srv.target) as ch:
         stub = storm.stub_for(ch)
         tokens = storm.seeded_tokens(stub)
-        warm = storm.storm(stub, srv.target, 60, seed=1)      # allocators and caches reach their working size
+        warm = storm.storm(stub, srv.target, 60, seed=1)  # allocators and caches reach their working size
         assert srv.alive, f"exit {srv.proc.returncode}: " + "".join(srv.lines[-40:])
         before = srv.stats()
         seen = storm.storm(stub, srv.target, 300, seed=2)

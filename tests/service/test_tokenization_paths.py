@@ -8,6 +8,7 @@ that start with <bos> (tools/train_small_model.py), so their post-processor prep
 <bos> + text, and a chat prompt holds exactly one <bos> (the template writes it; it is encoded without specials).
 Nothing here hard-codes ids of a vocabulary: the shipped model may be retrained with a new tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,28 @@ from dgserve.tokenizer import Tokenizer
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-TEXTS = ["Hello, world!", "the quick brown fox jumps over the lazy dog", " leading space and trailing ",
-         "naïve café — 123\n\ttabs", "Once upon a time"]
+TEXTS = [
+    "Hello, world!",
+    "the quick brown fox jumps over the lazy dog",
+    " leading space and trailing ",
+    "naïve café — 123\n\ttabs",
+    "Once upon a time",
+]
 CHATS = [
     [{"role": "user", "content": "Who are you?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
-     {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "How are you?"},
+    ],
 ]
 # A checkpoint template in the shape of the shipped one, over plain-text role markers (the tiny fixture's
 # vocabulary has no turn tokens).
-TINY_TEMPLATE = ("{{ bos_token }}{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}"
-                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[model] {% endif %}")
+TINY_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[model] {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +54,18 @@ def tiny_chat_dir(model_dir, tmp_path_factory) -> pathlib.Path:
     d = tmp_path_factory.mktemp("tiny-with-template")
     for f in pathlib.Path(model_dir).iterdir():
         shutil.copy(f, d / f.name)
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "add_bos_token": True, "chat_template": TINY_TEMPLATE}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "add_bos_token": True,
+                "chat_template": TINY_TEMPLATE,
+            }
+        )
+    )
     return d
 
 
@@ -61,6 +82,7 @@ def checkpoint(request, model_dir, tiny_chat_dir):
     path = {"shipped": SHIPPED, "tiny": pathlib.Path(model_dir), "tiny-chat": tiny_chat_dir}[request.param]
     server = ServerThread(base_config(path))
     import grpc
+
     channel = grpc.insecure_channel(server.target)
     yield request.param, path, pb_grpc.TextGenerationStub(channel)
     channel.close()
@@ -69,6 +91,7 @@ def checkpoint(request, model_dir, tiny_chat_dir):
 
 def _auto(path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -5,6 +5,7 @@ and masked, the canvas keys follow, and every linear layer, the router and the e
 B·C canvas tokens. Results equal the per-row pass up to GEMM rounding (a GEMM's row results may depend on the
 number of rows), so the CPU engine keeps the per-row path; tests compare the two within fp32 tolerance.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,12 +46,12 @@ def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits:
     runs in tiles: ``DiffusionGemma.logits_tiles``)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     B, C = canvas.shape
-    pos = torch.cat([torch.arange(r.length, r.length + C, device=model.device) for r in rows])   # [B·C]
+    pos = torch.cat([torch.arange(r.length, r.length + C, device=model.device) for r in rows])  # [B·C]
     x = model.embed_tokens(canvas.reshape(-1)).view(B, C, -1)
     with_sc = [b for b in range(B) if sc_logits[b] is not None or sc_probs[b] is not None]
-    tile = model.canvas_tile   # the self-conditioning softmax over [n·C, V] in tiles of canvases
+    tile = model.canvas_tile  # the self-conditioning softmax over [n·C, V] in tiles of canvases
     for t0 in range(0, len(with_sc), tile):
-        part = with_sc[t0:t0 + tile]
+        part = with_sc[t0 : t0 + tile]
         lg = None if sc_logits[part[0]] is None else torch.cat([sc_logits[b] for b in part])
         pr = None if lg is not None else torch.cat([sc_probs[b] for b in part])
         x[part] = x[part] + model.self_conditioning(lg, pr).view(len(part), C, -1)
@@ -60,11 +61,11 @@ def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits:
         hd = cfg.head_dim(i)
         cos, sin = rope_cos_sin(model.inv_freq[i], pos, model.dtype)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
-        k, v = project_kv(h, lw, hd, eps, cos, sin)                       # [nkv, B·C, hd]
+        k, v = project_kv(h, lw, hd, eps, cos, sin)  # [nkv, B·C, hd]
         k = k.view(k.shape[0], B, C, hd).transpose(0, 1)
         v = v.view(v.shape[0], B, C, hd).transpose(0, 1)
         q = project_q(h, lw, hd, eps, cos, sin)
-        q = q.view(q.shape[0], B, C, hd).transpose(0, 1)                  # [B, nh, C, hd]
+        q = q.view(q.shape[0], B, C, hd).transpose(0, 1)  # [B, nh, C, hd]
         if rows[0].keys:
             ck, cv, cvalid = padded_cache(rows, i)
             k, v = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)

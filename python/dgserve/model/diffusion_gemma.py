@@ -6,9 +6,11 @@ Public contract (DESIGN.md, Contracts):
     cache = model.prefill(input_ids[B, T], cache=None)        # appends to `cache` when given
     logits[B, C, V] = model.denoise(cache, canvas_ids[B, C], self_cond_logits=None, self_cond_probs=None)
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,15 +21,29 @@ from dgserve.config import ModelConfig
 
 from .batched import decode_batched
 from .cache import KVCache, RowCache
-from .layers import (LayerWeights, attend, attention_output, feed_forward, project_kv, project_q,
-                     rope_cos_sin, rope_inv_freq)
+from .layers import (
+    LayerWeights,
+    attend,
+    attention_output,
+    feed_forward,
+    project_kv,
+    project_q,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class DiffusionGemma:
     """The model over explicit weight tensors (no nn.Module: inference only, weights never trained here)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", batch_rows: bool | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        batch_rows: bool | None = None,
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -38,8 +54,8 @@ class DiffusionGemma:
         # temporaries are bounded by a tile, not by the batch (issue 20). 1 on CPU: every GEMM keeps a fixed
         # shape per canvas (Decision 3); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
         self.canvas_tile = 1 if self.device.type == "cpu" else 4
-        self.embed = weights["embed_tokens.weight"]                        # [V, H]
-        self.lm_head = weights.get("lm_head.weight", self.embed)            # tied unless stored and different
+        self.embed = weights["embed_tokens.weight"]  # [V, H]
+        self.lm_head = weights.get("lm_head.weight", self.embed)  # tied unless stored and different
         self.final_norm = weights["norm.weight"]
         self.sc_pre_norm = weights["self_conditioning.pre_norm.weight"]
         self.sc_gate = weights["self_conditioning.gate_proj.weight"]
@@ -47,13 +63,18 @@ class DiffusionGemma:
         self.sc_down = weights["self_conditioning.down_proj.weight"]
         self.layers = [LayerWeights.from_state(weights, i) for i in range(config.num_hidden_layers)]
         # rnd(√H): the scale is rounded to md BEFORE the multiply (spec §3.1)
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(dtype).to(self.device)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).to(self.device)
         # inv_freq built in fp32 on the CPU, then uploaded (spec §5.14)
         self.inv_freq = [rope_inv_freq(config, i).to(self.device) for i in range(config.num_hidden_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32, nvfp4_packed: bool | None = None) -> "DiffusionGemma":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        nvfp4_packed: bool | None = None,
+    ) -> DiffusionGemma:
         """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors).
 
         nvfp4_packed: serve ModelOpt NVFP4 experts in the packed W4A16 layout through ``ops.nvfp4_moe_experts``
@@ -74,13 +95,19 @@ class DiffusionGemma:
             cache = KVCache([RowCache() for _ in range(input_ids.shape[0])])
         if len(cache.rows) != input_ids.shape[0]:
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache has {len(cache.rows)}")
-        for ids, row in zip(input_ids, cache.rows):
+        for ids, row in zip(input_ids, cache.rows, strict=True):
             self.encode_row(ids, row)
         return cache
 
     @torch.inference_mode()
-    def denoise(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits: torch.Tensor | None = None,
-                self_cond_probs: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    def denoise(
+        self,
+        cache: KVCache,
+        canvas_ids: torch.Tensor,
+        self_cond_logits: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+        self_cond_probs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+        tiled: bool = False,
+    ) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
@@ -99,8 +126,9 @@ class DiffusionGemma:
         return out
 
     @torch.inference_mode()
-    def denoise_hidden(self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits=None,
-                       self_cond_probs=None) -> torch.Tensor:
+    def denoise_hidden(
+        self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits=None, self_cond_probs=None
+    ) -> torch.Tensor:
         """The decoder pass of ``denoise`` up to the final hidden states [B, C, H] (before the final norm and
         the LM head): ``logits_tiles`` turns them into logits a tile of canvases at a time."""
         if self_cond_logits is not None and self_cond_probs is not None:
@@ -113,8 +141,9 @@ class DiffusionGemma:
         sc_p = [None if self_cond_probs is None else self_cond_probs[b] for b in range(B)]
         if self.batch_rows and B > 1 and self._uniform_sc(sc_l, sc_p):
             return decode_batched(self, cache.rows, canvas_ids, sc_l, sc_p)
-        return torch.stack([self.decode_row_hidden(row, canvas_ids[b], sc_l[b], sc_p[b])
-                            for b, row in enumerate(cache.rows)])
+        return torch.stack(
+            [self.decode_row_hidden(row, canvas_ids[b], sc_l[b], sc_p[b]) for b, row in enumerate(cache.rows)]
+        )
 
     def logits_tiles(self, hidden: torch.Tensor):
         """hidden [B, C, H] → yields (rows: slice of B, fp32 logits [n, C, V]) for tiles of ``canvas_tile``
@@ -123,7 +152,7 @@ class DiffusionGemma:
         for b0 in range(0, B, self.canvas_tile):
             n = min(self.canvas_tile, B - b0)
             with torch.inference_mode():
-                logits = self.output_logits(hidden[b0:b0 + n].reshape(n * C, H)).view(n, C, -1)
+                logits = self.output_logits(hidden[b0 : b0 + n].reshape(n * C, H)).view(n, C, -1)
             yield slice(b0, b0 + n), logits
 
     @staticmethod
@@ -173,13 +202,15 @@ class DiffusionGemma:
         else:
             row.keys[i], row.values[i] = keys, values
 
-    def decode_row(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
-                   sc_probs: torch.Tensor | None) -> torch.Tensor:
+    def decode_row(
+        self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+    ) -> torch.Tensor:
         """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
         return self.output_logits(self.decode_row_hidden(row, canvas, sc_logits, sc_probs))
 
-    def decode_row_hidden(self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None,
-                          sc_probs: torch.Tensor | None) -> torch.Tensor:
+    def decode_row_hidden(
+        self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+    ) -> torch.Tensor:
         """``decode_row`` up to the final hidden states [C, H]."""
         cfg, eps = self.config, self.config.rms_norm_eps
         C, P = canvas.shape[0], row.length
@@ -202,6 +233,8 @@ class DiffusionGemma:
     def self_conditioning(self, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None) -> torch.Tensor:
         """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (spec §3.7)."""
         if sc_probs is None:
+            if sc_logits is None:
+                raise ValueError("self_conditioning needs sc_logits or sc_probs")
             sc_probs = torch.softmax(sc_logits.to(self.device), dim=-1, dtype=torch.float32)
         soft = torch.matmul(sc_probs.to(self.dtype), self.embed) * self.embed_scale
         n = ops.rms_norm(soft, self.sc_pre_norm, self.config.rms_norm_eps)

@@ -4,6 +4,7 @@ A row is one request: x [T, H] in the model dtype ``md``. Working per row keeps 
 shape independent of the batch, which is what makes results batch-invariant on CPU (DESIGN Decision 3).
 All rounding points follow the spec; the comments name them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,52 +19,61 @@ from dgserve.config import ModelConfig
 @dataclass
 class LayerWeights:
     """Weights of layer i, canonical names of ``dgserve.checkpoint`` without the ``layers.{i}.`` prefix."""
+
     input_layernorm: torch.Tensor
-    q_proj: torch.Tensor                 # [nh·hd, H]
-    k_proj: torch.Tensor                 # [nkv·hd, H]
-    v_proj: torch.Tensor | None          # [nkv·hd, H] on sliding layers; None on full layers (K = V)
-    o_proj: torch.Tensor                 # [H, nh·hd]
-    q_norm: torch.Tensor                 # [hd]
-    k_norm: torch.Tensor                 # [hd]
+    q_proj: torch.Tensor  # [nh·hd, H]
+    k_proj: torch.Tensor  # [nkv·hd, H]
+    v_proj: torch.Tensor | None  # [nkv·hd, H] on sliding layers; None on full layers (K = V)
+    o_proj: torch.Tensor  # [H, nh·hd]
+    q_norm: torch.Tensor  # [hd]
+    k_norm: torch.Tensor  # [hd]
     post_attention_layernorm: torch.Tensor
     pre_feedforward_layernorm: torch.Tensor
-    mlp_gate: torch.Tensor               # [D, H]
-    mlp_up: torch.Tensor                 # [D, H]
-    mlp_down: torch.Tensor               # [H, D]
+    mlp_gate: torch.Tensor  # [D, H]
+    mlp_up: torch.Tensor  # [D, H]
+    mlp_down: torch.Tensor  # [H, D]
     post_feedforward_layernorm_1: torch.Tensor
-    router_proj: torch.Tensor            # [E, H]
-    router_scale: torch.Tensor           # [H]
-    per_expert_scale: torch.Tensor       # [E]
+    router_proj: torch.Tensor  # [E, H]
+    router_scale: torch.Tensor  # [H]
+    per_expert_scale: torch.Tensor  # [E]
     pre_feedforward_layernorm_2: torch.Tensor
     experts_gate_up: torch.Tensor | None  # [E, 2I, H]; rows 0..I-1 gate, I..2I-1 up (None when packed)
-    experts_down: torch.Tensor | None     # [E, H, I]
+    experts_down: torch.Tensor | None  # [E, H, I]
     post_feedforward_layernorm_2: torch.Tensor
     post_feedforward_layernorm: torch.Tensor
-    layer_scalar: torch.Tensor           # [1] decoder pass
-    encoder_layer_scalar: torch.Tensor   # [1] encoder pass (a separate, untied buffer: spec §2.2)
-    experts_packed: "nvfp4.PackedExperts | None" = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
+    layer_scalar: torch.Tensor  # [1] decoder pass
+    encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: spec §2.2)
+    experts_packed: nvfp4.PackedExperts | None = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
 
     @classmethod
-    def from_state(cls, w: dict[str, torch.Tensor], i: int) -> "LayerWeights":
+    def from_state(cls, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"layers.{i}."
         g = lambda name: w[p + name]  # noqa: E731
         return cls(
             input_layernorm=g("input_layernorm.weight"),
-            q_proj=g("self_attn.q_proj.weight"), k_proj=g("self_attn.k_proj.weight"),
-            v_proj=w.get(p + "self_attn.v_proj.weight"), o_proj=g("self_attn.o_proj.weight"),
-            q_norm=g("self_attn.q_norm.weight"), k_norm=g("self_attn.k_norm.weight"),
+            q_proj=g("self_attn.q_proj.weight"),
+            k_proj=g("self_attn.k_proj.weight"),
+            v_proj=w.get(p + "self_attn.v_proj.weight"),
+            o_proj=g("self_attn.o_proj.weight"),
+            q_norm=g("self_attn.q_norm.weight"),
+            k_norm=g("self_attn.k_norm.weight"),
             post_attention_layernorm=g("post_attention_layernorm.weight"),
             pre_feedforward_layernorm=g("pre_feedforward_layernorm.weight"),
-            mlp_gate=g("mlp.gate_proj.weight"), mlp_up=g("mlp.up_proj.weight"), mlp_down=g("mlp.down_proj.weight"),
+            mlp_gate=g("mlp.gate_proj.weight"),
+            mlp_up=g("mlp.up_proj.weight"),
+            mlp_down=g("mlp.down_proj.weight"),
             post_feedforward_layernorm_1=g("post_feedforward_layernorm_1.weight"),
-            router_proj=g("router.proj.weight"), router_scale=g("router.scale"),
+            router_proj=g("router.proj.weight"),
+            router_scale=g("router.scale"),
             per_expert_scale=g("router.per_expert_scale"),
             pre_feedforward_layernorm_2=g("pre_feedforward_layernorm_2.weight"),
-            experts_gate_up=w.get(p + "experts.gate_up_proj"), experts_down=w.get(p + "experts.down_proj"),
+            experts_gate_up=w.get(p + "experts.gate_up_proj"),
+            experts_down=w.get(p + "experts.down_proj"),
             post_feedforward_layernorm_2=g("post_feedforward_layernorm_2.weight"),
             post_feedforward_layernorm=g("post_feedforward_layernorm.weight"),
-            layer_scalar=g("layer_scalar"), encoder_layer_scalar=g("encoder_layer_scalar"),
-            experts_packed=w.get(p + "experts.packed"),
+            layer_scalar=g("layer_scalar"),
+            encoder_layer_scalar=g("encoder_layer_scalar"),
+            experts_packed=w.get(p + "experts.packed"),  # type: ignore[arg-type]  # a PackedExperts (checkpoint.PACKED)
         )
 
 
@@ -130,7 +140,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     (True = visible) or None → [T, nh·hd] md. Scores in md, softmax in fp32 then rounded to md."""
     nh, T, hd = q.shape
     group = nh // keys.shape[0]
-    qg = q.reshape(keys.shape[0], group * T, hd)              # query head h uses KV head h // group
+    qg = q.reshape(keys.shape[0], group * T, hd)  # query head h uses KV head h // group
     scores = torch.matmul(qg, keys.transpose(1, 2)).view(nh, T, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -155,10 +165,9 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     d = ops.rms_norm(r, lw.pre_feedforward_layernorm, eps)
     h1 = ops.rms_norm(ops.gated_mlp(d, lw.mlp_gate, lw.mlp_up, lw.mlp_down), lw.post_feedforward_layernorm_1, eps)
     # the router reads the RAW residual; the experts read a separately normed copy
-    weights, ids = ops.moe_route(r, lw.router_scale, lw.router_proj, lw.per_expert_scale,
-                                 config.top_k_experts, eps)
+    weights, ids = ops.moe_route(r, lw.router_scale, lw.router_proj, lw.per_expert_scale, config.top_k_experts, eps)
     xe = ops.rms_norm(r, lw.pre_feedforward_layernorm_2, eps)
-    if lw.experts_packed is not None:   # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
+    if lw.experts_packed is not None:  # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
         moe = ops.nvfp4_moe_experts(xe, lw.experts_packed, weights, ids)
     else:
         moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)

@@ -28,29 +28,51 @@ dispatch is on. ``switch_off_native(op, reason)`` turns one op's native path off
 self-check, ``dgserve.native_check``, does it for an op that disagrees with its reference); ``active_native_ops``
 lists what runs natively on a device.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from . import reference
-from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
 from .moe import MoeAlignOut, moe_align, moe_combine, moe_experts, moe_route  # MoE dispatch (see moe.py)
 from .nvfp4_experts import nvfp4_decode, nvfp4_moe_experts, nvfp4_repack  # W4A16 experts (see nvfp4_experts.py)
+from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
 
 try:  # the extension is optional: `python build.py` builds it; the package works without it
-    from dgserve import _C  # type: ignore[attr-defined]
+    from dgserve import _C  # type: ignore[attr-defined,unused-ignore]  # absent (attr-defined) until build.py builds it
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
 __all__ = [
-    "DiffusionStepOut", "canvas_noise", "diffusion_step", "entropy_bound_accept", "gated_mlp",
-    "active_native_ops", "cuda_build_problem", "gumbel_noise", "has_native", "NATIVE_OPS", "MoeAlignOut", "moe_align", "moe_combine", "moe_experts", "moe_route",
-    "native_disabled", "native_enabled", "nvfp4_decode", "nvfp4_moe_experts", "nvfp4_repack",
-    "rms_norm", "step_temperature", "switch_off_native", "switch_on_native", "switched_off",
+    "NATIVE_OPS",
+    "DiffusionStepOut",
+    "MoeAlignOut",
+    "active_native_ops",
+    "canvas_noise",
+    "cuda_build_problem",
+    "diffusion_step",
+    "entropy_bound_accept",
+    "gated_mlp",
+    "gumbel_noise",
+    "has_native",
+    "moe_align",
+    "moe_combine",
+    "moe_experts",
+    "moe_route",
+    "native_disabled",
+    "native_enabled",
+    "nvfp4_decode",
+    "nvfp4_moe_experts",
+    "nvfp4_repack",
+    "rms_norm",
+    "step_temperature",
+    "switch_off_native",
+    "switch_on_native",
+    "switched_off",
 ]
 
 _lock = threading.Lock()
@@ -111,9 +133,15 @@ def switch_on_native(op: str | None = None) -> None:
 # op -> devices its native path serves (dtype limits in each op's docstring). The GEMMs of moe_experts on CPU
 # stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe).
 NATIVE_OPS: dict[str, tuple[str, ...]] = {
-    "rms_norm": ("cpu", "cuda"), "canvas_noise": ("cpu", "cuda"), "gumbel_noise": ("cpu", "cuda"),
-    "diffusion_step": ("cpu", "cuda"), "moe_route": ("cpu", "cuda"), "moe_align": ("cpu", "cuda"),
-    "moe_experts": ("cuda",), "moe_combine": ("cpu", "cuda"), "nvfp4_repack": ("cpu", "cuda"),
+    "rms_norm": ("cpu", "cuda"),
+    "canvas_noise": ("cpu", "cuda"),
+    "gumbel_noise": ("cpu", "cuda"),
+    "diffusion_step": ("cpu", "cuda"),
+    "moe_route": ("cpu", "cuda"),
+    "moe_align": ("cpu", "cuda"),
+    "moe_experts": ("cuda",),
+    "moe_combine": ("cpu", "cuda"),
+    "nvfp4_repack": ("cpu", "cuda"),
     "nvfp4_moe_experts": ("cpu", "cuda"),
 }
 
@@ -133,8 +161,9 @@ def cuda_build_problem() -> str | None:
     if _C is None:
         return "dgserve._C is not built (run `python build.py`)"
     if not _cuda_built():
-        return ("dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python "
-                "build.py` ran)")
+        return (
+            "dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python build.py` ran)"
+        )
     return None
 
 
@@ -188,10 +217,10 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] with optional scale weight [D]; see reference.rms_norm."""
     if _rms_norm_native_ok(x, weight):
-        lanes = _sum_lanes() if x.device.type == "cpu" else 8   # the lanes only order the CPU sum
+        lanes = _sum_lanes() if x.device.type == "cpu" else 8  # the lanes only order the CPU sum
         if lanes is not None:
             D = x.shape[-1]
-            x2 = x.reshape(-1, D)                                     # [rows, D]
+            x2 = x.reshape(-1, D)  # [rows, D]
             out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
             w = None if weight is None else weight.to(torch.float32).contiguous()  # exact, as weight.float()
             _C.rms_norm(x2, w, float(eps), out, lanes)
@@ -204,8 +233,11 @@ def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
         return False
     if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0 or x.stride(-1) != 1 or _wants_grad(x, weight):
         return False  # a strided last dim changes torch's sum order; autograd needs the reference
-    if weight is not None and (weight.device != x.device or weight.shape != (x.shape[-1],)
-                               or weight.dtype not in (torch.float32, torch.bfloat16)):
+    if weight is not None and (
+        weight.device != x.device
+        or weight.shape != (x.shape[-1],)
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return False
     one_row = x.numel() == x.shape[-1]
     return not (one_row and x.numel() >= _TORCH_TWO_PASS_NUMEL and torch.get_num_threads() > 1)
@@ -282,9 +314,21 @@ def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> 
         mean_entropy=torch.empty(B, dtype=torch.float32, device=dev),
         processed=torch.empty(B, C, V, dtype=torch.float32, device=dev),
     )
-    _C.diffusion_step(logits, temperature.to(torch.float32).contiguous(), seeds.contiguous(), blocks.contiguous(),
-                      steps.contiguous(), entropy_bound.to(torch.float32).contiguous(), out.canvas, out.argmax,
-                      out.entropy, out.accepted, out.mean_entropy, out.processed, _sum_lanes() or 8)
+    _C.diffusion_step(
+        logits,
+        temperature.to(torch.float32).contiguous(),
+        seeds.contiguous(),
+        blocks.contiguous(),
+        steps.contiguous(),
+        entropy_bound.to(torch.float32).contiguous(),
+        out.canvas,
+        out.argmax,
+        out.entropy,
+        out.accepted,
+        out.mean_entropy,
+        out.processed,
+        _sum_lanes() or 8,
+    )
     return out
 
 
@@ -301,7 +345,8 @@ def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy
     if _noise_inputs(seeds, blocks, steps) is None or seeds.shape != (B,) or seeds.device != logits.device:
         return False
     for t in (temperature, entropy_bound):
-        if not (isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device
-                and t.is_floating_point()):
+        if not (
+            isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device and t.is_floating_point()
+        ):
             return False
     return True

@@ -16,6 +16,7 @@ Native paths (contracts in ``csrc/ops/moe_*.h``) and why they are what they are:
   (gate/up + GELU-tanh fused, routing weight in GEMM2's epilogue), within bf16 tolerance of the reference.
 - ``moe_combine``: bit-identical everywhere (fp32 products and sums in slot order, one rounding).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,8 @@ import dgserve.ops as _ops  # the package (partially initialised at import time;
 from . import reference
 from .reference import MoeAlignOut, moe_align_capacity
 
-CUDA_ALIGN_BLOCK = 8          # moe_align block on CUDA: one n8 tile of the expert GEMMs' token dimension
-CUDA_MAX_EXPERTS = 256        # the CUDA route and align kernels' limit (csrc/ops/moe_route.h, moe_align.h)
+CUDA_ALIGN_BLOCK = 8  # moe_align block on CUDA: one n8 tile of the expert GEMMs' token dimension
+CUDA_MAX_EXPERTS = 256  # the CUDA route and align kernels' limit (csrc/ops/moe_route.h, moe_align.h)
 _FLOATS = (torch.float32, torch.bfloat16)
 _route_exact_memo: list[bool] = []
 
@@ -68,7 +69,7 @@ def _route_native_ok(residual, router_scale, proj_w, per_expert_scale, top_k) ->
         return False
     if residual.device.type == "cpu":
         return not torch.are_deterministic_algorithms_enabled() and _route_exact()
-    return top_k <= 32                                           # the CUDA kernel's limit
+    return top_k <= 32  # the CUDA kernel's limit
 
 
 def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps: float):
@@ -79,9 +80,9 @@ def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps:
     """
     if not _route_native_ok(residual, router_scale, proj_w, per_expert_scale, top_k):
         return reference.moe_route(residual, router_scale, proj_w, per_expert_scale, top_k, eps)
-    h = _ops.rms_norm(residual, None, eps)                       # bit-identical to reference.rms_norm
-    h = h * router_scale * (residual.shape[-1] ** -0.5)          # the reference's two md roundings
-    logits = F.linear(h, proj_w)                                 # [..., E] md: torch's GEMM
+    h = _ops.rms_norm(residual, None, eps)  # bit-identical to reference.rms_norm
+    h = h * router_scale * (residual.shape[-1] ** -0.5)  # the reference's two md roundings
+    logits = F.linear(h, proj_w)  # [..., E] md: torch's GEMM
     lead, E = logits.shape[:-1], logits.shape[-1]
     logits = logits.reshape(-1, E)
     if residual.device.type == "cpu":
@@ -91,8 +92,15 @@ def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps:
     T, dev = scores.shape[0], scores.device
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
-    _ops._C.moe_route(scores, per_expert_scale.to(torch.float32).contiguous(), int(top_k), from_logits, weights,
-                      ids, _ops._sum_lanes() or 8)
+    _ops._C.moe_route(
+        scores,
+        per_expert_scale.to(torch.float32).contiguous(),
+        int(top_k),
+        from_logits,
+        weights,
+        ids,
+        _ops._sum_lanes() or 8,
+    )
     return weights.view(*lead, top_k), ids.view(*lead, top_k)
 
 
@@ -103,9 +111,15 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignO
     (stable within an expert, sentinel T·K in padding), block_expert [len(sorted_pairs) // block_size] (−1 unused).
     Bit-identical on every path; no host synchronisation on CUDA (ids must lie in [0, E) there: not checked).
     """
-    if not (_ops.has_native("moe_align") and isinstance(ids, torch.Tensor) and ids.dim() == 2
-            and ids.dtype == torch.int64 and num_experts >= 1 and block_size >= 1
-            and _device_ok(ids.device, num_experts)):
+    if not (
+        _ops.has_native("moe_align")
+        and isinstance(ids, torch.Tensor)
+        and ids.dim() == 2
+        and ids.dtype == torch.int64
+        and num_experts >= 1
+        and block_size >= 1
+        and _device_ok(ids.device, num_experts)
+    ):
         return reference.moe_align(ids, num_experts, block_size)
     P, dev = ids.numel(), ids.device
     cap = moe_align_capacity(P, num_experts, block_size)
@@ -122,8 +136,15 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignO
 def moe_combine(y: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``rnd(Σ_k y[:, k]·w[:, k])`` in slot order: y [T, K, H] fp32, weights [T, K] fp32 or None (y already
     weighted) → new [T, H] in dtype; see reference.moe_combine. Bit-identical on every path."""
-    ok = (_ops.has_native("moe_combine") and y.dim() == 3 and y.dtype == torch.float32 and y.shape[1] >= 1
-          and dtype in _FLOATS and _ops._native_device(y.device) and not _ops._wants_grad(y, weights))
+    ok = (
+        _ops.has_native("moe_combine")
+        and y.dim() == 3
+        and y.dtype == torch.float32
+        and y.shape[1] >= 1
+        and dtype in _FLOATS
+        and _ops._native_device(y.device)
+        and not _ops._wants_grad(y, weights)
+    )
     if ok and weights is not None:
         ok = weights.dtype == torch.float32 and weights.shape == y.shape[:2] and weights.device == y.device
     if not ok:
@@ -137,10 +158,15 @@ def _experts_cuda_ok(x, gate_up, down, weights, ids) -> bool:
     E, H = gate_up.shape[0], x.shape[-1]
     I = gate_up.shape[1] // 2
     tensors = (x, gate_up, down)
-    return (x.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 and t.is_contiguous()
-                                              and t.data_ptr() % 16 == 0 for t in tensors)
-            and H % 8 == 0 and I % 8 == 0 and E <= CUDA_MAX_EXPERTS and _ops._cuda_built()
-            and weights.is_floating_point())
+    return (
+        x.dtype == torch.bfloat16
+        and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+        and H % 8 == 0
+        and I % 8 == 0
+        and E <= CUDA_MAX_EXPERTS
+        and _ops._cuda_built()
+        and weights.is_floating_point()
+    )
 
 
 def moe_experts(x, gate_up, down, weights, ids):
@@ -151,9 +177,16 @@ def moe_experts(x, gate_up, down, weights, ids):
     CUDA, bf16: native align → grouped GEMM1 (gate/up, GELU-tanh) → grouped GEMM2 (× routing weight) →
     native combine, with no host synchronisation; other CUDA inputs use the reference.
     """
-    ok = (_ops.native_enabled() and isinstance(x, torch.Tensor) and x.dim() == 2 and ids.dim() == 2
-          and ids.dtype == torch.int64 and ids.shape == weights.shape and ids.shape[0] == x.shape[0]
-          and not _ops._wants_grad(x, gate_up, down, weights))
+    ok = (
+        _ops.native_enabled()
+        and isinstance(x, torch.Tensor)
+        and x.dim() == 2
+        and ids.dim() == 2
+        and ids.dtype == torch.int64
+        and ids.shape == weights.shape
+        and ids.shape[0] == x.shape[0]
+        and not _ops._wants_grad(x, gate_up, down, weights)
+    )
     if not ok:
         return reference.moe_experts(x, gate_up, down, weights, ids)
     (T, K), E, H = ids.shape, gate_up.shape[0], x.shape[-1]
@@ -161,8 +194,17 @@ def moe_experts(x, gate_up, down, weights, ids):
         align = moe_align(ids, E, CUDA_ALIGN_BLOCK)
         act = torch.empty(align.sorted_pairs.numel(), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
-        _ops._C.moe_experts(x, gate_up, down, weights.to(torch.float32).contiguous(), align.counts,
-                            align.offsets, align.sorted_pairs, act, y)
+        _ops._C.moe_experts(
+            x,
+            gate_up,
+            down,
+            weights.to(torch.float32).contiguous(),
+            align.counts,
+            align.offsets,
+            align.sorted_pairs,
+            act,
+            y,
+        )
         return moe_combine(y.view(T, K, H), None, x.dtype)
     if x.device.type == "cpu":
         align = moe_align(ids, E, 1)

@@ -11,6 +11,7 @@ Native paths (contracts in ``csrc/ops/nvfp4_repack.h`` and ``nvfp4_moe_experts.h
   the native CPU loop ``_C.nvfp4_moe_experts`` is the kernel-faithful cross-check used by the tests. CUDA (bf16
   x): the native W4A16 kernels, no host synchronisation; within the tolerances of kernels.md §9.9.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def _repack_native_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     return weight_scale.dtype in (torch.uint8, torch.float8_e4m3fn) and N % 16 == 0
 
 
-def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_repack(
+    weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ModelOpt NVFP4 tensors of E experts → the kernel layout (words, scales); see ``nvfp4.repack``.
 
     weight uint8 [E, N, Kp/2]; weight_scale float8_e4m3fn [E, N, Kp/16] (finite, >= 0: checked, ValueError);
@@ -45,7 +47,7 @@ def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: b
         return nvfp4.repack(weight, weight_scale, interleave)
     E, N, half = weight.shape
     raw = weight_scale.view(torch.uint8).contiguous()
-    nvfp4.check_scales(raw, "weight_scale")                 # load time: one host sync is fine here
+    nvfp4.check_scales(raw, "weight_scale")  # load time: one host sync is fine here
     kc = nvfp4.chunks(2 * half)
     words = torch.empty(E, N // 16, kc, 128, dtype=torch.int32, device=weight.device)
     scales = torch.empty(E, N // 16, kc, 64, dtype=torch.uint8, device=weight.device)
@@ -69,13 +71,21 @@ def _native_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _cuda_ok(x: torch.Tensor, experts: nvfp4.PackedExperts) -> bool:
     E = experts.gs.shape[0]
-    return (_ops.has_native("nvfp4_moe_experts") and _ops._cuda_built() and x.dtype == torch.bfloat16
-            and E <= CUDA_MAX_EXPERTS and all(t.device == x.device for t in experts[:5])
-            and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    return (
+        _ops.has_native("nvfp4_moe_experts")
+        and _ops._cuda_built()
+        and x.dtype == torch.bfloat16
+        and E <= CUDA_MAX_EXPERTS
+        and all(t.device == x.device for t in experts[:5])
+        and x.stride(-1) == 1
+        and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0
+    )
 
 
-def nvfp4_moe_experts(x: torch.Tensor, experts: nvfp4.PackedExperts, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+def nvfp4_moe_experts(
+    x: torch.Tensor, experts: nvfp4.PackedExperts, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Grouped W4A16 expert MLP with the fp32 combine → [T, H] in x's dtype; see reference.nvfp4_moe_experts.
 
     x [T, H] (bf16 on CUDA); experts: ``nvfp4.pack_experts`` output on x's device; weights [T, K] fp32;
@@ -83,8 +93,14 @@ def nvfp4_moe_experts(x: torch.Tensor, experts: nvfp4.PackedExperts, weights: to
     """
     T, K = ids.shape
     H = experts.hidden
-    ok = (_ops.native_enabled() and x.dim() == 2 and x.shape == (T, H) and weights.shape == ids.shape
-          and ids.dtype == torch.int64 and not _ops._wants_grad(x, weights))
+    ok = (
+        _ops.native_enabled()
+        and x.dim() == 2
+        and x.shape == (T, H)
+        and weights.shape == ids.shape
+        and ids.dtype == torch.int64
+        and not _ops._wants_grad(x, weights)
+    )
     if not ok:
         return _reference_moe_experts(x, experts, weights, ids)
     weights = weights.to(torch.float32).contiguous()

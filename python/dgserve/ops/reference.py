@@ -4,6 +4,7 @@ Each function states its contract (shapes, dtypes, rounding points) in its docst
 ops in ``dgserve._C`` must reproduce these results (bit-exactly where the docstring says so).
 Rounding notation: ``rnd(x)`` rounds to the model dtype ``md`` (spec §0).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -39,8 +40,14 @@ def gated_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w:
 # --------------------------------------------------------------------------------------------
 
 
-def moe_route(residual: torch.Tensor, router_scale: torch.Tensor, proj_w: torch.Tensor,
-              per_expert_scale: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    residual: torch.Tensor,
+    router_scale: torch.Tensor,
+    proj_w: torch.Tensor,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: residual [T, H] (md) → (weights [T, K] fp32, expert ids [T, K] int64). Spec §3.4.
 
     ``z = rnd(rnd(RMSNorm_noscale(r) ⊙ scale) · H^-0.5)``; ``π = softmax_fp32(rnd(z·Wrᵀ))``;
@@ -57,8 +64,9 @@ def moe_route(residual: torch.Tensor, router_scale: torch.Tensor, proj_w: torch.
 
 class MoeAlignOut(NamedTuple):
     """Token-expert pairs grouped by expert (``moe_align``). P = T·K pairs; pair ``p = t·K + k``."""
-    counts: torch.Tensor        # [E] int32: pairs routed to each expert
-    offsets: torch.Tensor       # [E + 1] int32: start of expert e's segment (multiples of block_size);
+
+    counts: torch.Tensor  # [E] int32: pairs routed to each expert
+    offsets: torch.Tensor  # [E + 1] int32: start of expert e's segment (multiples of block_size);
     #                             offsets[E] = padded total
     sorted_pairs: torch.Tensor  # [P + E·(block_size − 1)] int32: pair indices grouped by expert, ascending within
     #                             an expert; the sentinel P in each segment's padding and past offsets[E]
@@ -77,40 +85,41 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignO
     """
     flat = ids.reshape(-1).long()
     P, E, b, dev = flat.numel(), num_experts, block_size, flat.device
-    counts = torch.bincount(flat, minlength=E)                      # [E] int64
+    counts = torch.bincount(flat, minlength=E)  # [E] int64
     padded = (counts + b - 1) // b * b
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)                        # pairs grouped by expert
-    first = torch.cumsum(counts, 0) - counts                        # unpadded start of each expert
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    first = torch.cumsum(counts, 0) - counts  # unpadded start of each expert
     e_sorted = flat[order]
     pos = offsets[e_sorted] + torch.arange(P, device=dev) - first[e_sorted]
     cap = moe_align_capacity(P, E, b)
     sorted_pairs = torch.full((cap,), P, dtype=torch.int32, device=dev)
     sorted_pairs[pos] = order.to(torch.int32)
     starts = torch.arange(cap // b, device=dev) * b
-    owner = torch.searchsorted(offsets[1:], starts, right=True)     # first e with offsets[e + 1] > start
+    owner = torch.searchsorted(offsets[1:], starts, right=True)  # first e with offsets[e + 1] > start
     block_expert = torch.where(starts < offsets[E], owner, -1).to(torch.int32)
     return MoeAlignOut(counts.to(torch.int32), offsets.to(torch.int32), sorted_pairs, block_expert)
 
 
-def moe_expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, align: MoeAlignOut,
-                       top_k: int) -> torch.Tensor:
+def moe_expert_outputs(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, align: MoeAlignOut, top_k: int
+) -> torch.Tensor:
     """Un-weighted expert outputs ``f32(y_p)`` [T·K, H] in (token, slot) order, y_p = expert e_p's MLP of
     x[p // K] in md (torch GEMMs, one pair of F.linear per expert over its contiguous group of rows)."""
     P = x.shape[0] * top_k
     inter = gate_up.shape[1] // 2
     offsets = align.offsets.tolist()
     counts = align.counts.tolist()
-    pairs = align.sorted_pairs[:offsets[-1]].long()                 # [padded total]
-    xs = x[pairs.clamp(max=max(P - 1, 0)) // top_k]                 # gathered inputs (padding rows unused)
+    pairs = align.sorted_pairs[: offsets[-1]].long()  # [padded total]
+    xs = x[pairs.clamp(max=max(P - 1, 0)) // top_k]  # gathered inputs (padding rows unused)
     y = torch.empty(P, x.shape[-1], dtype=torch.float32, device=x.device)
-    for e, n in enumerate(counts):                                  # each expert's weights read once
+    for e, n in enumerate(counts):  # each expert's weights read once
         if n:
             s = offsets[e]
-            gu = F.linear(xs[s:s + n], gate_up[e])
+            gu = F.linear(xs[s : s + n], gate_up[e])
             h = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-            y[pairs[s:s + n]] = F.linear(h, down[e]).float()
+            y[pairs[s : s + n]] = F.linear(h, down[e]).float()
     return y
 
 
@@ -120,13 +129,14 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtyp
     if weights is not None:
         y = y * weights[..., None]
     out = y[:, 0]
-    for k in range(1, y.shape[1]):                                  # fixed slot order: deterministic
+    for k in range(1, y.shape[1]):  # fixed slot order: deterministic
         out = out + y[:, k]
     return out.to(dtype)
 
 
-def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Grouped expert MLP with an fp32 combine. x [T, H] md; gate_up [E, 2I, H]; down [E, H, I];
     weights [T, K] fp32; ids [T, K] int64 → [T, H] md.
 
@@ -143,6 +153,7 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False):
     """ModelOpt NVFP4 tensors → the W4A16 kernel layout (words, scales); the formula is ``dgserve.nvfp4.repack``."""
     from dgserve import nvfp4
+
     return nvfp4.repack(weight, weight_scale, interleave)
 
 
@@ -150,6 +161,7 @@ def nvfp4_moe_experts(x: torch.Tensor, experts, weights: torch.Tensor, ids: torc
     """Grouped W4A16 expert MLP on ``nvfp4.PackedExperts`` with the fp32 combine → [T, H] in x's dtype:
     ``moe_align`` (block 1) → ``nvfp4.expert_outputs`` (y already weighted) → ``moe_combine(y, None)``."""
     from dgserve import nvfp4
+
     T, K = ids.shape
     align = moe_align(ids, experts.gs.shape[0], 1)
     y = nvfp4.expert_outputs(x, experts, weights.to(torch.float32), align.offsets, align.sorted_pairs)
@@ -192,8 +204,9 @@ def seed_key(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return seeds & _MASK, (seeds >> 32) & _MASK
 
 
-def canvas_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
-                 canvas_length: int, vocab_size: int) -> torch.Tensor:
+def canvas_noise(
+    seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab_size: int
+) -> torch.Tensor:
     """Uniform canvas tokens of spec §7.4: counter (p, 0, b, 2s), token = out[0] mod V.
 
     seeds, blocks, steps: [B] int64 (per row) → tokens [B, C] int64. ``steps = 0`` is a block's initial
@@ -205,8 +218,9 @@ def canvas_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
     return out % vocab_size
 
 
-def gumbel_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
-                 canvas_length: int, vocab_size: int) -> torch.Tensor:
+def gumbel_noise(
+    seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab_size: int
+) -> torch.Tensor:
     """Gumbel noise g [B, C, V] fp32 of spec §7.5: counter (v // 4, p, b, 2k+1), r = out[v % 4],
     u = ((r >> 9) + 0.5)·2^-23, g = -log(-log(u)) with torch's fp32 log (≤ 2 ulp from the native op, §7.6)."""
     B = seeds.shape[0]
@@ -219,7 +233,7 @@ def gumbel_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
     s = (2 * steps + 1).view(B, 1, 1)
     words = philox4x32_10(q, p, b, s, k0.view(B, 1, 1), k1.view(B, 1, 1))
     r = torch.stack(words, -1).reshape(B, canvas_length, 4 * n4)[..., :vocab_size]
-    u = ((r >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    u = ((r >> 9).to(torch.float32) + 0.5) * (2.0**-23)
     return -torch.log(-torch.log(u))
 
 
@@ -230,12 +244,13 @@ def gumbel_noise(seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor,
 
 class DiffusionStepOut(NamedTuple):
     """Outputs of one denoising step for B canvas rows of C positions over V."""
-    canvas: torch.Tensor        # [B, C] int64: sampled where accepted, contract noise elsewhere
-    argmax: torch.Tensor        # [B, C] int64: argmax of the processed logits (lowest index on ties)
-    entropy: torch.Tensor       # [B, C] fp32: entropy of softmax(processed)
-    accepted: torch.Tensor      # [B, C] bool
+
+    canvas: torch.Tensor  # [B, C] int64: sampled where accepted, contract noise elsewhere
+    argmax: torch.Tensor  # [B, C] int64: argmax of the processed logits (lowest index on ties)
+    entropy: torch.Tensor  # [B, C] fp32: entropy of softmax(processed)
+    accepted: torch.Tensor  # [B, C] bool
     mean_entropy: torch.Tensor  # [B] fp32: mean over C positions (adaptive stopping)
-    processed: torch.Tensor     # [B, C, V] fp32: logits / temperature (the next step's self-conditioning)
+    processed: torch.Tensor  # [B, C, V] fp32: logits / temperature (the next step's self-conditioning)
 
 
 def step_temperature(t_min: torch.Tensor, t_max: torch.Tensor, k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -268,8 +283,14 @@ def entropy(processed: torch.Tensor) -> torch.Tensor:
     return -(lp * p).sum(-1)
 
 
-def diffusion_step(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, blocks: torch.Tensor,
-                   steps: torch.Tensor, entropy_bound: torch.Tensor) -> DiffusionStepOut:
+def diffusion_step(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    blocks: torch.Tensor,
+    steps: torch.Tensor,
+    entropy_bound: torch.Tensor,
+) -> DiffusionStepOut:
     """One denoising step for B rows. logits [B, C, V] (fp32 or md, softcapped); temperature [B] fp32;
     seeds, blocks, steps (remaining-steps counter k ≥ 1): [B] int64; entropy_bound [B].
 
