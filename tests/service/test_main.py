@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -17,6 +15,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_helpers import ROOT, params
+from storm import ServerProcess  # a real `python -m dgserve.service` process, ready (SERVING)
 
 from dgserve.service.__main__ import build_config
 from dgserve.v1 import text_generation_pb2 as pb
@@ -85,46 +84,6 @@ def test_dry_run_prints_resolved_config():
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert (cfg["model"], cfg["port"], cfg["max_queue_len"], cfg["http_port"]) == ("/models/x", 1234, 5, 8000)
-
-
-class ServerProcess:
-    def __init__(self, model_dir, *extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dgserve.service",
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--served-model-name",
-                "tiny",
-                *extra,
-            ],
-            cwd=ROOT,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.port = self.http_port = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        assert self._ready.wait(120), "server did not report its port:\n" + "".join(self.lines)
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"listening: gRPC [\d.]+:(\d+), HTTP (\d+)", line)
-            if m:
-                self.port, self.http_port = int(m.group(1)), int(m.group(2))
-                self._ready.set()
 
 
 def test_sigterm_drain(model_dir):
