@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import shutil
+import subprocess
 import sys
 import threading
 
@@ -111,3 +113,41 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None
         if time.monotonic() > end:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def make_certs(d: pathlib.Path, clients: tuple[str, ...]) -> pathlib.Path:
+    """A test PKI in ``d``: ca.{key,pem}, server.{key,pem} (SAN localhost, 127.0.0.1) and ``<name>.{key,pem}``
+    (CN name) for each client, all EC P-256 certificates the CA signed, valid one day. Skips without openssl."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not found")
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", *clients):
+        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        # SAN on the server only: grpc names a client by its SANs when it has any, else by its CN, and the Abort
+        # scoping test needs alice and bob to be different identities
+        san = ["-extfile", "san.cnf"] if name == "server" else []
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            *san,
+        )
+    return d

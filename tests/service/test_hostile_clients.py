@@ -12,7 +12,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_helpers import ServerThread, base_config, long_params, params, wait_until
+from service_helpers import ServerThread, base_config, long_params, make_certs, params, wait_until
 
 from dgserve.service.logs import JsonFormatter, TextFormatter
 from dgserve.v1 import text_generation_pb2 as pb
@@ -183,38 +183,7 @@ def test_deadline_expiry_counts_as_deadline_exceeded(stub, server):
 @pytest.fixture(scope="module")
 def two_client_certs(tmp_path_factory):
     """A CA, a server certificate and two client certificates (CN alice, CN bob) it signed."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not found")
-    d = tmp_path_factory.mktemp("certs2")
-
-    def ssl(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "alice", "bob"):
-        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        ssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "1",
-            *(["-extfile", "san.cnf"] if name == "server" else []),
-        )
-    return d
+    return make_certs(tmp_path_factory.mktemp("certs2"), ("alice", "bob"))
 
 
 def test_abort_is_scoped_to_the_client_certificate(model_dir, two_client_certs):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import shutil
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -16,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_helpers import ServerThread, base_config, long_params, params, wait_until
+from service_helpers import ServerThread, base_config, long_params, make_certs, params, wait_until
 
 from dgserve.service.logs import setup_logging
 from dgserve.service.server import load_engine
@@ -95,39 +93,9 @@ def list_services(channel) -> list[str]:
     return [svc.name for svc in resp.list_services_response.service]
 
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not found")
-    d = tmp_path_factory.mktemp("certs")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "1",
-            "-extfile",
-            "san.cnf",
-            cwd=d,
-        )
-    return d
+    return make_certs(tmp_path_factory.mktemp("certs"), ("client",))
 
 
 def test_mtls(model_dir, certs):
