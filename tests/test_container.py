@@ -15,6 +15,7 @@ import sys
 import zipfile
 
 import pytest
+from wheel_build import build_wheel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -382,32 +383,7 @@ def test_wheel_carries_stubs_model_and_extension(tmp_path):
     pkg = ROOT / "python" / "dgserve"
     if not (pkg / "v1" / "text_generation_pb2.py").exists() or not (pkg / "models" / "small" / "config.json").exists():
         pytest.skip("run build.py first (stubs) and ship the small model")
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    for tree in ("python", "service"):
-        shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--wheel-dir",
-            str(tmp_path / "dist"),
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    (wheel,) = (tmp_path / "dist").glob("dgserve-*.whl")
+    wheel = build_wheel(tmp_path)
     args = ["--require-ext"] if list(pkg.glob("_C*.so")) else []
     r = subprocess.run([sys.executable, str(CHECK_WHEEL), *args, str(wheel)], capture_output=True, text=True)
     if r.returncode != 0 and "models/small" in r.stderr and "models/" not in (ROOT / "pyproject.toml").read_text():

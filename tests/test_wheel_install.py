@@ -24,6 +24,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from wheel_build import build_wheel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "python" / "dgserve"
@@ -41,35 +42,14 @@ def installed(tmp_path_factory) -> pathlib.Path:
     if not (PKG / "v1" / "text_generation_pb2.py").exists():
         pytest.skip("run build.py first (protobuf stubs)")
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    for tree in ("python", "service"):
-        shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--wheel-dir",
-            str(tmp / "dist"),
-            str(src),
-        ]
-    )
-    (wheel,) = (tmp / "dist").glob("dgserve-*.whl")
+    wheel = build_wheel(tmp)
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     py = venv / "bin" / "python"
     site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     (pathlib.Path(site) / "outer_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)], cwd=tmp)
-    shutil.rmtree(src)  # nothing of the source tree is left to import from
+    shutil.rmtree(tmp / "src")  # nothing of the source tree is left to import from
     return venv / "bin"
 
 
