@@ -1,7 +1,8 @@
 """Protobuf ↔ dgserve objects: the only module that imports both.
 
 Every validation message names the proto field (``params.t_max must be > t_min ...``, ``token_ids.ids[3]: ...``)
-so that INVALID_ARGUMENT tells the caller exactly what to fix.
+so that INVALID_ARGUMENT tells the caller exactly what to fix. The knobs' field list, bounds and validation are
+SamplingParams' own (``dgserve.sampling_params.KNOBS``): nothing here repeats them.
 """
 
 from __future__ import annotations
@@ -26,17 +27,8 @@ FINISH_REASONS = {
     FINISH_STOP: pb.FINISH_REASON_STOP,
     FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-_SCALARS = (
-    "max_new_tokens",
-    "max_denoising_steps",
-    "t_min",
-    "t_max",
-    "entropy_bound",
-    "stability_threshold",
-    "confidence_threshold",
-    "seed",
-    "ignore_eos",
-)
+# the proto's `optional` scalar knobs: SamplingParams' scalar knobs, same names (test_convert checks the proto has them)
+_SCALARS = sp.SCALAR_KNOBS
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -202,8 +194,8 @@ def model_info(engine: Engine, names: tuple[str, ...], sched: SchedulerConfig) -
         has_tokenizer=engine.tokenizer is not None,
         defaults=params_message(d),
         bounds=bounds(d),
-        max_stop_strings=sp.MAX_STOP_STRINGS,
-        max_stop_length=sp.MAX_STOP_LENGTH,
+        max_stop_strings=sp.KNOBS["stop"].max_items,
+        max_stop_length=sp.KNOBS["stop"].max_chars,
         max_num_seqs=sched.max_num_seqs,
         max_queue_len=sched.max_queue_len if sched.max_queue_len is not None else 0,
         deterministic=engine.model.dtype == torch.float32,
@@ -227,33 +219,26 @@ def runtime_fields(engine: Engine) -> dict:
 
 
 def bounds(d: SamplingParams) -> list[pb.KnobBounds]:
-    K = pb.KnobBounds
-    return [
-        K(
-            name="max_new_tokens",
-            min=1,
-            max=sp.MAX_NEW_TOKENS_LIMIT,
-            integer=True,
-            default_value=d.max_new_tokens,
-            note="prompt tokens + whole canvases must fit in max_model_len",
-        ),
-        K(
-            name="max_denoising_steps",
-            min=1,
-            max=sp.MAX_DENOISING_STEPS_LIMIT,
-            integer=True,
-            default_value=d.max_denoising_steps,
-        ),
-        K(name="t_min", min=0, max=math.inf, default_value=d.t_min, note="t_min < t_max"),
-        K(name="t_max", min=0, max=math.inf, min_exclusive=True, default_value=d.t_max, note="t_max > t_min"),
-        K(name="entropy_bound", min=0, max=math.inf, min_exclusive=True, default_value=d.entropy_bound),
-        K(
-            name="stability_threshold",
-            min=0,
-            max=sp.MAX_DENOISING_STEPS_LIMIT,
-            integer=True,
-            default_value=d.stability_threshold,
-        ),
-        K(name="confidence_threshold", min=0, max=math.inf, min_exclusive=True, default_value=d.confidence_threshold),
-        K(name="seed", min=0, max=float(sp.SEED_LIMIT - 1), integer=True, note="unset: random, reported in Started"),
-    ]
+    """KnobBounds of every numeric knob, from its Knob metadata, with ``d``'s values as the defaults. An integer
+    bound a double cannot hold exactly (the seed's 2^64 − 1) is reported as the next integer, excluded."""
+    out = []
+    for name, k in sp.KNOBS.items():
+        if not k.numeric:
+            continue
+        hi, hi_open = (math.inf, False) if k.hi is None else (k.hi, k.hi_open)
+        if k.kind is int and hi != math.inf and float(hi) != hi and not hi_open:
+            hi, hi_open = hi + 1, True
+        default = getattr(d, name)
+        out.append(
+            pb.KnobBounds(
+                name=name,
+                min=-math.inf if k.lo is None else k.lo,
+                max=hi,
+                min_exclusive=k.lo_open,
+                max_exclusive=hi_open,
+                integer=k.kind is int,
+                default_value=0 if default is None else default,
+                note=k.constraint(name),
+            )
+        )
+    return out

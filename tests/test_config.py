@@ -1,5 +1,6 @@
 """dgserve.config: ModelConfig resolves config.json exactly as transformers 5.23 does (spec §1), rejects what
-dgserve cannot run with a message naming the field, and GenerationDefaults follows spec §1.3."""
+dgserve cannot run with a message naming the field, and generation_config.json's defaults follow spec §1.3
+(read into SamplingParams, the one table of knobs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 import pytest
 from tiny_models import TINY_VARIANTS, tiny_config
 
-from dgserve.config import FULL, SLIDING, ConfigError, GenerationDefaults, ModelConfig
+from dgserve.config import FULL, SLIDING, ConfigError, ModelConfig, generation_eos_token_ids
+from dgserve.sampling_params import SamplingParams
 
 
 def _variant_config(variant: str):
@@ -307,14 +309,15 @@ def test_direct_construction_is_validated(base_dict):
         dataclasses.replace(cfg, layer_types=(SLIDING, FULL, SLIDING))
 
 
-# ------------------------------------------------------------------------------------------------ GenerationDefaults
+# ------------------------------------------------------------------------------------------- generation_config.json
 
 
 def test_generation_defaults_absent_file_and_transformers_nulls(tmp_path, saved_configs, tiny_checkpoint):
-    assert GenerationDefaults.from_pretrained(tmp_path) == GenerationDefaults()
+    assert SamplingParams.from_generation_config(tmp_path) == SamplingParams()
+    assert generation_eos_token_ids(tmp_path) == ()
     path = tiny_checkpoint("base")
     assert json.loads((path / "generation_config.json").read_text())["t_min"] is None  # explicit nulls
-    assert GenerationDefaults.from_pretrained(path) == GenerationDefaults()
+    assert SamplingParams.from_generation_config(path) == SamplingParams()
 
 
 def test_generation_defaults_values(tmp_path):
@@ -336,8 +339,7 @@ def test_generation_defaults_values(tmp_path):
             }
         )
     )
-    g = GenerationDefaults.from_pretrained(tmp_path)
-    assert g == GenerationDefaults(
+    want = SamplingParams(
         max_new_tokens=64,
         max_denoising_steps=8,
         t_min=0.1,
@@ -345,46 +347,83 @@ def test_generation_defaults_values(tmp_path):
         entropy_bound=0.25,
         stability_threshold=0,
         confidence_threshold=0.01,
-        eos_token_ids=(1, 106, 50),
-        pad_token_id=0,
     )
+    assert SamplingParams.from_generation_config(tmp_path) == want
+    assert SamplingParams.from_generation_config(tmp_path / "generation_config.json") == want  # the file itself
+    assert generation_eos_token_ids(tmp_path) == (1, 106, 50)
 
 
 def test_generation_defaults_eos_int_and_null_sampler():
-    g = GenerationDefaults.from_dict({"eos_token_id": 1, "sampler_config": None, "pad_token_id": None})
-    assert g.eos_token_ids == (1,) and g.entropy_bound == 0.1 and g.pad_token_id is None
-    g = GenerationDefaults.from_dict(
+    d = {"eos_token_id": 1, "sampler_config": None, "pad_token_id": None}
+    assert generation_eos_token_ids(d) == (1,) and SamplingParams.from_generation_config(d).entropy_bound == 0.1
+    g = SamplingParams.from_generation_config(
         {"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": None}}
     )
     assert g.entropy_bound == 0.1
-    assert GenerationDefaults.from_dict({"eos_token_id": []}).eos_token_ids == ()
+    assert generation_eos_token_ids({"eos_token_id": []}) == ()
+
+
+def test_generation_defaults_read_every_knob_with_a_config_key():
+    """Each knob the table maps to generation_config.json is read from there (and only those)."""
+    from dgserve.sampling_params import KNOBS
+
+    keys = {name: k.config_key for name, k in KNOBS.items() if k.config_key}
+    assert set(keys) == {
+        "max_new_tokens",
+        "max_denoising_steps",
+        "t_min",
+        "t_max",
+        "entropy_bound",
+        "stability_threshold",
+        "confidence_threshold",
+    }
+    assert keys["entropy_bound"] == "sampler_config.entropy_bound"
+    d: dict = {"seed": 5, "ignore_eos": True, "stop": ["x"]}  # not knobs of generation_config.json: ignored
+    for name, key in keys.items():
+        value = getattr(SamplingParams(), name) * 2  # in bounds for every knob (t_min 0.8 < t_max 1.6)
+        outer, _, inner = key.rpartition(".")
+        (d.setdefault(outer, {}) if outer else d)[inner] = value
+    got = SamplingParams.from_generation_config(d)
+    assert all(getattr(got, n) == getattr(SamplingParams(), n) * 2 for n in keys)
+    assert got.seed is None and got.ignore_eos is False and got.stop == ()
 
 
 @pytest.mark.parametrize(
     "d,field",
     [
         ({"sampler_config": {"_cls_name": "TopKSamplerConfig", "k": 3}}, "sampler_config._cls_name"),
-        ({"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.0}}, "entropy_bound"),
+        (
+            {"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.0}},
+            r"sampler_config\.entropy_bound",
+        ),
+        ({"sampler_config": "entropy"}, "sampler_config"),
         ({"t_min": 0.9}, "t_max"),
         ({"t_min": -0.1}, "t_min"),
         ({"max_denoising_steps": 0}, "max_denoising_steps"),
+        ({"max_denoising_steps": 2000}, "max_denoising_steps"),  # above the request limit: no request could use it
         ({"max_new_tokens": 2.5}, "max_new_tokens"),
         ({"stability_threshold": -1}, "stability_threshold"),
         ({"confidence_threshold": 0}, "confidence_threshold"),
-        ({"eos_token_id": "x"}, "eos_token_id"),
-        ({"eos_token_id": [1, None]}, "eos_token_id"),
-        ({"pad_token_id": -1}, "pad_token_id"),
     ],
 )
 def test_generation_defaults_rejections_name_the_field(d, field):
-    with pytest.raises(ConfigError, match=field):
-        GenerationDefaults.from_dict(d)
+    with pytest.raises(ConfigError, match=rf"^generation_config\.{field}: "):
+        SamplingParams.from_generation_config(d)
+
+
+@pytest.mark.parametrize("eos", ["x", [1, None], [1, -2], 1.5])
+def test_generation_eos_rejections_name_the_field(eos):
+    with pytest.raises(ConfigError, match=r"^generation_config\.eos_token_id: "):
+        generation_eos_token_ids({"eos_token_id": eos})
 
 
 def test_generation_defaults_bad_json_names_file(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(ConfigError, match=r"generation_config\.json"):
-        GenerationDefaults.from_pretrained(tmp_path)
+        SamplingParams.from_generation_config(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"t_min": "hot"}))
-    with pytest.raises(ConfigError, match=r"generation_config\.json"):
-        GenerationDefaults.from_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"generation_config\.t_min: .*generation_config\.json"):
+        SamplingParams.from_generation_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match=r"generation_config\.eos_token_id: .*generation_config\.json"):
+        generation_eos_token_ids(tmp_path)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from dgserve import Engine, SamplingParams
-from dgserve.config import ConfigError, GenerationDefaults
+from dgserve.config import ConfigError
 from dgserve.default_model import train_tokenizer
 from dgserve.outputs import OutputTracker
 from dgserve.tiny import make_random_checkpoint
@@ -170,12 +173,32 @@ def test_stop_without_tokenizer_is_rejected(tiny_checkpoint):
         eng.generate("text", _params())
 
 
-def test_checkpoint_defaults_outside_request_limits_fail_at_load(tiny_checkpoint):
-    """generation_config.json values that GenerationDefaults accepts but no request may use (here 2,000 denoising
-    steps, above SamplingParams' 1,024) are refused when the engine is built, naming the file and the field."""
-    eng = Engine.from_pretrained(tiny_checkpoint("base"))
-    with pytest.raises(ConfigError, match="generation_config: max_denoising_steps"):
-        Engine(eng.model, None, GenerationDefaults(max_denoising_steps=2000))
+def test_checkpoint_defaults_outside_request_limits_fail_at_load(tiny_checkpoint, tmp_path):
+    """A generation_config.json default that no request may use (here 2,000 denoising steps, above SamplingParams'
+    1,024) is refused when the engine is built, naming the field and the file."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("base"), path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "max_denoising_steps": 2000}))
+    with pytest.raises(ConfigError, match=r"generation_config\.max_denoising_steps: must be in \[1, 1024\].*json"):
+        Engine.from_pretrained(path)
+
+
+def test_engine_defaults_are_the_checkpoints(tiny_checkpoint, tmp_path):
+    """from_pretrained reads the knobs and the EOS ids of generation_config.json; default_params overrides them."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("base"), path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(max_denoising_steps=7, t_min=0.2, eos_token_id=[1, 3], sampler_config={"entropy_bound": 0.5})
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    eng = Engine.from_pretrained(path)
+    assert eng.default_params() == SamplingParams(max_denoising_steps=7, t_min=0.2, entropy_bound=0.5)
+    assert eng.default_params(seed=3, t_min=0.0) == SamplingParams(
+        max_denoising_steps=7, t_min=0.0, entropy_bound=0.5, seed=3
+    )
+    assert eng.eos_ids == {1, 3}
+    with pytest.raises(ValueError, match="t_max"):
+        eng.default_params(t_min=0.9)
 
 
 class _CharTokenizer:

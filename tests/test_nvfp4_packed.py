@@ -97,10 +97,8 @@ def test_packed_native_cpu_path_is_bit_identical_to_its_reference(quantized):
 
 
 def test_engine_generates_on_packed_experts(quantized):
-    from dgserve.config import GenerationDefaults
-
     model = DiffusionGemma.from_pretrained(quantized, nvfp4_packed=True)
-    res = Engine(model, None, GenerationDefaults()).generate(
+    res = Engine(model, None).generate(
         [5, 6, 7], SamplingParams(max_new_tokens=20, max_denoising_steps=4, seed=1, ignore_eos=True)
     )
     assert len(res.token_ids) == 20

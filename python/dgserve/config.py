@@ -1,9 +1,10 @@
 """Model and generation configuration read from a Hugging Face checkpoint directory (spec §1).
 
 `ModelConfig` is the text model as dgserve runs it: one head geometry per layer type (sliding / full), no
-vision, every value resolved the way transformers 5.23 resolves it. `GenerationDefaults` holds the checkpoint's
-diffusion sampler defaults from `generation_config.json`. Both are frozen and validated on construction; a bad
-value raises `ConfigError` (a ValueError) whose message starts with the offending JSON field.
+vision, every value resolved the way transformers 5.23 resolves it; frozen and validated on construction, a bad
+value raises `ConfigError` (a ValueError) whose message starts with the offending JSON field. The checkpoint's
+`generation_config.json` is read here (`read_generation_config`, `generation_eos_token_ids`); its sampling
+defaults become a `SamplingParams` (`SamplingParams.from_generation_config`, the one table of knobs).
 """
 
 from __future__ import annotations
@@ -316,8 +317,9 @@ class ModelConfig:
 
     `layer_types[i]` is "sliding_attention" or "full_attention"; the last layer is always full. Sliding layers
     have `sliding_head_dim` / `sliding_num_kv_heads`, full layers `full_head_dim` / `full_num_kv_heads` (K = V
-    there). `eos_token_id` is an int, a tuple of ints (a JSON list) or None; it is informational only
-    (generation uses `GenerationDefaults`). Construction validates every cross-field rule.
+    there). `eos_token_id` is an int, a tuple of ints (a JSON list) or None; generation stops on
+    generation_config.json's ids (`generation_eos_token_ids`) and on these only when that file has none.
+    Construction validates every cross-field rule.
     """
 
     vocab_size: int
@@ -522,98 +524,36 @@ class ModelConfig:
         }
 
 
-# ----------------------------------------------------------------------------------------------- GenerationDefaults
-
-_G = "generation_config"
+# ------------------------------------------------------------------------------------------- generation_config.json
 
 
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """The checkpoint's generation defaults (spec §1.3). A value absent or null in generation_config.json takes the
-    global default below. `eos_token_ids` is a tuple (an int in the file becomes a 1-tuple; empty = none).
-    Validation follows transformers: max_new_tokens, max_denoising_steps > 0; 0 <= t_min < t_max;
-    entropy_bound > 0; stability_threshold >= 0; confidence_threshold > 0."""
+def read_generation_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], pathlib.Path]:
+    """(the generation_config.json object, its path) for a checkpoint directory or the file itself; a directory
+    without one gives {} (every default). Unparsable → ConfigError naming the file. The sampling knobs in it are
+    read by ``SamplingParams.from_generation_config``; ``generation_eos_token_ids`` reads the EOS ids."""
+    path = pathlib.Path(path)
+    file = path if path.is_file() else path / "generation_config.json"
+    if not file.is_file():
+        return {}, file
+    return _read_json(file), file
 
-    max_new_tokens: int = 256
-    max_denoising_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = None
 
-    def __post_init__(self) -> None:
-        for name, minimum in (("max_new_tokens", 1), ("max_denoising_steps", 1), ("stability_threshold", 0)):
-            v = getattr(self, name)
-            if not _is_int(v) or v < minimum:
-                raise ConfigError(f"{_G}.{name}: must be an integer >= {minimum}, got {v!r}")
-        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
-            v = getattr(self, name)
-            if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
-                raise ConfigError(f"{_G}.{name}: expected a number, got {v!r}")
-            object.__setattr__(self, name, float(v))
-        if self.t_min < 0:
-            raise ConfigError(f"{_G}.t_min: must be >= 0, got {self.t_min}")
-        if self.t_max <= self.t_min:
-            raise ConfigError(f"{_G}.t_max: must be > t_min ({self.t_min}), got {self.t_max}")
-        for name in ("entropy_bound", "confidence_threshold"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{_G}.{name}: must be > 0, got {getattr(self, name)}")
-        eos = tuple(self.eos_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in eos):
-            raise ConfigError(f"{_G}.eos_token_id: expected non-negative integers, got {self.eos_token_ids!r}")
-        object.__setattr__(self, "eos_token_ids", eos)
-        if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and self.pad_token_id >= 0):
-            raise ConfigError(f"{_G}.pad_token_id: expected a non-negative integer or null, got {self.pad_token_id!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerationDefaults:
-        """Parse a generation_config.json dict. `sampler_config` is {"_cls_name": "EntropyBoundSamplerConfig",
-        "entropy_bound": β}; any other sampler -> ConfigError. Unknown keys (max_length, cache settings, ...) are
-        ignored."""
-        if not isinstance(d, dict):
-            raise ConfigError(f"{_G}: expected a JSON object, got {type(d).__name__}")
-        kw = {
-            k: d[k]
-            for k in (
-                "max_new_tokens",
-                "max_denoising_steps",
-                "t_min",
-                "t_max",
-                "stability_threshold",
-                "confidence_threshold",
-                "pad_token_id",
-            )
-            if d.get(k) is not None
-        }
-        sampler = d.get("sampler_config")
-        if sampler is not None:
-            if not isinstance(sampler, dict):
-                raise ConfigError(f"{_G}.sampler_config: expected an object, got {sampler!r}")
-            name = sampler.get("_cls_name", "EntropyBoundSamplerConfig")
-            if name != "EntropyBoundSamplerConfig":
-                raise ConfigError(
-                    f"{_G}.sampler_config._cls_name: {name!r} is not supported (only 'EntropyBoundSamplerConfig')"
-                )
-            if sampler.get("entropy_bound") is not None:
-                kw["entropy_bound"] = sampler["entropy_bound"]
-        eos = d.get("eos_token_id")
-        if eos is not None:
-            kw["eos_token_ids"] = (eos,) if _is_int(eos) else eos
-            if not isinstance(kw["eos_token_ids"], (list, tuple)):
-                raise ConfigError(f"{_G}.eos_token_id: expected an integer or a list, got {eos!r}")
-        return cls(**kw)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> GenerationDefaults:
-        """Read `path/generation_config.json` if it exists (else the defaults); unparsable -> ConfigError naming it."""
-        file = pathlib.Path(path) / "generation_config.json"
-        if not file.is_file():
-            return cls()
-        data = _read_json(file)
+def generation_eos_token_ids(source: dict[str, Any] | str | os.PathLike[str]) -> tuple[int, ...]:
+    """generation_config's ``eos_token_id`` (an int, a list of ints, or absent/null) as a tuple, () when unset;
+    anything else → ConfigError naming the field (and the file, when ``source`` is a checkpoint directory or the
+    file). Not a sampling knob: the engine's end-of-sequence ids, which fall back to config.json's when empty."""
+    if not isinstance(source, dict):
+        d, file = read_generation_config(source)
         try:
-            return cls.from_dict(data)
+            return generation_eos_token_ids(d)
         except ConfigError as e:
             raise ConfigError(f"{e} (in {file})") from None
+    eos = source.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = (eos,) if _is_int(eos) else eos
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ConfigError(
+            f"generation_config.eos_token_id: expected a non-negative integer or a list of them, got {eos!r}"
+        )
+    return tuple(ids)

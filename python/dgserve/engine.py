@@ -14,6 +14,7 @@ abort takes effect before the next step (the current one's result for that reque
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dgserve.config import ConfigError, GenerationDefaults
+from dgserve.config import generation_eos_token_ids
 from dgserve.model import DiffusionGemma, KVCache, RowCache
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampler import BlockState, Sampler
@@ -93,18 +94,22 @@ class _Request:
 class Engine:
     """Runs DiffusionGemma generation for many concurrent requests on one device.
 
-    max_model_len: the context window (prompt + generated canvases), at most the model's
-    max_position_embeddings (the default). scheduler_config: capacity and prefill chunking.
+    defaults: the checkpoint's SamplingParams (``SamplingParams.from_generation_config``; None: the built-in
+    ones), what ``default_params`` and a request without params start from. max_model_len: the context window
+    (prompt + generated canvases), at most the model's max_position_embeddings (the default). scheduler_config:
+    capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
+    None: config.json's.
     """
 
     def __init__(
         self,
         model: DiffusionGemma,
         tokenizer: Tokenizer | None = None,
-        defaults: GenerationDefaults | None = None,
+        defaults: SamplingParams | None = None,
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
         native_ops: str = "auto",
+        eos_token_ids: Sequence[int] | None = None,
     ):
         from dgserve.native_check import run_self_check
 
@@ -117,13 +122,9 @@ class Engine:
         )
         self.runtime: RuntimePlan | None = None  # the RuntimePlan when built by from_pretrained
         self.tokenizer = tokenizer
-        self.defaults = defaults or GenerationDefaults()
-        try:  # a checkpoint default outside the request limits fails here, at load, not on the first request
-            self.default_params()
-        except ValueError as e:
-            raise ConfigError(f"generation_config: {e}") from None
+        self.defaults = defaults if defaults is not None else SamplingParams()
         cfg = model.config
-        eos = self.defaults.eos_token_ids or _as_tuple(cfg.eos_token_id)
+        eos = tuple(eos_token_ids or ()) or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         self.sampler = Sampler(model.dtype)
@@ -142,19 +143,22 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         **kwargs: Any,
     ) -> Engine:
-        """Model + tokenizer (when the directory has tokenizer.json) + generation_config defaults; kwargs go
-        to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
+        """Model + tokenizer (when the directory has tokenizer.json) + generation_config.json's defaults and EOS
+        ids (a default outside the knob's bounds: ConfigError naming the field and the file, before the model
+        loads); kwargs go to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
 
         dtype None or "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.runtime``). A dtype whose weights do
         not fit the GPU raises ConfigError before anything is loaded."""
         from dgserve.runtime import check_plan, plan_runtime
         from dgserve.tokenizer import Tokenizer
 
+        defaults = SamplingParams.from_generation_config(path)
+        eos = generation_eos_token_ids(path)
         plan = plan_runtime(path, str(device), dtype, kwargs.get("native_ops", "auto"))
         check_plan(plan)
         model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype)
         tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-        engine = cls(model, tok, GenerationDefaults.from_pretrained(path), **kwargs)
+        engine = cls(model, tok, defaults, eos_token_ids=eos, **kwargs)
         engine.runtime = plan
         log.info(
             "serving %s on %s: dtype %s (%s), experts %s, native ops %s",
@@ -185,19 +189,8 @@ class Engine:
         }
 
     def default_params(self, **overrides: Any) -> SamplingParams:
-        """SamplingParams from the checkpoint's generation_config.json, with overrides."""
-        d = self.defaults
-        kw: dict[str, Any] = dict(
-            max_new_tokens=d.max_new_tokens,
-            max_denoising_steps=d.max_denoising_steps,
-            t_min=d.t_min,
-            t_max=d.t_max,
-            entropy_bound=d.entropy_bound,
-            stability_threshold=d.stability_threshold,
-            confidence_threshold=d.confidence_threshold,
-        )
-        kw.update(overrides)
-        return SamplingParams(**kw)
+        """The checkpoint's defaults (``self.defaults``) with ``overrides``, validated (ValueError names the field)."""
+        return dataclasses.replace(self.defaults, **overrides)
 
     # ------------------------------------------------------------------ simple entry points
 

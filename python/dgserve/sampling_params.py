@@ -1,9 +1,24 @@
-"""Per-request generation knobs, validated once at construction (ValueError names the field and bound)."""
+"""Per-request generation knobs, defined once.
+
+Each knob is a ``SamplingParams`` field whose ``knob`` metadata (a ``Knob``) carries its type, bounds, name in
+generation_config.json and doc. Everything else derives from that table: validation at construction (``KnobError``,
+a ValueError whose message starts with the field and states the bound), the checkpoint's defaults
+(``SamplingParams.from_generation_config``), the gRPC and HTTP field lists and GetModelInfo's bounds
+(``service/convert.py``, ``service/http/protocol.py``, through ``KNOBS``). A field without ``knob`` metadata is not
+a knob: it is left to its own validation and to the layers that know it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from dgserve.config import ConfigError, read_generation_config
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_DENOISING_STEPS_LIMIT = 1024
@@ -11,70 +26,251 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 SEED_LIMIT = 1 << 64
 
-
-def _int_field(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+KNOB = "knob"  # the dataclass field metadata key
 
 
-def _float_field(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+@dataclass(frozen=True)
+class Knob:
+    """What one SamplingParams field accepts.
+
+    kind: int, float or bool for a scalar; str for a sequence of strings (a str alone becomes a 1-tuple).
+    lo, hi: the bounds (None: unbounded on that side), excluded when lo_open / hi_open. Floats must be finite.
+    above: the name of a field this one must exceed (t_max > t_min), checked after every field's own bounds.
+    nullable: None is accepted (seed: None draws one). max_items, max_chars: a string sequence's limits.
+    config_key: the (dotted) key in generation_config.json that sets the checkpoint's default; "" = none.
+    note: a remark for GetModelInfo (a constraint involving more than this field). doc: one line.
+    """
+
+    kind: type
+    lo: int | float | None = None
+    hi: int | float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    above: str = ""
+    nullable: bool = False
+    max_items: int | None = None
+    max_chars: int | None = None
+    config_key: str = ""
+    note: str = ""
+    doc: str = ""
+
+    @property
+    def scalar(self) -> bool:
+        """One value per request (a proto `optional` scalar), as opposed to a sequence."""
+        return self.kind in (int, float, bool)
+
+    @property
+    def numeric(self) -> bool:
+        return self.kind in (int, float)
+
+    def constraint(self, name: str) -> str:
+        """The note, else the cross-field rule of field ``name`` in words ("t_max > t_min"), else ""."""
+        return self.note or (f"{name} > {self.above}" if self.above else "")
+
+    def range_text(self) -> str:
+        """The accepted range: "in [1, 1024]", ">= 0", "> 0", "" when unbounded."""
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi}"
+        return ""
+
+    def in_range(self, v: int | float) -> bool:
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok
+
+
+class KnobError(ValueError):
+    """A knob value outside its Knob: ``str(e)`` is "<field> <reason>" (the field may be indexed: ``stop[2]``)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field} {reason}")
+        self.field, self.reason = field, reason
+
+
+def knob(default: Any, kind: type, **kw: Any) -> Any:
+    """A dataclass field with Knob metadata (typed Any so the annotation stays the field's own type)."""
+    return field(default=default, metadata={KNOB: Knob(kind, **kw)})
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is generated (spec §4; defaults are transformers' generate() defaults).
 
-    max_new_tokens: tokens returned at most (generation runs whole canvases; the output is cut).
-    max_denoising_steps: N, the step budget per block; adaptive stopping may use fewer.
-    t_min, t_max: temperature schedule T(k) = t_min + (t_max − t_min)·k/N, 0 ≤ t_min < t_max.
-    entropy_bound: β > 0, the entropy budget of the positions accepted per step.
-    stability_threshold: S ≥ 0, how many previous argmax canvases must agree to stop early.
-    confidence_threshold: τ > 0, the mean entropy below which a block may stop early.
-    seed: 64-bit noise seed (spec §7); None draws a random one, reported in the result.
-    ignore_eos: keep generating past EOS tokens.
-    stop: strings that end generation (text cut before the match; may span blocks).
+    Construction validates every knob against its ``Knob`` (the `knob=` metadata below) and raises ``KnobError``
+    (a ValueError naming the field and the bound). Floats are stored as float, ``stop`` as a tuple.
     """
 
-    max_new_tokens: int = 256
-    max_denoising_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = field(default_factory=tuple)
+    max_new_tokens: int = knob(
+        256,
+        int,
+        lo=1,
+        hi=MAX_NEW_TOKENS_LIMIT,
+        config_key="max_new_tokens",
+        note="prompt tokens + whole canvases must fit in max_model_len",
+        doc="tokens returned at most (generation runs whole canvases; the output is cut)",
+    )
+    max_denoising_steps: int = knob(
+        48,
+        int,
+        lo=1,
+        hi=MAX_DENOISING_STEPS_LIMIT,
+        config_key="max_denoising_steps",
+        doc="N, the step budget per block; adaptive stopping may use fewer",
+    )
+    t_min: float = knob(
+        0.4,
+        float,
+        lo=0,
+        config_key="t_min",
+        note="t_min < t_max",
+        doc="temperature at the last step: T(k) = t_min + (t_max - t_min)·k/N",
+    )
+    t_max: float = knob(
+        0.8, float, lo=0, lo_open=True, above="t_min", config_key="t_max", doc="temperature at the first step"
+    )
+    entropy_bound: float = knob(
+        0.1,
+        float,
+        lo=0,
+        lo_open=True,
+        config_key="sampler_config.entropy_bound",
+        doc="β, the entropy budget of the positions accepted per step",
+    )
+    stability_threshold: int = knob(
+        1,
+        int,
+        lo=0,
+        hi=MAX_DENOISING_STEPS_LIMIT,
+        config_key="stability_threshold",
+        doc="S, how many previous argmax canvases must agree to stop a block early",
+    )
+    confidence_threshold: float = knob(
+        0.005,
+        float,
+        lo=0,
+        lo_open=True,
+        config_key="confidence_threshold",
+        doc="τ, the mean entropy below which a block may stop early",
+    )
+    seed: int | None = knob(
+        None,
+        int,
+        lo=0,
+        hi=SEED_LIMIT - 1,
+        nullable=True,
+        note="unset: random, reported in Started",
+        doc="64-bit noise seed (spec §7); None draws a random one, reported in the result",
+    )
+    ignore_eos: bool = knob(False, bool, doc="keep generating past EOS tokens")
+    stop: tuple[str, ...] = knob(
+        (),
+        str,
+        max_items=MAX_STOP_STRINGS,
+        max_chars=MAX_STOP_LENGTH,
+        doc="strings that end generation (text cut before the match; may span blocks)",
+    )
 
     def __post_init__(self) -> None:
-        _int_field("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
-        _int_field("max_denoising_steps", self.max_denoising_steps, 1, MAX_DENOISING_STEPS_LIMIT)
-        t_min = _float_field("t_min", self.t_min)
-        t_max = _float_field("t_max", self.t_max)
-        if t_min < 0:
-            raise ValueError(f"t_min must be >= 0, got {t_min}")
-        if not t_max > t_min:
-            raise ValueError(f"t_max must be > t_min ({t_min}), got {t_max}")
-        if _float_field("entropy_bound", self.entropy_bound) <= 0:
-            raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound}")
-        _int_field("stability_threshold", self.stability_threshold, 0, MAX_DENOISING_STEPS_LIMIT)
-        if _float_field("confidence_threshold", self.confidence_threshold) <= 0:
-            raise ValueError(f"confidence_threshold must be > 0, got {self.confidence_threshold}")
-        if self.seed is not None:
-            _int_field("seed", self.seed, 0, SEED_LIMIT - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-        for i, s in enumerate(stop):
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
-            if len(s) > MAX_STOP_LENGTH:
-                raise ValueError(f"stop[{i}] is {len(s)} characters; at most {MAX_STOP_LENGTH} are allowed")
+        for name, k in KNOBS.items():
+            object.__setattr__(self, name, _checked(name, k, getattr(self, name)))
+        for name, k in KNOBS.items():
+            if k.above and not getattr(self, name) > getattr(self, k.above):
+                raise KnobError(name, f"must be > {k.above} ({getattr(self, k.above)}), got {getattr(self, name)}")
+
+    @classmethod
+    def from_generation_config(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> SamplingParams:
+        """The checkpoint's defaults (spec §1.3): a generation_config.json dict, or a checkpoint directory (its
+        generation_config.json; absent → the defaults above) or the file itself.
+
+        Each knob with a ``config_key`` takes the value there; absent or null keeps the default, other keys are
+        ignored. ``sampler_config._cls_name`` must be EntropyBoundSamplerConfig (or absent). A value a request
+        could not use either (outside the knob's bounds) → ConfigError naming the JSON field, and the file when
+        read from one."""
+        if isinstance(source, Mapping):
+            return cls._from_config_dict(source)
+        data, file = read_generation_config(source)
+        try:
+            return cls._from_config_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in {file})") from None
+
+    @classmethod
+    def _from_config_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        sampler = d.get("sampler_config")
+        if sampler is not None:
+            if not isinstance(sampler, Mapping):
+                raise ConfigError(f"generation_config.sampler_config: expected an object, got {sampler!r}")
+            name = sampler.get("_cls_name", "EntropyBoundSamplerConfig")
+            if name != "EntropyBoundSamplerConfig":
+                raise ConfigError(
+                    f"generation_config.sampler_config._cls_name: {name!r} is not supported "
+                    "(only 'EntropyBoundSamplerConfig')"
+                )
+        keys = {name: k.config_key for name, k in KNOBS.items() if k.config_key}
+        kw = {name: v for name, key in keys.items() if (v := _lookup(d, key)) is not None}
+        try:
+            return cls(**kw)
+        except KnobError as e:
+            key = keys.get(e.field, e.field)
+            raise ConfigError(f"generation_config.{key}: {e.reason}") from None
+
+
+def _lookup(d: Mapping[str, Any], dotted: str) -> Any:
+    """d["a"]["b"] for "a.b"; None when a level is absent, null or not an object."""
+    value: Any = d
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _checked(name: str, k: Knob, value: Any) -> Any:
+    """``value`` validated against ``k`` (and normalised: float for floats, a tuple for strings)."""
+    if value is None and k.nullable:
+        return None
+    if k.kind is str:
+        return _checked_strings(name, k, value)
+    if k.kind is bool:
+        if not isinstance(value, bool):
+            raise KnobError(name, f"must be a bool, got {value!r}")
+        return value
+    if k.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise KnobError(name, f"must be an integer, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise KnobError(name, f"must be a finite number, got {value!r}")
+    else:
+        value = float(value)
+    if not k.in_range(value):
+        raise KnobError(name, f"must be {k.range_text()}, got {value}")
+    return value
+
+
+def _checked_strings(name: str, k: Knob, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items: tuple[Any, ...] = (value,)
+    elif isinstance(value, (list, tuple)):
+        items = tuple(value)
+    else:
+        raise KnobError(name, f"must be a string or a sequence of strings, got {type(value).__name__}")
+    if k.max_items is not None and len(items) > k.max_items:
+        raise KnobError(name, f"has {len(items)} strings; at most {k.max_items} are allowed")
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or not s:
+            raise KnobError(f"{name}[{i}]", f"must be a non-empty string, got {s!r}")
+        if k.max_chars is not None and len(s) > k.max_chars:
+            raise KnobError(f"{name}[{i}]", f"is {len(s)} characters; at most {k.max_chars} are allowed")
+    return items
+
+
+# name → Knob for every SamplingParams field that declares one, in field order (the single table)
+KNOBS: Mapping[str, Knob] = MappingProxyType(
+    {f.name: f.metadata[KNOB] for f in dataclasses.fields(SamplingParams) if KNOB in f.metadata}
+)
+# the knobs with one value per request, in field order (proto `optional` scalars)
+SCALAR_KNOBS: tuple[str, ...] = tuple(name for name, k in KNOBS.items() if k.scalar)

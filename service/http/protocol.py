@@ -22,21 +22,16 @@ from dataclasses import dataclass
 from dgserve.async_engine import Draft, DraftSpec, Finished
 from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
-from dgserve.sampling_params import SEED_LIMIT, SamplingParams
+from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
 
 # dgserve finish reasons → OpenAI's ("abort": the request was cancelled by the server, e.g. a drain timeout; vLLM's)
 FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
-# the diffusion knobs, as extra body fields (names, bounds and validation as GenerateRequest.params)
-KNOBS = (
-    "max_denoising_steps",
-    "t_min",
-    "t_max",
-    "entropy_bound",
-    "stability_threshold",
-    "confidence_threshold",
-    "ignore_eos",
-)
-COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "seed", "user", "drafts", *KNOBS}
+# the knobs as body fields: SamplingParams' scalar knobs under their own names (the diffusion knobs are extra body
+# fields with the proto's names), except max_new_tokens, which OpenAI calls max_tokens / max_completion_tokens; the
+# bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
+OPENAI_NAMES = {"max_new_tokens": ("max_tokens", "max_completion_tokens")}
+KNOBS = tuple(name for name in SCALAR_KNOBS if name not in OPENAI_NAMES)
+COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "user", "drafts", *KNOBS}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
@@ -138,11 +133,6 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
     limit = body.get(limit_field)
     if limit is not None:
         kw["max_new_tokens"], names["max_new_tokens"] = limit, limit_field
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, {SEED_LIMIT - 1}], got {seed!r}")
-        kw["seed"] = seed
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
