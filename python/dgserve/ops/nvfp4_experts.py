@@ -1,12 +1,12 @@
 """NVFP4 expert ops (W4A16): the load-time repack and the grouped expert MLP (re-exported by ``dgserve.ops``).
 
 Native paths (contracts in ``csrc/ops/nvfp4_repack.h`` and ``nvfp4_moe_experts.h``; layout in
-``csrc/ops/nvfp4_layout.h``; torch references in ``dgserve.nvfp4``):
+``csrc/ops/nvfp4_layout.h``; torch references in ``dgserve.ops.nvfp4_format``):
 
-- ``nvfp4_repack``: pure re-indexing, bit-identical to ``nvfp4.repack`` on CPU and CUDA.
+- ``nvfp4_repack``: pure re-indexing, bit-identical to ``nvfp4_format.repack`` on CPU and CUDA.
 - ``nvfp4_moe_experts``: align (``moe_align``) → GEMM1 (gate/up, separate global scales, GELU-tanh, bf16
   intermediate) → GEMM2 (global scale × routing weight in the epilogue) → ``moe_combine`` (slot order, fp32).
-  CPU: the torch GEMMs of ``nvfp4.expert_outputs`` on exactly decoded weights (native decode: the same values,
+  CPU: the torch GEMMs of ``nvfp4_format.expert_outputs`` on exactly decoded weights (native decode: the same values,
   so bit-identical to the reference);
   the native CPU loop ``_C.nvfp4_moe_experts`` is the kernel-faithful cross-check used by the tests. CUDA (bf16
   x): the native W4A16 kernels, no host synchronisation; within the tolerances of kernels.md §9.9.
@@ -18,7 +18,7 @@ import torch
 
 import dgserve.ops as _ops  # the package (partially initialised at import time; used at call time only)
 
-from .. import nvfp4
+from . import nvfp4_format
 from .moe import CUDA_ALIGN_BLOCK, CUDA_MAX_EXPERTS, moe_align, moe_combine
 from .reference import nvfp4_moe_experts as _reference_moe_experts
 
@@ -29,7 +29,7 @@ def _repack_native_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     if weight.dim() != 3 or weight.dtype != torch.uint8 or weight_scale.device != weight.device:
         return False
     E, N, half = weight.shape
-    if weight_scale.shape != (E, N, 2 * half // nvfp4.GROUP) or (2 * half) % nvfp4.GROUP:
+    if weight_scale.shape != (E, N, 2 * half // nvfp4_format.GROUP) or (2 * half) % nvfp4_format.GROUP:
         return False
     return weight_scale.dtype in (torch.uint8, torch.float8_e4m3fn) and N % 16 == 0
 
@@ -37,18 +37,18 @@ def _repack_native_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 def nvfp4_repack(
     weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt NVFP4 tensors of E experts → the kernel layout (words, scales); see ``nvfp4.repack``.
+    """ModelOpt NVFP4 tensors of E experts → the kernel layout (words, scales); see ``nvfp4_format.repack``.
 
     weight uint8 [E, N, Kp/2]; weight_scale float8_e4m3fn [E, N, Kp/16] (finite, >= 0: checked, ValueError);
     interleave=True for GEMM1's stacked [gate; up] operand. → new tensors words int32 [E, N/16, KC, 128],
     scales uint8 [E, N/16, KC, 64] on weight's device. Bit-identical on every path.
     """
     if not _repack_native_ok(weight, weight_scale):
-        return nvfp4.repack(weight, weight_scale, interleave)
+        return nvfp4_format.repack(weight, weight_scale, interleave)
     E, N, half = weight.shape
     raw = weight_scale.view(torch.uint8).contiguous()
-    nvfp4.check_scales(raw, "weight_scale")  # load time: one host sync is fine here
-    kc = nvfp4.chunks(2 * half)
+    nvfp4_format.check_scales(raw, "weight_scale")  # load time: one host sync is fine here
+    kc = nvfp4_format.chunks(2 * half)
     words = torch.empty(E, N // 16, kc, 128, dtype=torch.int32, device=weight.device)
     scales = torch.empty(E, N // 16, kc, 64, dtype=torch.uint8, device=weight.device)
     _ops._C.nvfp4_repack(weight.contiguous(), raw, N // 2 if interleave else 0, words, scales)
@@ -57,19 +57,20 @@ def nvfp4_repack(
 
 def nvfp4_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Test hook: the bf16 MMA operands the kernels decode, [E, N, 64·KC] = E2M1·s·2^-7 in packed row order
-    (native decode on CPU or CUDA; the reference is ``nvfp4.decode_repacked(words, scales) * 2^-7``)."""
+    (native decode on CPU or CUDA; the reference is ``nvfp4_format.decode_repacked(words, scales) * 2^-7``)."""
     E, RT, kc = words.shape[:3]
-    out = torch.empty(E, RT * 16, kc * nvfp4.CHUNK_K, dtype=torch.bfloat16, device=words.device)
+    out = torch.empty(E, RT * 16, kc * nvfp4_format.CHUNK_K, dtype=torch.bfloat16, device=words.device)
     _ops._C.nvfp4_decode(words.contiguous(), scales.contiguous(), out)
     return out
 
 
 def _native_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``nvfp4.decode_repacked`` through the native decode: E2M1·s·2^-7 (exact bf16) × 2^7 = the same fp32 values."""
+    """``nvfp4_format.decode_repacked`` through the native decode: E2M1·s·2^-7 (exact bf16) × 2^7 = the same fp32
+    values."""
     return nvfp4_decode(words, scales).float() * 128.0
 
 
-def _cuda_ok(x: torch.Tensor, experts: nvfp4.PackedExperts) -> bool:
+def _cuda_ok(x: torch.Tensor, experts: nvfp4_format.PackedExperts) -> bool:
     E = experts.gs.shape[0]
     return (
         _ops.has_native("nvfp4_moe_experts")
@@ -84,12 +85,12 @@ def _cuda_ok(x: torch.Tensor, experts: nvfp4.PackedExperts) -> bool:
 
 
 def nvfp4_moe_experts(
-    x: torch.Tensor, experts: nvfp4.PackedExperts, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, experts: nvfp4_format.PackedExperts, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """Grouped W4A16 expert MLP with the fp32 combine → [T, H] in x's dtype; see reference.nvfp4_moe_experts.
 
-    x [T, H] (bf16 on CUDA); experts: ``nvfp4.pack_experts`` output on x's device; weights [T, K] fp32;
-    ids [T, K] int64 in [0, E). out[t] = rnd(Σ_k y[t·K + k]) in slot order, y from ``nvfp4.expert_outputs``.
+    x [T, H] (bf16 on CUDA); experts: ``dgserve.nvfp4.pack_experts`` output on x's device; weights [T, K] fp32;
+    ids [T, K] int64 in [0, E). out[t] = rnd(Σ_k y[t·K + k]) in slot order, y from ``nvfp4_format.expert_outputs``.
     """
     T, K = ids.shape
     H = experts.hidden
@@ -112,7 +113,7 @@ def nvfp4_moe_experts(
         return moe_combine(y.view(T, K, H), None, x.dtype)
     if x.device.type == "cpu" and _ops.has_native("nvfp4_moe_experts"):
         align = moe_align(ids, experts.gs.shape[0], 1)
-        decode = _native_decode if _ops.has_native("nvfp4_decode") else nvfp4.decode_repacked
-        y = nvfp4.expert_outputs(x, experts, weights, align.offsets, align.sorted_pairs, decode)
+        decode = _native_decode if _ops.has_native("nvfp4_decode") else nvfp4_format.decode_repacked
+        y = nvfp4_format.expert_outputs(x, experts, weights, align.offsets, align.sorted_pairs, decode)
         return moe_combine(y.view(T, K, H), None, x.dtype)
     return _reference_moe_experts(x, experts, weights, ids)

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import nvfp4_format
+
 # --------------------------------------------------------------------------------------------
 # Norms and activations
 # --------------------------------------------------------------------------------------------
@@ -151,20 +153,16 @@ def moe_experts(
 
 
 def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False):
-    """ModelOpt NVFP4 tensors → the W4A16 kernel layout (words, scales); the formula is ``dgserve.nvfp4.repack``."""
-    from dgserve import nvfp4
-
-    return nvfp4.repack(weight, weight_scale, interleave)
+    """ModelOpt NVFP4 tensors → the W4A16 kernel layout (words, scales); the formula is ``nvfp4_format.repack``."""
+    return nvfp4_format.repack(weight, weight_scale, interleave)
 
 
 def nvfp4_moe_experts(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Grouped W4A16 expert MLP on ``nvfp4.PackedExperts`` with the fp32 combine → [T, H] in x's dtype:
-    ``moe_align`` (block 1) → ``nvfp4.expert_outputs`` (y already weighted) → ``moe_combine(y, None)``."""
-    from dgserve import nvfp4
-
+    """Grouped W4A16 expert MLP on ``nvfp4_format.PackedExperts`` with the fp32 combine → [T, H] in x's dtype:
+    ``moe_align`` (block 1) → ``nvfp4_format.expert_outputs`` (y already weighted) → ``moe_combine(y, None)``."""
     T, K = ids.shape
     align = moe_align(ids, experts.gs.shape[0], 1)
-    y = nvfp4.expert_outputs(x, experts, weights.to(torch.float32), align.offsets, align.sorted_pairs)
+    y = nvfp4_format.expert_outputs(x, experts, weights.to(torch.float32), align.offsets, align.sorted_pairs)
     return moe_combine(y.view(T, K, -1), None, x.dtype)
 
 
