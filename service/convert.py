@@ -27,7 +27,7 @@ FINISH_REASONS = {
     FINISH_STOP: pb.FINISH_REASON_STOP,
     FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-# the proto's `optional` scalar knobs: SamplingParams' scalar knobs, same names (test_convert checks the proto has them)
+# the proto's `optional` scalars: SamplingParams' scalar knobs, same names (tests/service/test_knob_surface.py)
 _SCALARS = sp.SCALAR_KNOBS
 
 

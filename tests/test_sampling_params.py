@@ -32,6 +32,8 @@ def test_the_table_covers_the_contract_fields():
     )
     assert SCALAR_KNOBS == tuple(list(KNOBS)[:-1])
     assert SamplingParams() == SamplingParams(256, 48, 0.4, 0.8, 0.1, 1, 0.005, None, False, ())
+    doc = SamplingParams.__doc__ or ""
+    assert all(f"    {n}: {k.doc}. Accepts: " in doc for n, k in KNOBS.items())  # the docstring lists the table
 
 
 def test_every_integer_knob_has_an_upper_bound():

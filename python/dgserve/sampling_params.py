@@ -102,6 +102,8 @@ class SamplingParams:
 
     Construction validates every knob against its ``Knob`` (the `knob=` metadata below) and raises ``KnobError``
     (a ValueError naming the field and the bound). Floats are stored as float, ``stop`` as a tuple.
+
+    The knobs (this list is written from the table when the module loads):
     """
 
     max_new_tokens: int = knob(
@@ -127,10 +129,16 @@ class SamplingParams:
         lo=0,
         config_key="t_min",
         note="t_min < t_max",
-        doc="temperature at the last step: T(k) = t_min + (t_max - t_min)·k/N",
+        doc="the low end of the temperature schedule T(k) = t_min + (t_max - t_min)·k/N, k the steps left",
     )
     t_max: float = knob(
-        0.8, float, lo=0, lo_open=True, above="t_min", config_key="t_max", doc="temperature at the first step"
+        0.8,
+        float,
+        lo=0,
+        lo_open=True,
+        above="t_min",
+        config_key="t_max",
+        doc="the high end of the schedule (the first step's temperature)",
     )
     entropy_bound: float = knob(
         0.1,
@@ -274,3 +282,15 @@ KNOBS: Mapping[str, Knob] = MappingProxyType(
 )
 # the knobs with one value per request, in field order (proto `optional` scalars)
 SCALAR_KNOBS: tuple[str, ...] = tuple(name for name, k in KNOBS.items() if k.scalar)
+
+
+def _describe(name: str, k: Knob) -> str:
+    limits = [k.range_text(), k.constraint(name)]
+    if k.max_items is not None:
+        limits.append(f"at most {k.max_items} strings of at most {k.max_chars} characters")
+    return f"    {name}: {k.doc}. Accepts: {'; '.join(x for x in limits if x) or k.kind.__name__}."
+
+
+SamplingParams.__doc__ = (
+    (SamplingParams.__doc__ or "").rstrip() + "\n\n" + "\n".join(_describe(n, k) for n, k in KNOBS.items())
+)
