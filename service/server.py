@@ -70,6 +70,7 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         native_ops=cfg.native_ops,
         scheduler_config=scheduler_config(cfg),
         max_model_len=cfg.max_model_len,
+        cache_config=cfg.kv_cache_memory,
     )
 
 

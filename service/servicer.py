@@ -5,7 +5,6 @@ Errors are raised as domain exceptions and mapped to status codes by the call in
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dgserve.cache_config import CacheConfig
 from dgserve.config import ConfigError, GenerationDefaults
 from dgserve.model import DiffusionGemma
-from dgserve.model_runner import CacheConfig, ModelRunner
+from dgserve.model_runner import ModelRunner
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.request import Request
 from dgserve.sampling_params import SamplingParams

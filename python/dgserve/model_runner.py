@@ -21,46 +21,17 @@ many slots fit, and when not even one slot of ``max_model_len`` positions fits, 
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass
 
 import torch
 
+from dgserve.cache_config import CacheConfig
 from dgserve.config import ConfigError
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
 from dgserve.request import Request
 from dgserve.sampler import BlockState, Sampler, StepKnobs, to_signed64
-
-DEFAULT_CACHE_FRACTION = 0.9  # of the free device memory (CUDA) or of the available memory (CPU)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The KV cache budget: ``memory`` bytes, or None for ``fraction`` of the free memory at start-up."""
-
-    memory: int | None = None
-    fraction: float = DEFAULT_CACHE_FRACTION
-
-    def __post_init__(self) -> None:
-        if self.memory is not None and (isinstance(self.memory, bool) or self.memory < 1):
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.memory!r}")
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {self.fraction!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> CacheConfig:
-        """"2GiB", "512MB", "1000000" (bytes) or "0.5" (a fraction of free memory) → CacheConfig; ValueError."""
-        t = text.strip().lower()
-        if re.fullmatch(r"0?\.\d+|1(\.0*)?", t):
-            return cls(fraction=float(t))
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?", t)
-        if m is None:
-            raise ValueError(f"kv_cache_memory: expected bytes such as 2GiB or 512MB, or a fraction, got {text!r}")
-        return cls(memory=int(float(m.group(1)) * _UNITS[m.group(2) or ""]))
 
 
 def free_memory(device: torch.device) -> int:
@@ -87,9 +58,10 @@ def plan_slots(model: DiffusionGemma, max_num_seqs: int, max_model_len: int, chu
     per_position = SlotCache.bytes_per_slot(cfg, 1, chunk, dtype) - fixed
     slot_len = min(max_model_len, (budget - fixed) // per_position if budget > fixed else 0)
     if slot_len < cfg.canvas_length + 1:
+        least = fixed + per_position * (cfg.canvas_length + 1)
         raise ConfigError(
-            f"kv_cache_memory: {budget} bytes hold no request (one slot needs {fixed + per_position * (cfg.canvas_length + 1)}"
-            f" bytes for a one-token prompt and one canvas; {per_slot} for max_model_len {max_model_len})"
+            f"kv_cache_memory: {budget} bytes hold no request (one slot needs {least} bytes for a one-token prompt"
+            f" and one canvas; {per_slot} for max_model_len {max_model_len})"
         )
     return 1, slot_len
 
@@ -115,18 +87,22 @@ class ModelRunner:
         self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
         self.sampler = Sampler(model.dtype)
         S = self.num_slots
-        i64 = dict(dtype=torch.int64, device=dev)
+
+        def table(dtype: torch.dtype) -> torch.Tensor:  # [S], one row per slot
+            return torch.zeros(S, dtype=dtype, device=dev)
+
+        i64 = torch.int64
         self.knobs = StepKnobs(
-            seed=torch.zeros(S, **i64),
-            block=torch.zeros(S, **i64),
-            remaining=torch.zeros(S, **i64),
-            t_min=torch.zeros(S, dtype=torch.float64, device=dev),
-            t_max=torch.zeros(S, dtype=torch.float64, device=dev),
-            max_steps=torch.zeros(S, **i64),
-            entropy_bound=torch.zeros(S, dtype=torch.float32, device=dev),
-            confidence=torch.zeros(S, dtype=torch.float32, device=dev),
+            seed=table(i64),
+            block=table(i64),
+            remaining=table(i64),
+            t_min=table(torch.float64),
+            t_max=table(torch.float64),
+            max_steps=table(i64),
+            entropy_bound=table(torch.float32),
+            confidence=table(torch.float32),
         )
-        self.lengths = torch.zeros(S, **i64)  # positions encoded per slot, on the device (the batched pass)
+        self.lengths = table(i64)  # positions encoded per slot, on the device (the batched pass)
         self.occupants: list[Request] = []  # occupants[s] holds slot s
 
     def check_fits(self, positions: int) -> None:
@@ -146,7 +122,11 @@ class ModelRunner:
             raise RuntimeError(f"model runner: no free slot for {req.request_id!r} ({self.num_slots} slots)")
         p, k = req.params, self.knobs
         k.seed[s], k.t_min[s], k.t_max[s] = to_signed64(req.seed), p.t_min, p.t_max
-        k.max_steps[s], k.entropy_bound[s], k.confidence[s] = p.max_denoising_steps, p.entropy_bound, p.confidence_threshold
+        k.max_steps[s], k.entropy_bound[s], k.confidence[s] = (
+            p.max_denoising_steps,
+            p.entropy_bound,
+            p.confidence_threshold,
+        )
         self.cache.lengths[s] = 0
         self.lengths[s] = 0
         req.slot = s
@@ -200,28 +180,34 @@ class ModelRunner:
 
     def run(self, reqs: list[Request]) -> None:
         """One denoising step for ``reqs`` (each with a started block): decoder, LM head in tiles, sampler."""
-        states = [r.state for r in reqs]
-        assert all(s is not None for s in states), "run() needs every request's block started"
-        slots = [r.slot for r in reqs]
+        states: list[BlockState] = []
+        slots: list[int] = []
+        for r in reqs:
+            assert r.state is not None and r.slot is not None, "run() needs running requests with started blocks"
+            states.append(r.state)
+            slots.append(r.slot)
         rows = self._rows(slots)
         knobs = self.knobs.rows(rows)
-        canvas = torch.stack([s.canvas for s in states])  # type: ignore[union-attr]
-        sc = [s.self_cond for s in states]  # type: ignore[union-attr]
+        canvas = torch.stack([s.canvas for s in states])
+        sc = [s.self_cond for s in states]
         if self.model.batch_rows and len(reqs) > 1 and isinstance(rows, slice):
             hidden = decode_slots(
-                self.model, self.cache, self.lengths[rows], max(self.cache.lengths[: len(reqs)]), canvas, sc, [None] * len(sc)
+                self.model,
+                self.cache,
+                self.lengths[rows],
+                max(self.cache.lengths[: len(reqs)]),
+                canvas,
+                sc,
+                [None] * len(sc),
             )
         else:  # per canvas: fixed shapes (CPU, Decision 3), or a batch that is not a prefix of the slots
             hidden = torch.stack(
-                [
-                    self.model.decode_row_hidden(self.cache.view(s), canvas[b], sc[b], None)
-                    for b, s in enumerate(slots)
-                ]
+                [self.model.decode_row_hidden(self.cache.view(s), canvas[b], sc[b], None) for b, s in enumerate(slots)]
             )
         for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
-            s.self_cond = None  # type: ignore[union-attr]
+            s.self_cond = None
         for tile, logits in self.model.logits_tiles(hidden):  # LM head + sampler a tile of canvases at a time
-            self.sampler.step(states[tile], logits, knobs.rows(tile))  # type: ignore[arg-type]
+            self.sampler.step(states[tile], logits, knobs.rows(tile))
         self.knobs.remaining[rows] -= 1
 
     def _rows(self, slots: list[int]) -> slice | torch.Tensor:

@@ -67,7 +67,8 @@ class StepKnobs:
     entropy_bound: torch.Tensor  # float32: β
     confidence: torch.Tensor  # float32: τ
 
-    def rows(self, rows: slice) -> StepKnobs:
+    def rows(self, rows: slice | torch.Tensor) -> StepKnobs:
+        """The knobs of some rows: a view for a slice, a gather for an index tensor."""
         return StepKnobs(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
 
 
@@ -81,9 +82,7 @@ class Sampler:
         """logits [B, C, V] fp32 (softcapped decoder output) for ``states`` with their knobs → updates each state
         in place (the per-step logic: one place to hook a constrained sampler)."""
         temperature = ops.step_temperature(knobs.t_min, knobs.t_max, knobs.remaining, knobs.max_steps)
-        out = ops.diffusion_step(
-            logits, temperature, knobs.seed, knobs.block, knobs.remaining, knobs.entropy_bound
-        )
+        out = ops.diffusion_step(logits, temperature, knobs.seed, knobs.block, knobs.remaining, knobs.entropy_bound)
         confident = (out.mean_entropy < knobs.confidence).tolist()
         mean_entropy = out.mean_entropy.tolist()
         for i, s in enumerate(states):

@@ -100,7 +100,9 @@ def test_long_prompt_does_not_stall_running_streams(model_dir):
     alone = eng.generate([2, 9, 10], p)
     streaming = eng.add_request([2, 9, 10], p)
     eng.step()
-    huge = eng.add(eng.make_request([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0)))
+    huge = eng.add(
+        eng.make_request([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0))
+    )
     blocks = []
     while eng.has_unfinished():
         alive = streaming in eng.scheduler

@@ -92,7 +92,9 @@ def decode_slots(
         S = cache.ring if cache.sliding[i] else L
         q = project_q(h, lw, hd, eps, cos, sin)
         q = q.view(q.shape[0], B, C, hd).transpose(0, 1)  # [B, nh, C, hd]
-        attn = attend_batched(q, cache.keys[i][:B, :, :S], cache.values[i][:B, :, :S], _visible(cache, i, lengths, C, S))
+        attn = attend_batched(
+            q, cache.keys[i][:B, :, :S], cache.values[i][:B, :, :S], _visible(cache, i, lengths, C, S)
+        )
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
 

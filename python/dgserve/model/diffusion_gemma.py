@@ -20,7 +20,7 @@ from dgserve.checkpoint import load_weights
 from dgserve.config import ModelConfig
 
 from .batched import decode_batched
-from .cache import KVCache, KVStore, RowCache, SlotCache
+from .cache import KVCache, KVStore, RowCache
 from .layers import (
     LayerWeights,
     attend,
