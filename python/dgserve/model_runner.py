@@ -156,6 +156,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ passes
 
+    @torch.inference_mode()
     def prefill(self, req: Request, ids: list[int]) -> None:
         """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
         assert req.slot is not None, "prefill of a request without a slot"
@@ -164,6 +165,7 @@ class ModelRunner:
         self.lengths[req.slot] = self.cache.lengths[req.slot]
         req.encode_seconds += time.perf_counter() - t0
 
+    @torch.inference_mode()
     def start_block(self, req: Request) -> BlockState:
         """Encode the previous block if one is pending, then a fresh noise canvas and the block's knob rows."""
         assert req.slot is not None, "a block for a request without a slot"
@@ -178,6 +180,7 @@ class ModelRunner:
         )
         return req.state
 
+    @torch.inference_mode()
     def run(self, reqs: list[Request]) -> None:
         """One denoising step for ``reqs`` (each with a started block): decoder, LM head in tiles, sampler."""
         states: list[BlockState] = []
