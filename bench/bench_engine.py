@@ -3,6 +3,14 @@
     python bench/bench_engine.py [--shape tiny|mid|26b-a4b] [--device cpu|cuda] [--dtype float32|bfloat16]
                                  [--experts bf16|nvfp4] [--steps 16] [--blocks 4] [--prompt-len 512]
                                  [--concurrency 1,4,16] [--no-baseline] [--mem-gbps 3000]
+    python bench/bench_engine.py --step-figures [--baseline-src /path/to/old/python] [--prompt-lens 32,1024,...]
+
+``--step-figures`` (issue 17) measures the engine itself, before and after in one run: with ``--baseline-src`` (a
+``python/`` directory of another checkout, e.g. ``git archive main python``) the same measurement runs in a
+subprocess with that tree on PYTHONPATH, and both are printed with their ratios. Per prompt length: the median
+time of a denoising step (steps with no prefill and no block commit), the time per step including prefill,
+and the bytes allocated by one denoising step (a TorchDispatchMode summing every op output that is not a view
+or an in-place result); per concurrency: tokens/s; and a digest of the tokens, which must be equal.
 
 Weights are random, drawn per tensor from a seed directly on the device (dgserve.tiny.random_tensor), so the
 baseline and ours see identical weights without a checkpoint on disk. transformers runs first and is freed
@@ -143,6 +151,120 @@ def _ours(args, config, dtype, device, prompt, params, concurrency):
     return secs, ntok, steps, ttfb, len(results[0].blocks), first
 
 
+def _step_figures_main(args) -> None:
+    """--step-figures: ours (this tree) and, with --baseline-src, the baseline's in a subprocess; ratios."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [a for a in sys.argv[1:] if a != "--step-figures"]
+    if "--baseline-src" in argv:  # the child measures; it must not recurse
+        i = argv.index("--baseline-src")
+        del argv[i : i + 2]
+    rows = {"after": json.loads(json.dumps(_step_figures(args)))}  # keys as the child prints them
+    if args.baseline_src:
+        env = dict(os.environ, PYTHONPATH=args.baseline_src)
+        cmd = [sys.executable, __file__, "--step-figures-json", *argv]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        rows["before"] = json.loads(out.strip().splitlines()[-1])
+    load = os.getloadavg()
+    for key, row in rows.items():
+        print(json.dumps({"bench": "engine-steps", "tree": key, "loadavg": [round(x, 2) for x in load], **row}))
+    if "before" in rows:
+        b, a = rows["before"], rows["after"]
+        ratio = {
+            k: {n: round(b[k][n] / a[k][n], 3) if a[k][n] else None for n in a[k]}
+            for k in ("ms_per_step", "ms_per_step_incl_prefill", "bytes_per_step", "cat_bytes_per_step")
+        }
+        ratio["tok_s"] = {n: round(a["tok_s"][n] / b["tok_s"][n], 3) for n in a["tok_s"]}
+        same = a["tokens_digest"] == b["tokens_digest"]
+        print(json.dumps({"bench": "engine-steps", "before_over_after": ratio, "tokens_equal": same}))
+
+
+def _count_alloc_bytes():
+    """A TorchDispatchMode that sums the bytes of every op output that is a new tensor (not a view, not an
+    in-place or out= result): what the allocator hands out, kernel workspaces excepted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        nbytes = 0
+        cat_bytes = 0  # of which by concatenation (the old cache layout's per-step copies)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            rets = func._schema.returns
+            if not func.is_view and rets and all(r.alias_info is None for r in rets):
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.nbytes += t.numel() * t.element_size()
+                        if func is torch.ops.aten.cat.default:
+                            self.cat_bytes += t.numel() * t.element_size()
+            return out
+
+    return Count()
+
+
+def _step_figures(args) -> dict:
+    """Runs in either tree (uses only Engine(model, scheduler_config=...), add_request, step, generate_batch)."""
+    import hashlib
+    import statistics
+
+    from dgserve import DiffusionGemma, Engine, SamplingParams
+    from dgserve.scheduler import SchedulerConfig
+    from dgserve.tiny import preset
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cpu"), torch.float32
+    config = preset(args.shape)
+    model = DiffusionGemma(config, _weights(config, 0, dtype, device, "bf16"), dtype, device)
+    C, chunk = config.canvas_length, 512
+    engine = Engine(model, scheduler_config=SchedulerConfig(max_num_seqs=16, prefill_chunk=chunk, max_prefill_tokens=chunk))
+    params = SamplingParams(
+        max_new_tokens=args.blocks * C, max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30
+    )
+    out: dict = {"shape": args.shape, "steps": args.steps, "blocks": args.blocks, "threads": torch.get_num_threads()}
+    ms, incl, nbytes, cat_bytes, digest = {}, {}, {}, {}, hashlib.sha256()
+    engine.generate([5, 6, 7], params)  # warm-up: lazy initialisation out of the figures
+    for n in [int(x) for x in args.prompt_lens.split(",")]:
+        prompt = torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        engine.add_request(prompt, params)
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        n_prefill = -(-n // chunk)  # steps that only encode prompt chunks (the last one also runs a step)
+        decode = [t for i, t in enumerate(times[n_prefill:]) if i % args.steps != 0]  # no prefill, no commit
+        ms[n] = round(1e3 * statistics.median(decode), 2)
+        incl[n] = round(1e3 * sum(times) / (args.steps * args.blocks), 2)
+        engine.add_request(prompt, params)
+        for _ in range(n_prefill + 2):  # prefill, then the block's first step
+            engine.step()
+        with _count_alloc_bytes() as counter:
+            engine.step()  # one denoising step, mid-block
+        nbytes[n], cat_bytes[n] = counter.nbytes, counter.cat_bytes
+        while engine.has_unfinished():
+            engine.step()
+    prompt = [3 + i % (config.vocab_size - 3) for i in range(512)]
+    tok_s = {}
+    for conc in [int(c) for c in args.concurrency.split(",")]:
+        plist = [SamplingParams(**{**params.__dict__, "seed": 1 + i}) for i in range(conc)]
+        t0 = time.perf_counter()
+        results = engine.generate_batch([prompt] * conc, plist)
+        tok_s[conc] = round(sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0), 1)
+        for r in results:
+            digest.update(str(r.token_ids).encode())
+    out.update(
+        ms_per_step=ms,
+        ms_per_step_incl_prefill=incl,
+        bytes_per_step=nbytes,
+        cat_bytes_per_step=cat_bytes,
+        tok_s=tok_s,
+        tokens_digest=digest.hexdigest()[:16],
+    )
+    return out
+
+
 def main() -> None:
     from dgserve import DiffusionGemma, Engine, SamplingParams, ops
     from dgserve.tiny import preset
@@ -159,7 +281,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mem-gbps", type=float, default=None, help="memory bandwidth for the roofline (H100: 3000)")
+    ap.add_argument("--step-figures", action="store_true", help="issue 17: step time, bytes per step, tok/s")
+    ap.add_argument("--step-figures-json", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--baseline-src", default=None, help="with --step-figures: a python/ dir to measure as before")
+    ap.add_argument("--prompt-lens", default="32,1024,4096,8000")
     args = ap.parse_args()
+    if args.step_figures_json:
+        print(json.dumps(_step_figures(args)))
+        return
+    if args.step_figures:
+        _step_figures_main(args)
+        return
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     config = preset(args.shape)

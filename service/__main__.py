@@ -19,6 +19,8 @@ import re
 import sys
 import traceback
 
+from dgserve.cache_config import kv_cache_memory
+
 from .config import DTYPES, ServiceConfig
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -97,6 +99,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "prefill_chunk",
         int,
         "prompt tokens encoded per chunk and per engine iteration (default 512)",
+    ),
+    (
+        "--kv-cache-memory",
+        "DGSERVE_KV_CACHE_MEMORY",
+        "kv_cache_memory",
+        kv_cache_memory,
+        (
+            "KV cache budget: bytes (2GiB, 512MB) or a fraction of the free memory (default 0.9); it decides how "
+            "many requests run at once (at most --max-num-seqs)"
+        ),
     ),
     (
         "--stall-timeout",

@@ -4,7 +4,9 @@ directly by tests and embedders. Frozen; ValueError naming the field on a bad va
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from dgserve.cache_config import CacheConfig
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.native_check
@@ -25,6 +27,9 @@ class ServiceConfig:
     max_num_seqs: int = 32  # running requests
     max_queue_len: int = 256  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # prompt tokens per encoder chunk and per engine iteration
+    kv_cache_memory: CacheConfig = field(
+        default_factory=CacheConfig
+    )  # KV cache budget: bytes or a fraction of free memory
     drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
     stall_timeout: float = 30.0  # a reader taking nothing this long while blocks wait is aborted
     auth_token_file: str | None = None

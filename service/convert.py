@@ -14,11 +14,10 @@ import torch
 
 import dgserve
 from dgserve import sampling_params as sp
-from dgserve.async_engine import Draft, DraftSpec, Finished, Started
-from dgserve.engine import ChatPrompt, Engine, Prompt
+from dgserve.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started
+from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -181,30 +180,30 @@ def _finite(x: float) -> float:
 # ---------------------------------------------------------------------------------------------- model info
 
 
-def model_info(engine: Engine, names: tuple[str, ...], sched: SchedulerConfig) -> pb.GetModelInfoResponse:
-    cfg, d = engine.model.config, engine.default_params()
+def model_info(engine: AsyncEngine, names: tuple[str, ...]) -> pb.GetModelInfoResponse:
+    cfg, d = engine.model_config, engine.default_params()
     return pb.GetModelInfoResponse(
         model=names[0],
         aliases=names[1:],
         max_model_len=engine.max_model_len,
         canvas_length=cfg.canvas_length,
         vocab_size=cfg.vocab_size,
-        precision=str(engine.model.dtype).removeprefix("torch."),
+        precision=str(engine.dtype).removeprefix("torch."),
         eos_token_ids=sorted(engine.eos_ids),
         has_tokenizer=engine.tokenizer is not None,
         defaults=params_message(d),
         bounds=bounds(d),
         max_stop_strings=sp.KNOBS["stop"].max_items,
         max_stop_length=sp.KNOBS["stop"].max_chars,
-        max_num_seqs=sched.max_num_seqs,
-        max_queue_len=sched.max_queue_len if sched.max_queue_len is not None else 0,
-        deterministic=engine.model.dtype == torch.float32,
+        max_num_seqs=engine.max_num_seqs,
+        max_queue_len=engine.max_queue_len if engine.max_queue_len is not None else 0,
+        deterministic=engine.dtype == torch.float32,
         version=dgserve.__version__,
         **runtime_fields(engine),
     )
 
 
-def runtime_fields(engine: Engine) -> dict:
+def runtime_fields(engine: AsyncEngine) -> dict:
     """GetModelInfoResponse's runtime section (device, dtype's expert format, native ops) from the engine."""
     rt = engine.runtime_info()
     return dict(

@@ -70,6 +70,7 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         native_ops=cfg.native_ops,
         scheduler_config=scheduler_config(cfg),
         max_model_len=cfg.max_model_len,
+        cache_config=cfg.kv_cache_memory,
     )
 
 
@@ -182,10 +183,8 @@ class Server:
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
-            self.state.info = convert.model_info(engine, self.state.names, engine.scheduler.config)
-            self.metrics.track_engine(
-                lambda: aengine.num_running, lambda: aengine.num_waiting, engine.scheduler.config.max_num_seqs
-            )
+            self.state.info = convert.model_info(aengine, self.state.names)
+            self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs)
             self.state.engine = aengine
             if not self.state.draining:
                 await self.health.set(SERVICE_NAME, SERVING)

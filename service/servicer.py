@@ -5,7 +5,6 @@ Errors are raised as domain exceptions and mapped to status codes by the call in
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -55,7 +54,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.state.check_model(request.model)
         vocab = self.state.ready_info().vocab_size
         prompt = convert.prompt(request, vocab)
-        params = convert.sampling_params(request.params, engine.engine.default_params())
+        params = convert.sampling_params(request.params, engine.default_params())
         call = _call(context)
         stream = await engine.submit(
             prompt,
@@ -84,10 +83,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.state.check_model(request.model)
         prompt = convert.prompt(request, self.state.ready_info().vocab_size)
         # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
-        ids = await asyncio.get_running_loop().run_in_executor(
-            None, engine.engine.prompt_ids, prompt, engine.engine.max_model_len
-        )
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.engine.max_model_len)
+        ids = await engine.tokenize(prompt)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.max_model_len)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         self.state.ready_engine()

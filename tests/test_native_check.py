@@ -129,13 +129,13 @@ def test_model_info_and_metric_show_the_switched_off_op(wrong_step):
     pytest.importorskip("grpc")
     from prometheus_client import generate_latest
 
-    from dgserve.scheduler import SchedulerConfig
+    from dgserve.async_engine import AsyncEngine
     from dgserve.service.metrics import Metrics
     from service import convert
 
     engine = Engine(_model())
     nc.run_self_check("cpu", "auto")
-    info = convert.model_info(engine, ("tiny",), SchedulerConfig())
+    info = convert.model_info(AsyncEngine(engine), ("tiny",))
     assert info.device == "cpu" and info.expert_format == "dense float32" and info.native_ops_mode == "auto"
     assert "diffusion_step" not in info.native_ops and "moe_align" in info.native_ops
     assert [(s.op, "canvas" in s.reason) for s in info.native_ops_disabled] == [("diffusion_step", True)]

@@ -1,4 +1,7 @@
-"""Scheduler: admission, bounded queue, FIFO, deadlines, abort, chunked prefill planning (no model, no torch)."""
+"""Scheduler: admission, bounded queue, FIFO, deadlines, abort, chunked prefill planning (no model, no torch).
+
+The scheduler holds the engine's Request objects and relies on the engine's one lock; ``Ids`` below builds
+requests from (id, prompt length) and reads plans back as ids, under a lock as the engine calls it."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import threading
 
 import pytest
 
+from dgserve.request import Request
 from dgserve.scheduler import DuplicateRequestError, QueueFullError, Scheduler, SchedulerConfig
 
 
@@ -17,8 +21,50 @@ class Clock:
         return self.t
 
 
+class Plan:
+    """A ScheduleOutput with request ids in place of the Request objects."""
+
+    def __init__(self, out):
+        self.admitted = [r.request_id for r in out.admitted]
+        self.expired = [r.request_id for r in out.expired]
+        self.prefill = [(r.request_id, b, e) for r, b, e in out.prefill]
+        self.decode = [r.request_id for r in out.decode]
+
+
+class Ids:
+    """The scheduler driven by ids, each call under one lock (the engine's)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.s, self.lock = scheduler, threading.Lock()
+
+    def add(self, rid: str, prompt_len: int, deadline: float | None = None) -> None:
+        with self.lock:
+            self.s.add(Request(rid, [0] * prompt_len, None, 0, None, deadline=deadline))  # type: ignore[arg-type]
+
+    def schedule(self) -> Plan:
+        with self.lock:
+            return Plan(self.s.schedule())
+
+    def abort(self, rid: str):
+        with self.lock:
+            return self.s.abort(rid)
+
+    def finish(self, rid: str) -> None:
+        with self.lock:
+            self.s.finish(rid)
+
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.s
+
+    def __len__(self) -> int:
+        return len(self.s)
+
+
 def make(clock=None, **kw):
-    return Scheduler(SchedulerConfig(**kw), clock=clock or Clock())
+    return Ids(Scheduler(SchedulerConfig(**kw), clock=clock or Clock()))
 
 
 def test_admits_fifo_up_to_max_num_seqs():

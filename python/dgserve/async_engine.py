@@ -12,6 +12,11 @@ Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot bef
 Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a digest of its token) can only be
 aborted by the same owner; to anyone else it looks exactly like an id never seen.
 An exception in the step loop fails every in-flight stream with ``EngineFaultError`` and stops the engine.
+
+The request is the engine's ``Request`` (dgserve.request), minted once by ``Engine.make_request``; the stream hangs
+on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently finished ids
+live in the engine, under its one lock. The service talks to this facade only (``model_info``, ``tokenize``,
+``default_params``, ``max_num_seqs``), never to the engine behind it.
 """
 
 from __future__ import annotations
@@ -19,19 +24,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import threading
 import time
-import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dgserve.engine import DraftOutput, Engine, Prompt, check_request_id
+from dgserve.engine import DraftOutput, Engine, Prompt, StepOutput, check_request_id
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
+from dgserve.request import Request
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import DuplicateRequestError
 
 log = logging.getLogger("dgserve.engine")
 
@@ -101,17 +104,11 @@ class EngineObserver:
 class RequestStream:
     """Events of one request, in order (async iterator). Lives on the event loop."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        request_id: str,
-        prompt_tokens: int,
-        params: SamplingParams,
-        drafts: DraftSpec | None,
-        owner: str | None = None,
-    ):
-        self.request_id, self.prompt_tokens, self.params, self.drafts = request_id, prompt_tokens, params, drafts
-        self.owner = owner
+    def __init__(self, engine: AsyncEngine, request: Request, drafts: DraftSpec | None):
+        self.request = request
+        self.request_id, self.prompt_tokens, self.drafts = request.request_id, request.prompt_len, drafts
+        self.params = dataclasses.replace(request.params, seed=request.seed)  # the seed in use, reported
+        self.owner = request.owner
         self._engine = engine
         self._events: deque = deque()
         self._draft: Draft | None = None
@@ -154,7 +151,7 @@ class RequestStream:
     def cancel(self, reason: str = "client_cancelled") -> None:
         """Stop the request (client went away): frees its slot before the next step; no more events."""
         if not self.done:
-            self._engine._abort(self.request_id, reason, notify=False)
+            self._engine._abort(self.request, reason, notify=False)
             self.done = True
             self._wake.set()
 
@@ -194,7 +191,6 @@ class AsyncEngine:
         *,
         stall_timeout_s: float = 30.0,
         observer: EngineObserver | None = None,
-        remember_finished: int = 10_000,
         on_fault: Callable[[Exception], None] | None = None,
     ):
         self.engine = engine
@@ -202,10 +198,6 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self.observer = observer or EngineObserver()
         self.fault: Exception | None = None
-        self._streams: dict[str, RequestStream] = {}
-        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()  # recently finished id -> owner
-        self._remember = remember_finished
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -215,8 +207,8 @@ class AsyncEngine:
 
     def warm_up(self) -> None:
         """Run one tiny generation (before start) so the first request does not pay for lazy initialisation."""
-        cfg = self.engine.model.config
-        prompt = [cfg.bos_token_id if cfg.bos_token_id is not None else 0]
+        bos = self.engine.model.config.bos_token_id
+        prompt = [bos if bos is not None else 0]
         self.engine.generate(prompt, SamplingParams(max_new_tokens=1, max_denoising_steps=2, seed=0))
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -234,16 +226,65 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        for stream in list(self._streams.values()):
-            self._abort(stream.request_id, "shutdown")
+        for req in self.engine.in_flight():
+            self._abort(req, "shutdown")
 
     @property
     def num_running(self) -> int:
-        return self.engine.scheduler.num_running
+        return self.engine.num_running
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting
+        return self.engine.num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests queued or running in the engine."""
+        return len(self.engine.in_flight())
+
+    # ---------------------------------------------------------------- what the service reads (the facade)
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        """The checkpoint's default SamplingParams (``Engine.default_params``)."""
+        return self.engine.default_params(**overrides)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Running requests at most (the scheduler's limit, after the KV cache budget)."""
+        return self.engine.scheduler.config.max_num_seqs
+
+    @property
+    def max_queue_len(self) -> int | None:
+        return self.engine.scheduler.config.max_queue_len
+
+    @property
+    def model_config(self):
+        return self.engine.model.config
+
+    @property
+    def dtype(self):
+        return self.engine.model.dtype
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.engine.eos_ids
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def runtime_info(self) -> dict[str, Any]:
+        return self.engine.runtime_info()
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Validated token ids of a prompt, at most max_model_len (bounded work; in a worker thread)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.engine.prompt_ids, prompt, self.engine.max_model_len
+        )
 
     # ---------------------------------------------------------------- requests
 
@@ -266,28 +307,14 @@ class AsyncEngine:
             raise EngineUnavailableError(
                 "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
             )
-        params = params or self.engine.default_params()
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=secrets.randbits(64))
-        rid = request_id or f"dg-{uuid.uuid4().hex}"
-        if isinstance(prompt, (list, tuple)):
-            ids = self.engine.request_prompt_ids(prompt, params.max_new_tokens)
-        else:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.request_prompt_ids, prompt, params.max_new_tokens
-            )
-        stream = RequestStream(self, rid, len(ids), params, drafts, owner)
-        with self._lock:
-            if rid in self._streams:
-                raise DuplicateRequestError(f"request_id: {rid!r} is already in flight")
-            self._streams[rid] = stream
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            self.engine.add_request(ids, params, rid, deadline=deadline)
-        except BaseException:
-            with self._lock:
-                self._streams.pop(rid, None)
-            raise
+        make = lambda: self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)  # noqa: E731
+        if isinstance(prompt, (list, tuple)):
+            req = make()
+        else:  # tokenization runs in a worker thread, never on the event loop
+            req = await asyncio.get_running_loop().run_in_executor(None, make)
+        stream = req.stream = RequestStream(self, req, drafts)
+        self.engine.add(req)
         self._wake.set()
         return stream
 
@@ -299,34 +326,22 @@ class AsyncEngine:
         other callers can be neither stopped nor discovered. With ``notify`` its stream ends with
         Finished("cancelled"). ValueError for an id that is not 1 to 256 printable characters."""
         check_request_id(request_id)
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and stream.owner != owner:
-                return None
-        if stream is not None and self._abort(request_id, reason, notify) is not None:
+        req = self.engine.abort(request_id, owner)
+        if req is not None:
+            self._aborted(req, reason, notify)
             return ABORT_CANCELLED
-        with self._lock:  # finished (possibly just now, between the two locked sections)
-            known = request_id in self._finished_ids and self._finished_ids[request_id] == owner
-        return ABORT_ALREADY_FINISHED if known else None
+        return ABORT_ALREADY_FINISHED if self.engine.recently_finished(request_id, owner) else None
 
-    def _abort(self, request_id: str, reason: str, notify: bool = False) -> str | None:
-        """Cancel a request whoever owns it (client gone, stalled reader, shutdown, or a checked ``abort``)."""
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:
-                return None
-            self._remember_finished(request_id, stream.owner)
-        self.engine.abort(request_id)
-        self.engine.take_result(request_id)
+    def _abort(self, req: Request, reason: str, notify: bool = False) -> None:
+        """Cancel a request whoever owns it (client gone, stalled reader, shutdown)."""
+        if self.engine.abort(req.request_id, req.owner) is req:
+            self._aborted(req, reason, notify)
+
+    def _aborted(self, req: Request, reason: str, notify: bool) -> None:
         self.observer.on_abort(reason)
-        if notify:
+        stream = req.stream
+        if notify and stream is not None:
             stream._push(self._finished(stream, FINISH_CANCELLED, 0, 0, 0))
-        return ABORT_CANCELLED
-
-    def _remember_finished(self, request_id: str, owner: str | None) -> None:
-        self._finished_ids[request_id] = owner
-        while len(self._finished_ids) > self._remember:
-            self._finished_ids.popitem(last=False)
 
     @staticmethod
     def _finished(stream: RequestStream, reason: str, completion: int, blocks: int, steps: int) -> Finished:
@@ -366,26 +381,22 @@ class AsyncEngine:
 
     def _step(self) -> list[_Event]:
         t0 = time.monotonic()
-        events = self.engine.step()
+        out: StepOutput = self.engine.step()
         batch: list[_Event] = [("step", None, time.monotonic() - t0)]
-        streams = self._streams
-        batch.extend(("started", streams[rid], t0) for rid in self.engine.last_schedule.admitted if rid in streams)
-        for rid, block in events:
-            stream = streams.get(rid)
-            if stream is None:
-                continue
-            result = self.engine.take_result(rid) if block.finish_reason is not None else None
-            batch.append(("block", stream, (block, result)))
-        for rid in self.engine.last_schedule.decode:
-            stream = streams.get(rid)
+        batch.extend(("started", r.stream, t0) for r in out.admitted if r.stream is not None)
+        for req, block in out.blocks:
+            if req.stream is not None:
+                batch.append(("block", req.stream, (block, req.result() if block.finish_reason is not None else None)))
+        for req in out.decoded:
+            stream = req.stream
             if stream is not None and stream.drafts is not None:
-                draft = self._make_draft(rid, stream.drafts)
+                draft = self._make_draft(req, stream.drafts)
                 if draft is not None:
                     batch.append(("draft", stream, draft))
         return batch
 
-    def _make_draft(self, rid: str, spec: DraftSpec) -> Draft | None:
-        d = self.engine.draft(rid)
+    def _make_draft(self, req: Request, spec: DraftSpec) -> Draft | None:
+        d = self.engine.draft(req)
         if d is None or d.step % max(1, spec.every_n_steps):
             return None
         tok = self.engine.tokenizer
@@ -399,8 +410,8 @@ class AsyncEngine:
         for kind, stream, payload in batch:
             if stream is None:  # ("step", None, seconds)
                 self.observer.on_step(payload)
-            elif self._streams.get(stream.request_id) is not stream:
-                continue  # aborted or cancelled meanwhile
+            elif stream.done:
+                continue  # aborted, cancelled or failed meanwhile
             elif kind == "started":
                 self._on_started(stream, payload)
             elif kind == "draft":
@@ -414,9 +425,7 @@ class AsyncEngine:
         stream.admitted_at = t_admit
         queue = t_admit - stream.arrival
         self.observer.on_started(queue)
-        seed = stream.params.seed
-        assert seed is not None, "submit() draws a seed for every request"
-        stream._push(Started(stream.request_id, seed, stream.prompt_tokens, stream.params, queue))
+        stream._push(Started(stream.request_id, stream.request.seed, stream.prompt_tokens, stream.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
         if stream.admitted_at is None:  # expired in the queue: never started
@@ -428,16 +437,13 @@ class AsyncEngine:
             stream._push(block)
             self.observer.on_block(block, first, now - stream.arrival)
         if result is not None:
-            with self._lock:
-                self._streams.pop(stream.request_id, None)
-                self._remember_finished(stream.request_id, stream.owner)
             fin = self._finished(
                 stream, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
             )
             stream._push(fin)
             self.observer.on_finished(fin)
         elif not stream.reading and stream.buffered > 1 and now - stream.last_read > self.stall_timeout_s:
-            self._abort(stream.request_id, "stalled")
+            self._abort(stream.request, "stalled")
             stream._fail(
                 StreamStalledError(
                     f"request {stream.request_id}: the reader took nothing for {self.stall_timeout_s:g} s; aborted"
@@ -445,9 +451,8 @@ class AsyncEngine:
             )
 
     def _fail_all(self, error: Exception) -> None:
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            stream._fail(EngineFaultError(f"engine failure: {type(error).__name__}: {error}"))
+        for req in self.engine.in_flight():
+            if req.stream is not None:
+                req.stream._fail(EngineFaultError(f"engine failure: {type(error).__name__}: {error}"))
         if self.on_fault is not None:
             self.on_fault(error)

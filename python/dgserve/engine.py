@@ -8,8 +8,13 @@ call, and finished blocks are committed (their tokens are encoded before the nex
 the noise is keyed per request, the model does fixed-shape work per row, and prefill chunk boundaries depend on
 the prompt alone (DESIGN Decisions 3).
 
-Thread safety: ``add_request`` and ``abort`` may be called from any thread while one thread runs ``step``; an
-abort takes effect before the next step (the current one's result for that request is discarded).
+One request is one ``Request`` object (dgserve.request), minted here once (id, seed, validated prompt ids), queued
+and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
+caller in each ``StepOutput``: ``step`` is schedule → run → commit.
+
+Thread safety: one lock. ``add_request``/``add`` and ``abort`` may be called from any thread while one thread runs
+``step``; an abort takes effect before the next step (the current one's result for that request is discarded,
+and its slot is freed at the start of the next step, on the engine thread that owns the runner's tensors).
 """
 
 from __future__ import annotations
@@ -21,18 +26,21 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dgserve.cache_config import CacheConfig
 from dgserve.config import generation_eos_token_ids
-from dgserve.model import DiffusionGemma, KVCache, RowCache
+from dgserve.model import DiffusionGemma
+from dgserve.model_runner import ModelRunner
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
-from dgserve.sampler import BlockState, Sampler
+from dgserve.request import Request
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
+from dgserve.scheduler import Scheduler, SchedulerConfig
 from dgserve.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
@@ -40,6 +48,7 @@ if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a 
     from dgserve.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
+REMEMBER_FINISHED = 10_000  # finished ids kept for Abort's "already finished" answer
 log = logging.getLogger("dgserve.engine")
 
 
@@ -66,29 +75,13 @@ class DraftOutput:
 
 
 @dataclass
-class _Request:
-    """Engine-side state of one request."""
+class StepOutput:
+    """What one ``Engine.step`` did: requests admitted into slots, blocks committed (and an empty "cancelled"
+    block for each queued request whose deadline passed), and the requests that took a denoising step."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    tracker: OutputTracker
-    row: RowCache = field(default_factory=RowCache)
-    pending: list[int] | None = None  # committed tokens to encode before the next block
-    block_index: int = 0
-    state: BlockState | None = None
-    encode_seconds: float = 0.0
-    denoise_seconds: float = 0.0
-    blocks: list[BlockOutput] = field(default_factory=list)
-
-    def result(self) -> GenerationResult:
-        t = self.tracker
-        if t.finish_reason is None:
-            raise RuntimeError(f"request {self.request_id!r} has not finished")
-        return GenerationResult(
-            list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
-        )
+    admitted: list[Request] = field(default_factory=list)
+    blocks: list[tuple[Request, BlockOutput]] = field(default_factory=list)
+    decoded: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -98,7 +91,8 @@ class Engine:
     ones), what ``default_params`` and a request without params start from. max_model_len: the context window
     (prompt + generated canvases), at most the model's max_position_embeddings (the default). scheduler_config:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
-    None: config.json's.
+    None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
+    the slots that fit.
     """
 
     def __init__(
@@ -110,6 +104,7 @@ class Engine:
         max_model_len: int | None = None,
         native_ops: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
+        cache_config: CacheConfig | None = None,
     ):
         from dgserve.native_check import run_self_check
 
@@ -127,13 +122,14 @@ class Engine:
         eos = tuple(eos_token_ids or ()) or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
-        self.sampler = Sampler(model.dtype)
-        self.scheduler = Scheduler(scheduler_config)
-        self.last_schedule = ScheduleOutput()  # the plan of the latest step (admitted ids, ...)
-        self._requests: dict[str, _Request] = {}
-        self._finished: dict[str, GenerationResult] = {}  # results not yet collected by their caller
+        sched = scheduler_config or SchedulerConfig()
+        self.runner = ModelRunner(model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config)
+        if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
+            sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
+        self.scheduler = Scheduler(sched)
+        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()  # recently finished id -> owner
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
 
     @classmethod
     def from_pretrained(
@@ -205,36 +201,61 @@ class Engine:
         params_list = params_list if params_list is not None else [None] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params_list has {len(params_list)} entries for {len(prompts)} prompts")
-        ids = []
+        reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, params_list, strict=True):
-                ids.append(self.add_request(p, sp))
+                reqs.append(self.add(self.make_request(p, sp)))
         except Exception:
-            for rid in ids:
-                self.abort(rid)
+            for r in reqs:
+                self.abort(r.request_id)
             raise
-        results: dict[str, GenerationResult] = {}
-        while len(results) < len(ids):
-            for rid, block in self.step():
-                if block.finish_reason is not None and rid in ids:
-                    results[rid] = self._finished.pop(rid)
-        return [results[i] for i in ids]
+        while not all(r.finished for r in reqs):
+            self.step()
+        return [r.result() for r in reqs]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[BlockOutput]:
         """Yield each committed block of one request as soon as it is final; the last has finish_reason."""
-        rid = self.add_request(prompt, params)
+        req = self.add(self.make_request(prompt, params))
         try:
             while True:
-                for r, block in self.step():
-                    if r == rid:
+                for r, block in self.step().blocks:
+                    if r is req:
                         yield block
                         if block.finish_reason is not None:
-                            self._finished.pop(rid, None)
                             return
         finally:
-            self.abort(rid)
+            self.abort(req.request_id)
 
     # ------------------------------------------------------------------ continuous batching core
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        deadline: float | None = None,
+        owner: str | None = None,
+    ) -> Request:
+        """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
+        the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
+        field. ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any
+        model work (its last block: finish_reason "cancelled"). ``owner``: who may abort it (``abort``)."""
+        params = params or self.default_params()
+        if request_id is not None:
+            check_request_id(request_id)
+        prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
+        return Request(rid, prompt_ids, params, seed, tracker, deadline=deadline, owner=owner)
+
+    def add(self, req: Request) -> Request:
+        """Queue a request made by ``make_request``. Raises ``DuplicateRequestError`` (a ValueError) for an id in
+        flight and ``QueueFullError`` when running slots and queue are full."""
+        with self._lock:
+            self.scheduler.add(req)
+        return req
 
     def add_request(
         self,
@@ -244,104 +265,88 @@ class Engine:
         *,
         deadline: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id.
+        """``make_request`` then ``add``; returns the request's id."""
+        return self.add(self.make_request(prompt, params, request_id, deadline=deadline)).request_id
 
-        Raises ValueError naming the bad field, ``DuplicateRequestError`` (a ValueError) for an id in flight, and
-        ``QueueFullError`` when running slots and queue are full. ``deadline`` (time.monotonic() seconds): a
-        request still waiting then is dropped before any model work (its last block: finish_reason "cancelled").
-        """
-        params = params or self.default_params()
-        if request_id is not None:
-            check_request_id(request_id)
-        prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
-        req = _Request(rid, prompt_ids, params, seed, tracker)
+    def abort(self, request_id: str, owner: str | None = None) -> Request | None:
+        """Drop a queued or running request of ``owner`` (its slot is freed before the next step); returns it, or
+        None when no such request is in flight (or it belongs to another owner)."""
         with self._lock:
-            self.scheduler.add(rid, len(prompt_ids), deadline)
-            self._requests[rid] = req
-        return rid
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a queued or running request (frees its slot and cache before the next step); True if it was."""
-        with self._lock:
+            req = self.scheduler.get(request_id)
+            if req is None or req.owner != owner:
+                return None
             self.scheduler.abort(request_id)
-            return self._requests.pop(request_id, None) is not None
+            req.tracker.finish_reason = req.tracker.finish_reason or FINISH_CANCELLED
+            self._remember_finished(req)
+            return req
+
+    def recently_finished(self, request_id: str, owner: str | None = None) -> bool:
+        """True when ``owner``'s request ``request_id`` finished or was aborted recently."""
+        with self._lock:
+            return request_id in self._finished_ids and self._finished_ids[request_id] == owner
+
+    def _remember_finished(self, req: Request) -> None:
+        self._finished_ids[req.request_id] = req.owner
+        while len(self._finished_ids) > REMEMBER_FINISHED:
+            self._finished_ids.popitem(last=False)
+
+    def in_flight(self) -> list[Request]:
+        """The requests queued or running now."""
+        with self._lock:
+            return self.scheduler.requests()
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return len(self.scheduler) > 0
 
-    def take_result(self, request_id: str) -> GenerationResult | None:
-        """Collect (and forget) the result of a finished request; None if there is none."""
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def step(self) -> StepOutput:
+        """One engine iteration, schedule → run → commit: admit into slots, encode the planned prompt chunks, one
+        denoising step for every running canvas whose prompt is encoded, commit finished blocks."""
+        out = StepOutput()
         with self._lock:
-            return self._finished.pop(request_id, None)
-
-    def request_seed(self, request_id: str) -> int | None:
-        """The seed in use by a queued or running request (drawn at random when its params had none)."""
-        req = self._requests.get(request_id)
-        return None if req is None else req.seed
-
-    def step(self) -> list[tuple[str, BlockOutput]]:
-        """One engine iteration: admit, encode planned prompt chunks, one denoising step for every running
-        canvas whose prompt is encoded, commit finished blocks. Returns the blocks committed in this iteration
-        (and an empty "cancelled" block for each queued request whose deadline passed)."""
-        with self._lock:
-            plan = self.last_schedule = self.scheduler.schedule()
-            events = [(rid, self._expire(rid)) for rid in plan.expired if rid in self._requests]
-            prefill = [(self._requests[rid], s, e) for rid, s, e in plan.prefill]
-            active = [self._requests[rid] for rid in plan.decode]
-        for req, start, end in prefill:
-            self._encode(req, req.prompt_ids[start:end])
+            plan = self.scheduler.schedule()
+            for req in plan.expired:
+                out.blocks.append((req, self._expire(req)))
+        self.runner.release_finished()  # aborted since the last step: their slots are free before admission
+        for req in plan.admitted:
+            self.runner.admit(req)
+        out.admitted = plan.admitted
+        for req, start, end in plan.prefill:
+            self.runner.prefill(req, req.prompt_ids[start:end])
+        active = plan.decode
         if not active:
-            return events
-        states = [r.state if r.state is not None else self._start_block(r) for r in active]
+            return out
+        for r in active:
+            if r.state is None:
+                self.runner.start_block(r)
         t0 = time.perf_counter()
-        tiles = self.model.denoise(
-            KVCache([r.row for r in active]),
-            torch.stack([s.canvas for s in states]),
-            self_cond_logits=[s.self_cond for s in states],
-            tiled=True,
-        )
-        for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
-            s.self_cond = None
-        for rows, logits in tiles:  # LM head + sampler a tile of canvases at a time
-            self.sampler.step(states[rows], logits)
-        del tiles
+        self.runner.run(active)
         dt = time.perf_counter() - t0
+        out.decoded = active
         with self._lock:
-            for req, state in zip(active, states, strict=True):
+            for req in active:
                 req.denoise_seconds += dt
-                if state.done and self._requests.get(req.request_id) is req:
-                    events.append((req.request_id, self._commit(req)))
-        return events
+                if req.state is not None and req.state.done and not req.finished:
+                    out.blocks.append((req, self._commit(req)))
+        self.runner.release_finished()
+        return out
 
-    def draft(self, request_id: str) -> DraftOutput | None:
+    def draft(self, req: Request) -> DraftOutput | None:
         """The request's current block after its latest denoising step, or None between blocks. Call from the
         thread that runs ``step``."""
-        req = self._requests.get(request_id)
-        s = None if req is None else req.state
+        s = req.state
         if s is None or s.argmax is None or s.done:
             return None
         return DraftOutput(s.block, s.steps_run, s.argmax.tolist(), s.mean_entropy)
 
-    def _encode(self, req: _Request, ids: list[int]) -> None:
-        t0 = time.perf_counter()
-        self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), req.row)
-        req.encode_seconds += time.perf_counter() - t0
-
-    def _start_block(self, req: _Request) -> BlockState:
-        if req.pending is not None:
-            req.encode_seconds = 0.0
-            self._encode(req, req.pending)
-        req.denoise_seconds, req.pending = 0.0, None
-        cfg = self.model.config
-        req.state = BlockState.start(
-            req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
-        )
-        return req.state
-
-    def _commit(self, req: _Request) -> BlockOutput:
+    def _commit(self, req: Request) -> BlockOutput:
         s = req.state
         if s is None or s.argmax is None:
             raise RuntimeError(f"request {req.request_id!r}: commit before its block ran a step")
@@ -354,15 +359,13 @@ class Engine:
         req.blocks.append(block)
         req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
         if block.finish_reason is not None:
-            del self._requests[req.request_id]
             self.scheduler.finish(req.request_id)
-            self._finished[req.request_id] = req.result()
+            self._remember_finished(req)
         return block
 
-    def _expire(self, rid: str) -> BlockOutput:
-        req = self._requests.pop(rid)
+    def _expire(self, req: Request) -> BlockOutput:
         req.tracker.finish_reason = FINISH_CANCELLED
-        self._finished[rid] = req.result()
+        self._remember_finished(req)
         return BlockOutput(0, [], "", BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_CANCELLED)
 
     # ------------------------------------------------------------------ validation
@@ -420,6 +423,7 @@ class Engine:
                 f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
                 f"{self.max_model_len} positions"
             )
+        self.runner.check_fits(prompt_tokens + n_blocks * C)
 
 
 def check_request_id(value: str, field: str = "request_id") -> None:

@@ -1,9 +1,10 @@
 """The denoising loop's per-step logic around ``ops.diffusion_step`` (spec §4.1-§4.4).
 
 A ``BlockState`` is one request's current canvas. ``Sampler.step`` advances a batch of them by one
-denoising step, given the decoder's logits for exactly those rows: temperature schedule, Gumbel-max
-draw, entropy-bound acceptance, re-noise, self-conditioning input, and adaptive stopping. The noise
-is keyed per request (seed, block, step, position), so a row's result never depends on the batch.
+denoising step, given the decoder's logits for exactly those rows and their ``StepKnobs`` (device tensors the
+model runner builds once per request, not per step): temperature schedule, Gumbel-max draw, entropy-bound
+acceptance, re-noise, self-conditioning input, and adaptive stopping. The noise is keyed per request (seed,
+block, step, position), so a row's result never depends on the batch.
 """
 
 from __future__ import annotations
@@ -53,33 +54,36 @@ class BlockState:
         return cls(seed, block, params, canvas, params.max_denoising_steps)
 
 
+@dataclass
+class StepKnobs:
+    """Per-row sampler inputs, [B] device tensors (rows of the runner's per-slot tables, see ModelRunner)."""
+
+    seed: torch.Tensor  # int64: the uint64 seed's bits (to_signed64)
+    block: torch.Tensor  # int64: canvas index within the request
+    remaining: torch.Tensor  # int64: k, the remaining-steps counter of this step
+    t_min: torch.Tensor  # float64
+    t_max: torch.Tensor  # float64
+    max_steps: torch.Tensor  # int64: N
+    entropy_bound: torch.Tensor  # float32: β
+    confidence: torch.Tensor  # float32: τ
+
+    def rows(self, rows: slice | torch.Tensor) -> StepKnobs:
+        """The knobs of some rows: a view for a slice, a gather for an index tensor."""
+        return StepKnobs(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+
+
 class Sampler:
     """Applies one denoising step to a batch of BlockStates (rows of the logits, in order)."""
 
     def __init__(self, model_dtype: torch.dtype):
         self.model_dtype = model_dtype
 
-    def step(self, states: list[BlockState], logits: torch.Tensor) -> None:
-        """logits [B, C, V] fp32 (softcapped decoder output) for ``states`` → updates each state in place."""
-        dev = logits.device
-        p = [s.params for s in states]
-        k = torch.tensor([s.remaining for s in states], dtype=torch.int64, device=dev)
-        temperature = ops.step_temperature(
-            torch.tensor([x.t_min for x in p], dtype=torch.float64, device=dev),
-            torch.tensor([x.t_max for x in p], dtype=torch.float64, device=dev),
-            k,
-            torch.tensor([x.max_denoising_steps for x in p], dtype=torch.int64, device=dev),
-        )
-        out = ops.diffusion_step(
-            logits,
-            temperature,
-            torch.tensor([to_signed64(s.seed) for s in states], dtype=torch.int64, device=dev),
-            torch.tensor([s.block for s in states], dtype=torch.int64, device=dev),
-            k,
-            torch.tensor([x.entropy_bound for x in p], dtype=torch.float32, device=dev),
-        )
-        tau = torch.tensor([x.confidence_threshold for x in p], dtype=torch.float32, device=dev)
-        confident = (out.mean_entropy < tau).tolist()
+    def step(self, states: list[BlockState], logits: torch.Tensor, knobs: StepKnobs) -> None:
+        """logits [B, C, V] fp32 (softcapped decoder output) for ``states`` with their knobs → updates each state
+        in place (the per-step logic: one place to hook a constrained sampler)."""
+        temperature = ops.step_temperature(knobs.t_min, knobs.t_max, knobs.remaining, knobs.max_steps)
+        out = ops.diffusion_step(logits, temperature, knobs.seed, knobs.block, knobs.remaining, knobs.entropy_bound)
+        confident = (out.mean_entropy < knobs.confidence).tolist()
         mean_entropy = out.mean_entropy.tolist()
         for i, s in enumerate(states):
             self._update(s, out.canvas[i], out.argmax[i], out.processed[i], confident[i], mean_entropy[i])

@@ -13,16 +13,18 @@ Each ``schedule()`` call plans one engine iteration:
 
 ``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
 with a retry delay estimated from recent service times) or when the id is in flight (``DuplicateRequestError``).
-All methods are thread-safe: the asyncio side admits and aborts while the engine thread schedules.
+The scheduler holds ``Request`` objects (dgserve.request), the engine's own, and has no lock: the engine calls it
+under its one lock.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from dgserve.request import FINISHED, RUNNING, WAITING, Request
 
 DEFAULT_RETRY_AFTER_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
@@ -66,29 +68,13 @@ class SchedulerConfig:
 
 
 @dataclass
-class Sequence:
-    """The scheduler's view of one request."""
-
-    request_id: str
-    prompt_len: int
-    arrival: float
-    deadline: float | None = None  # clock() value after which a waiting request is dropped
-    prefilled: int = 0  # prompt tokens planned for encoding so far
-    admitted_at: float | None = None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.prefilled >= self.prompt_len
-
-
-@dataclass
 class ScheduleOutput:
     """The plan of one engine iteration."""
 
-    admitted: list[str] = field(default_factory=list)  # moved from waiting to running now
-    expired: list[str] = field(default_factory=list)  # dropped from the queue: deadline passed
-    prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, end) prompt slices to encode
-    decode: list[str] = field(default_factory=list)  # one denoising step each, in admission order
+    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running now
+    expired: list[Request] = field(default_factory=list)  # dropped from the queue: deadline passed
+    prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end) prompt slices
+    decode: list[Request] = field(default_factory=list)  # one denoising step each, in admission order
 
     @property
     def empty(self) -> bool:
@@ -101,9 +87,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
         self.clock = clock
-        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
-        self._running: OrderedDict[str, Sequence] = OrderedDict()
-        self._lock = threading.Lock()
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._running: OrderedDict[str, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
 
     # ------------------------------------------------------------------ state
@@ -122,8 +107,12 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
 
-    def get(self, request_id: str) -> Sequence | None:
+    def get(self, request_id: str) -> Request | None:
         return self._running.get(request_id) or self._waiting.get(request_id)
+
+    def requests(self) -> list[Request]:
+        """Every request in the system: running ones first, then the queue in order."""
+        return [*self._running.values(), *self._waiting.values()]
 
     @property
     def capacity(self) -> int | None:
@@ -132,19 +121,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def add(self, request_id: str, prompt_len: int, deadline: float | None = None) -> Sequence:
+    def add(self, req: Request) -> None:
         """Queue a request. Raises DuplicateRequestError or QueueFullError; never blocks."""
-        if prompt_len < 1:
-            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
-        with self._lock:
-            if request_id in self:
-                raise DuplicateRequestError(f"request_id: {request_id!r} is already in flight")
-            cap = self.capacity
-            if cap is not None and len(self) >= cap:
-                raise QueueFullError(self._capacity_message(), self._retry_after_locked())
-            seq = Sequence(request_id, prompt_len, self.clock(), deadline)
-            self._waiting[request_id] = seq
-            return seq
+        if req.prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {req.prompt_len}")
+        if req.request_id in self:
+            raise DuplicateRequestError(f"request_id: {req.request_id!r} is already in flight")
+        cap = self.capacity
+        if cap is not None and len(self) >= cap:
+            raise QueueFullError(self._capacity_message(), self.retry_after_s())
+        req.arrival, req.status = self.clock(), WAITING
+        self._waiting[req.request_id] = req
 
     def _capacity_message(self) -> str:
         # requests not yet moved into a free slot count as waiting until the next schedule(), so "waiting" alone
@@ -156,28 +143,25 @@ class Scheduler:
         )
 
     def abort(self, request_id: str) -> str | None:
-        """Remove a request: returns "waiting" or "running" (where it was), or None if unknown."""
-        with self._lock:
-            if self._waiting.pop(request_id, None) is not None:
-                return "waiting"
-            if self._running.pop(request_id, None) is not None:
-                return "running"
-            return None
+        """Remove a request (marked finished): returns "waiting" or "running" (where it was), or None if unknown."""
+        for where, table in ((WAITING, self._waiting), (RUNNING, self._running)):
+            req = table.pop(request_id, None)
+            if req is not None:
+                req.status = FINISHED
+                return where
+        return None
 
     def finish(self, request_id: str) -> None:
         """A running request completed; its slot is free and its service time feeds the retry estimate."""
-        with self._lock:
-            seq = self._running.pop(request_id, None)
-            if seq is not None and seq.admitted_at is not None:
-                dt = self.clock() - seq.admitted_at
-                self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
+        seq = self._running.pop(request_id, None)
+        if seq is not None:
+            seq.status = FINISHED
+        if seq is not None and seq.admitted_at is not None:
+            dt = self.clock() - seq.admitted_at
+            self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
 
     def retry_after_s(self) -> float:
         """Estimated wait until a slot frees up for a request arriving now."""
-        with self._lock:
-            return self._retry_after_locked()
-
-    def _retry_after_locked(self) -> float:
         if self._service_ema is None:
             return DEFAULT_RETRY_AFTER_S
         rounds = 1 + self.num_waiting // self.config.max_num_seqs
@@ -188,33 +172,33 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         """Plan the next engine iteration (mutates: admits, expires, advances planned prefill)."""
         out = ScheduleOutput()
-        with self._lock:
-            now = self.clock()
-            self._expire(now, out)
-            self._admit(now, out)
-            self._plan_prefill(out)
-            out.decode = [rid for rid, s in self._running.items() if s.prefill_done]
+        now = self.clock()
+        self._expire(now, out)
+        self._admit(now, out)
+        self._plan_prefill(out)
+        out.decode = [s for s in self._running.values() if s.prefill_done]
         return out
 
     def _expire(self, now: float, out: ScheduleOutput) -> None:
         for rid in [rid for rid, s in self._waiting.items() if s.deadline is not None and s.deadline <= now]:
-            del self._waiting[rid]
-            out.expired.append(rid)
+            req = self._waiting.pop(rid)
+            req.status = FINISHED
+            out.expired.append(req)
 
     def _admit(self, now: float, out: ScheduleOutput) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             rid, seq = self._waiting.popitem(last=False)
-            seq.admitted_at = now
+            seq.admitted_at, seq.status = now, RUNNING
             self._running[rid] = seq
-            out.admitted.append(rid)
+            out.admitted.append(seq)
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:
         chunk, budget = self.config.prefill_chunk, self.config.max_prefill_tokens
-        for rid, seq in self._running.items():
+        for seq in self._running.values():
             while not seq.prefill_done:
                 end = min(seq.prompt_len, seq.prefilled + chunk)
                 if out.prefill and end - seq.prefilled > budget:
                     return
-                out.prefill.append((rid, seq.prefilled, end))
+                out.prefill.append((seq, seq.prefilled, end))
                 budget -= end - seq.prefilled
                 seq.prefilled = end

@@ -143,7 +143,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
     owner = _authorize(gate, request)
     body = await _read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    defaults = engine.engine.default_params()
+    defaults = engine.default_params()
     call = (
         protocol.chat_request(body, defaults)
         if chat

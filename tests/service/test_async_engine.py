@@ -100,15 +100,17 @@ def test_long_prompt_does_not_stall_running_streams(model_dir):
     alone = eng.generate([2, 9, 10], p)
     streaming = eng.add_request([2, 9, 10], p)
     eng.step()
-    eng.add_request([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0))
+    huge = eng.add(
+        eng.make_request([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0))
+    )
     blocks = []
     while eng.has_unfinished():
         alive = streaming in eng.scheduler
-        events = eng.step()
-        plan = eng.last_schedule
-        assert not alive or streaming in plan.decode
-        assert sum(e - s for _, s, e in plan.prefill) <= 128
-        blocks += [b for r, b in events if r == streaming]
+        before = huge.prefilled
+        out = eng.step()
+        assert not alive or streaming in [r.request_id for r in out.decoded]
+        assert huge.prefilled - before <= 128
+        blocks += [b for r, b in out.blocks if r.request_id == streaming]
     assert [t for b in blocks for t in b.token_ids] == alone.token_ids
 
 
@@ -117,6 +119,7 @@ def test_deadline_in_queue_drops_without_work(model_dir):
     p = SamplingParams(max_new_tokens=16, max_denoising_steps=3, seed=1)
     eng.add_request([2, 5], p, "first")
     eng.add_request([2, 6], p, "late", deadline=time.monotonic() - 1)
-    events = eng.step()
-    assert ("late", "cancelled") in [(r, b.finish_reason) for r, b in events]
-    assert eng.last_schedule.expired == ["late"] and eng.take_result("late").token_ids == []
+    out = eng.step()
+    assert ("late", "cancelled") in [(r.request_id, b.finish_reason) for r, b in out.blocks]
+    late = next(r for r, _ in out.blocks if r.request_id == "late")
+    assert late.finished and late.result().token_ids == [] and [r.request_id for r in out.admitted] == ["first"]

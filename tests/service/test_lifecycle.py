@@ -173,4 +173,4 @@ def test_many_cancels_keep_memory_flat(stub, idle):
     rss0 = _rss_mb()
     cycle(300)
     assert _rss_mb() - rss0 < 30
-    assert server.engine.num_running == 0 and len(server.engine._streams) == 0
+    assert server.engine.num_running == 0 and server.engine.num_in_flight == 0

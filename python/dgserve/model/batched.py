@@ -1,9 +1,17 @@
 """The decoder pass over several rows at once, for accelerators (DESIGN Decision 3: on CPU rows run one by one).
 
-Rows may hold different amounts of cache: each layer's cached keys/values are right-padded to the longest row
-and masked, the canvas keys follow, and every linear layer, the router and the experts run once over all
-B·C canvas tokens. Results equal the per-row pass up to GEMM rounding (a GEMM's row results may depend on the
-number of rows), so the CPU engine keeps the per-row path; tests compare the two within fp32 tolerance.
+Rows are the first B slots of a ``SlotCache`` (the ModelRunner packs running requests densely into slots
+0..n−1), read in place: each layer's canvas K/V are scattered into the slots' scratch positions, and attention
+runs over a fixed-shape view of the buffers with a per-row mask:
+
+* full layers: ``keys[:B, :, :L]`` with L = a bucket ≥ max(P) + C; key j is visible to row b iff j < P_b + C;
+* sliding layers: the whole ring ``keys[:B, :, :R]``; ring index j holds the latest position q ≡ j (mod R) below
+  P_b + C, visible iff q ≥ P_b − (W − 1).
+
+No gather, pad or concatenation proportional to the context, no host sync, and shapes depend only on (B, L):
+the shape CUDA graphs need. Keys are visited in ring order rather than chronologically and masked entries are
+summed as zeros, so results equal the per-row pass up to rounding (tests compare within fp32 tolerance); the
+CPU engine keeps the per-row path, bitwise invariant.
 """
 
 from __future__ import annotations
@@ -12,22 +20,10 @@ import torch
 
 from dgserve import ops
 
-from .cache import RowCache
+from .cache import RowCache, SlotCache
 from .layers import attention_output, feed_forward, project_kv, project_q, rope_cos_sin
 
-
-def padded_cache(rows: list[RowCache], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ keys, values [B, nkv, Lmax, hd] (right-padded with zeros) and valid [B, Lmax] bool."""
-    ks = [r.keys[layer] for r in rows]
-    lmax = max(k.shape[1] for k in ks)
-    nkv, _, hd = ks[0].shape
-    keys = ks[0].new_zeros(len(rows), nkv, lmax, hd)
-    values = keys.clone()
-    valid = torch.zeros(len(rows), lmax, dtype=torch.bool, device=keys.device)
-    for b, r in enumerate(rows):
-        n = r.keys[layer].shape[1]
-        keys[b, :, :n], values[b, :, :n], valid[b, :n] = r.keys[layer], r.values[layer], True
-    return keys, values, valid
+LENGTH_BUCKET = 256  # full-layer views are sized in multiples of this (a few static shapes for CUDA graphs)
 
 
 def attend_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -41,12 +37,42 @@ def attend_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, va
     return out.permute(0, 2, 1, 3).reshape(B * C, nh * hd)
 
 
-def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits: list, sc_probs: list) -> torch.Tensor:
-    """canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None → final hidden states [B, C, H] (the LM head
+def length_bucket(n: int, cap: int) -> int:
+    """The full-layer view length for n positions: a multiple of LENGTH_BUCKET, at most cap."""
+    return min(cap, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def _write_canvas(cache: SlotCache, layer: int, B: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [B, nkv, C, hd] → the scratch positions pos [B, C] of slots 0..B−1 (both ring copies when sliding)."""
+    K, V = cache.keys[layer][:B], cache.values[layer][:B]
+    idx = pos if not cache.sliding[layer] else pos % cache.ring
+    bases = (0, cache.ring) if cache.sliding[layer] else (0,)
+    for base in bases:
+        index = (idx + base)[:, None, :, None].expand_as(k)
+        K.scatter_(2, index, k)
+        V.scatter_(2, index, v)
+
+
+def _visible(cache: SlotCache, layer: int, lengths: torch.Tensor, C: int, L: int) -> torch.Tensor:
+    """valid [B, S] for the view the layer attends to (see the module docstring)."""
+    end = lengths[:, None] + C  # [B, 1]: one past the last canvas position
+    if not cache.sliding[layer]:
+        return torch.arange(L, device=lengths.device)[None, :] < end
+    R = cache.ring
+    j = torch.arange(R, device=lengths.device)[None, :]
+    q = end - 1 - torch.remainder(end - 1 - j, R)  # the position ring index j holds
+    return q >= (lengths[:, None] - (cache.window - 1)).clamp(min=0)
+
+
+def decode_slots(
+    model, cache: SlotCache, lengths: torch.Tensor, max_len: int, canvas: torch.Tensor, sc_logits: list, sc_probs: list
+) -> torch.Tensor:
+    """Slots 0..B−1: lengths [B] int64 (positions encoded, on the device), max_len = max(lengths) (host),
+    canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None → final hidden states [B, C, H] (the LM head
     runs in tiles: ``DiffusionGemma.logits_tiles``)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     B, C = canvas.shape
-    pos = torch.cat([torch.arange(r.length, r.length + C, device=model.device) for r in rows])  # [B·C]
+    pos = lengths[:, None] + torch.arange(C, device=model.device)[None, :]  # [B, C]
     x = model.embed_tokens(canvas.reshape(-1)).view(B, C, -1)
     with_sc = [b for b in range(B) if sc_logits[b] is not None or sc_probs[b] is not None]
     tile = model.canvas_tile  # the self-conditioning softmax over [n·C, V] in tiles of canvases
@@ -56,22 +82,29 @@ def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits:
         pr = None if lg is not None else torch.cat([sc_probs[b] for b in part])
         x[part] = x[part] + model.self_conditioning(lg, pr).view(len(part), C, -1)
     x = ops.rms_norm(x.view(B * C, -1), None, eps)
-    valid_canvas = torch.ones(B, C, dtype=torch.bool, device=model.device)
+    L = length_bucket(max_len + C, cache.slot_len)
     for i, lw in enumerate(model.layers):
         hd = cfg.head_dim(i)
-        cos, sin = rope_cos_sin(model.inv_freq[i], pos, model.dtype)
+        cos, sin = rope_cos_sin(model.inv_freq[i], pos.reshape(-1), model.dtype)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         k, v = project_kv(h, lw, hd, eps, cos, sin)  # [nkv, B·C, hd]
-        k = k.view(k.shape[0], B, C, hd).transpose(0, 1)
-        v = v.view(v.shape[0], B, C, hd).transpose(0, 1)
+        _write_canvas(cache, i, B, pos, k.view(-1, B, C, hd).transpose(0, 1), v.view(-1, B, C, hd).transpose(0, 1))
+        S = cache.ring if cache.sliding[i] else L
         q = project_q(h, lw, hd, eps, cos, sin)
         q = q.view(q.shape[0], B, C, hd).transpose(0, 1)  # [B, nh, C, hd]
-        if rows[0].keys:
-            ck, cv, cvalid = padded_cache(rows, i)
-            k, v = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
-            valid = torch.cat([cvalid, valid_canvas], dim=1)
-        else:
-            valid = valid_canvas
-        attn = attend_batched(q, k, v, valid)
+        attn = attend_batched(
+            q, cache.keys[i][:B, :, :S], cache.values[i][:B, :, :S], _visible(cache, i, lengths, C, S)
+        )
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
+
+
+def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits: list, sc_probs: list) -> torch.Tensor:
+    """The public ``denoise`` path over RowCaches: copies them into a temporary SlotCache, then ``decode_slots``."""
+    C = canvas.shape[1]
+    max_len = max(r.length for r in rows)
+    cache = SlotCache(model.config, len(rows), max_len + C, C, model.dtype, model.device, zero=True)
+    for b, r in enumerate(rows):
+        cache.load_row(b, r)
+    lengths = torch.tensor([r.length for r in rows], dtype=torch.int64, device=model.device)
+    return decode_slots(model, cache, lengths, max_len, canvas, sc_logits, sc_probs)

@@ -20,7 +20,7 @@ from dgserve.checkpoint import load_weights
 from dgserve.config import ModelConfig
 
 from .batched import decode_batched
-from .cache import KVCache, RowCache
+from .cache import KVCache, KVStore, RowCache
 from .layers import (
     LayerWeights,
     attend,
@@ -166,50 +166,38 @@ class DiffusionGemma:
         """ids [T] → rnd(Emb[ids] · rnd(√H)) [T, H]."""
         return F.embedding(ids, self.embed) * self.embed_scale
 
-    def encode_row(self, ids: torch.Tensor, row: RowCache) -> None:
-        """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (sliding layers → W−1)."""
+    def encode_row(self, ids: torch.Tensor, row: KVStore) -> None:
+        """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (sliding layers → W−1).
+        ``row``: a RowCache, or one slot of the ModelRunner's SlotCache (``SlotView``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         T, p0 = ids.shape[0], row.length
         pos = torch.arange(p0, p0 + T, device=self.device)
         x = self.embed_tokens(ids)
-        first = not row.keys
         for i, lw in enumerate(self.layers):
             hd = cfg.head_dim(i)
             cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
-            n_old = 0 if first else row.keys[i].shape[1]
-            keys = k if first else torch.cat([row.keys[i], k], dim=1)
-            values = v if first else torch.cat([row.values[i], v], dim=1)
-            self._store(row, i, keys, values, first)
+            keep = cfg.sliding_window - 1 if cfg.is_sliding(i) else None
+            keys, values, k0 = row.encode_kv(i, k, v, keep)  # keys: cached then new, chronological
             if i == len(self.layers) - 1:
                 break  # the last layer's output is never used: only its K/V matter
-            kpos = torch.arange(p0 - n_old, p0 + T, device=self.device)
+            kpos = torch.arange(k0, p0 + T, device=self.device)
             visible = kpos[None, :] <= pos[:, None]
             if cfg.is_sliding(i):
                 visible &= kpos[None, :] > pos[:, None] - cfg.sliding_window
             attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, visible)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.encoder_layer_scalar)
-        row.length = p0 + T
-
-    def _store(self, row: RowCache, i: int, keys: torch.Tensor, values: torch.Tensor, first: bool) -> None:
-        if self.config.is_sliding(i):  # keep the last W−1 positions, after this chunk's own attention
-            start = max(0, keys.shape[1] - (self.config.sliding_window - 1))
-            keys, values = keys[:, start:], values[:, start:]
-        if first:
-            row.keys.append(keys)
-            row.values.append(values)
-        else:
-            row.keys[i], row.values[i] = keys, values
+        row.commit(T)
 
     def decode_row(
-        self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+        self, row: KVStore, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
     ) -> torch.Tensor:
         """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
         return self.output_logits(self.decode_row_hidden(row, canvas, sc_logits, sc_probs))
 
     def decode_row_hidden(
-        self, row: RowCache, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+        self, row: KVStore, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
     ) -> torch.Tensor:
         """``decode_row`` up to the final hidden states [C, H]."""
         cfg, eps = self.config, self.config.rms_norm_eps
@@ -224,8 +212,7 @@ class DiffusionGemma:
             cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
-            if row.keys:  # everything the cache holds is visible to every canvas query
-                k, v = torch.cat([row.keys[i], k], dim=1), torch.cat([row.values[i], v], dim=1)
+            k, v = row.decode_kv(i, k, v)  # everything the cache holds, then the canvas: visible to every query
             attn = attend(project_q(h, lw, hd, eps, cos, sin), k, v, None)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
         return x

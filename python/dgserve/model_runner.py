@@ -1,0 +1,220 @@
+"""Requests → device tensors: the KV cache slots, the per-request knob tensors, and each step's batch.
+
+The runner owns every device tensor that lives longer than one pass:
+
+* a ``SlotCache`` preallocated for ``num_slots`` requests (model/cache.py: full layers sized by the slot's context
+  budget, sliding layers as mirrored rings), written in place by the encoder and read as views by the decoder;
+* per-slot knob tables ([S] tensors: seed, t_min, t_max, N, β, τ; block index and remaining steps), written once
+  when a request is admitted (block and k: once per block, and k decremented in place each step);
+* the slot assignment, dense: running requests occupy slots 0..n−1. When one leaves, the last slot's cache and
+  knobs are moved into the hole once, so a batch of the first B slots is a slice of every table, not a gather.
+
+``run(states)`` is one denoising step for a list of requests: the decoder (per canvas on CPU, fixed shapes, bitwise
+batch invariant: DESIGN Decision 3; batched over the slots in place on accelerators, ``model/batched.py``), the LM
+head a tile of canvases at a time, and the sampler. The batched path has static shapes per (B, length bucket) and
+no allocation proportional to the context; capturing it in CUDA graphs is the GPU issues' work.
+
+Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the device's free memory); it decides how
+many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does and
+``check_fits`` rejects a request that needs more.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dgserve.cache_config import CacheConfig
+from dgserve.config import ConfigError
+from dgserve.model import DiffusionGemma
+from dgserve.model.batched import decode_slots
+from dgserve.model.cache import SlotCache
+from dgserve.request import Request
+from dgserve.sampler import BlockState, Sampler, StepKnobs, to_signed64
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free now: CUDA's mem_get_info, or MemAvailable from /proc/meminfo on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("kv_cache_memory: cannot read MemAvailable from /proc/meminfo; give a size in bytes")
+
+
+def plan_slots(model: DiffusionGemma, max_num_seqs: int, max_model_len: int, chunk: int, budget: int):
+    """(num_slots, slot_len): as many slots of max_model_len positions as the budget holds (at most
+    max_num_seqs); if none fits, one slot of the most positions that do. ConfigError when not even one canvas
+    after one token fits."""
+    cfg, dtype = model.config, model.dtype
+    per_slot = SlotCache.bytes_per_slot(cfg, max_model_len, chunk, dtype)
+    n = min(max_num_seqs, budget // per_slot)
+    if n >= 1:
+        return n, max_model_len
+    fixed = SlotCache.bytes_per_slot(cfg, 0, chunk, dtype)  # the sliding rings
+    per_position = SlotCache.bytes_per_slot(cfg, 1, chunk, dtype) - fixed
+    slot_len = min(max_model_len, (budget - fixed) // per_position if budget > fixed else 0)
+    if slot_len < cfg.canvas_length + 1:
+        least = fixed + per_position * (cfg.canvas_length + 1)
+        raise ConfigError(
+            f"kv_cache_memory: {budget} bytes hold no request (one slot needs {least} bytes for a one-token prompt"
+            f" and one canvas; {per_slot} for max_model_len {max_model_len})"
+        )
+    return 1, slot_len
+
+
+class ModelRunner:
+    """Owns the slot cache and knob tables of one model; called from the engine thread only."""
+
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefill_chunk: int,
+        cache_config: CacheConfig | None = None,
+    ):
+        cc = cache_config or CacheConfig()
+        self.model = model
+        cfg, dev = model.config, model.device
+        self.chunk = max(prefill_chunk, cfg.canvas_length)  # the most positions one pass writes
+        budget = cc.memory if cc.memory is not None else int(cc.fraction * free_memory(dev))
+        self.num_slots, self.slot_len = plan_slots(model, max_num_seqs, max_model_len, self.chunk, budget)
+        self.cache = SlotCache(cfg, self.num_slots, self.slot_len, self.chunk, model.dtype, dev, zero=model.batch_rows)
+        self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
+        self.sampler = Sampler(model.dtype)
+        S = self.num_slots
+
+        def table(dtype: torch.dtype) -> torch.Tensor:  # [S], one row per slot
+            return torch.zeros(S, dtype=dtype, device=dev)
+
+        i64 = torch.int64
+        self.knobs = StepKnobs(
+            seed=table(i64),
+            block=table(i64),
+            remaining=table(i64),
+            t_min=table(torch.float64),
+            t_max=table(torch.float64),
+            max_steps=table(i64),
+            entropy_bound=table(torch.float32),
+            confidence=table(torch.float32),
+        )
+        self.lengths = table(i64)  # positions encoded per slot, on the device (the batched pass)
+        self.occupants: list[Request] = []  # occupants[s] holds slot s
+
+    def check_fits(self, positions: int) -> None:
+        """ValueError when a request needing ``positions`` cache positions can never fit a slot."""
+        if positions > self.slot_len:
+            raise ValueError(
+                f"prompt: the request needs {positions} KV cache positions, and the KV cache budget holds "
+                f"{self.slot_len} per request (--kv-cache-memory)"
+            )
+
+    # ------------------------------------------------------------------ slots
+
+    def admit(self, req: Request) -> None:
+        """Give a request the next free slot and write its knob rows (the only time they are built)."""
+        s = len(self.occupants)
+        if s >= self.num_slots:
+            raise RuntimeError(f"model runner: no free slot for {req.request_id!r} ({self.num_slots} slots)")
+        p, k = req.params, self.knobs
+        k.seed[s], k.t_min[s], k.t_max[s] = to_signed64(req.seed), p.t_min, p.t_max
+        k.max_steps[s], k.entropy_bound[s], k.confidence[s] = (
+            p.max_denoising_steps,
+            p.entropy_bound,
+            p.confidence_threshold,
+        )
+        self.cache.lengths[s] = 0
+        self.lengths[s] = 0
+        req.slot = s
+        self.occupants.append(req)
+
+    def release(self, req: Request) -> None:
+        """Free a request's slot; the last occupied slot moves into it (cache, lengths, knobs: once)."""
+        s = req.slot
+        if s is None or s >= len(self.occupants) or self.occupants[s] is not req:
+            return
+        last = len(self.occupants) - 1
+        if s != last:
+            self.cache.move(last, s)
+            for f in StepKnobs.__dataclass_fields__:
+                t = getattr(self.knobs, f)
+                t[s] = t[last]
+            self.lengths[s] = self.lengths[last]
+            mover = self.occupants[last]
+            self.occupants[s], mover.slot = mover, s
+        self.occupants.pop()
+        req.slot = None
+
+    def release_finished(self) -> None:
+        """Free the slots of requests that finished or were aborted since the last step."""
+        for req in [r for r in self.occupants if r.finished]:
+            self.release(req)
+
+    # ------------------------------------------------------------------ passes
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, ids: list[int]) -> None:
+        """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
+        assert req.slot is not None, "prefill of a request without a slot"
+        t0 = time.perf_counter()
+        self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), self.cache.view(req.slot))
+        self.lengths[req.slot] = self.cache.lengths[req.slot]
+        req.encode_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def start_block(self, req: Request) -> BlockState:
+        """Encode the previous block if one is pending, then a fresh noise canvas and the block's knob rows."""
+        assert req.slot is not None, "a block for a request without a slot"
+        if req.pending is not None:
+            req.encode_seconds = 0.0
+            self.prefill(req, req.pending)
+        req.denoise_seconds, req.pending = 0.0, None
+        cfg, s = self.model.config, req.slot
+        self.knobs.block[s], self.knobs.remaining[s] = req.block_index, req.params.max_denoising_steps
+        req.state = BlockState.start(
+            req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
+        )
+        return req.state
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Request]) -> None:
+        """One denoising step for ``reqs`` (each with a started block): decoder, LM head in tiles, sampler."""
+        states: list[BlockState] = []
+        slots: list[int] = []
+        for r in reqs:
+            assert r.state is not None and r.slot is not None, "run() needs running requests with started blocks"
+            states.append(r.state)
+            slots.append(r.slot)
+        rows = self._rows(slots)
+        knobs = self.knobs.rows(rows)
+        canvas = torch.stack([s.canvas for s in states])
+        sc = [s.self_cond for s in states]
+        if self.model.batch_rows and len(reqs) > 1 and isinstance(rows, slice):
+            hidden = decode_slots(
+                self.model,
+                self.cache,
+                self.lengths[rows],
+                max(self.cache.lengths[: len(reqs)]),
+                canvas,
+                sc,
+                [None] * len(sc),
+            )
+        else:  # per canvas: fixed shapes (CPU, Decision 3), or a batch that is not a prefix of the slots
+            hidden = torch.stack(
+                [self.model.decode_row_hidden(self.cache.view(s), canvas[b], sc[b], None) for b, s in enumerate(slots)]
+            )
+        for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
+            s.self_cond = None
+        for tile, logits in self.model.logits_tiles(hidden):  # LM head + sampler a tile of canvases at a time
+            self.sampler.step(states[tile], logits, knobs.rows(tile))
+        self.knobs.remaining[rows] -= 1
+
+    def _rows(self, slots: list[int]) -> slice | torch.Tensor:
+        """The knob rows of ``slots``: a slice when they are the first B slots in order (no copy), else an index."""
+        if slots == list(range(len(slots))):
+            return slice(0, len(slots))
+        return torch.tensor(slots, dtype=torch.int64, device=self.model.device)

@@ -1,0 +1,110 @@
+"""ModelRunner and its slot cache: in-place writes read back as views give the same bits as the row cache's
+concatenations (prompt chunks that wrap the sliding rings, committed blocks, denoising scratch); dense slot
+packing keeps requests exact; the KV cache budget decides the slots and rejects a request that can never fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dgserve import DiffusionGemma, Engine, SamplingParams
+from dgserve.cache_config import CacheConfig
+from dgserve.config import ConfigError
+from dgserve.model import RowCache
+from dgserve.model.cache import SlotCache
+from dgserve.model_runner import ModelRunner
+from dgserve.scheduler import SchedulerConfig
+from dgserve.tiny import preset, random_weights
+
+
+@pytest.mark.parametrize("chunk, prompt_len", [(5, 29), (16, 40), (3, 7)])
+def test_slot_views_equal_row_cache_bitwise(chunk, prompt_len):
+    """Encoder chunks and decoder steps over a slot (ring wrap-arounds included) give exactly the bits of the
+    old layout: the keys are the same, in the same order, only read in place."""
+    cfg = preset("tiny")
+    m = DiffusionGemma(cfg, random_weights(cfg, 1), torch.float32)
+    C, V = cfg.canvas_length, cfg.vocab_size
+    g = torch.Generator().manual_seed(chunk)
+    prompt = torch.randint(0, V, (prompt_len,), generator=g)
+    row, slots = RowCache(), SlotCache(cfg, 3, 256, max(chunk, C), torch.float32, torch.device("cpu"))
+    slot = slots.view(2)
+    for s in range(0, prompt_len, chunk):
+        m.encode_row(prompt[s : s + chunk], row)
+        m.encode_row(prompt[s : s + chunk], slot)
+    for _ in range(5):  # > R / C blocks: the ring wraps several times
+        canvas = torch.randint(0, V, (C,), generator=g)
+        sc = torch.randn(C, V, generator=g)
+        for _ in range(2):  # two steps of one block: the scratch written by the first is overwritten
+            assert torch.equal(m.decode_row(row, canvas, sc, None), m.decode_row(slot, canvas, sc, None))
+        m.encode_row(canvas, row)
+        m.encode_row(canvas, slot)
+    assert row.length == slot.length == prompt_len + 5 * C
+
+
+def test_packing_keeps_tokens_exact(tiny_checkpoint):
+    """Requests finishing at different blocks move the last slot into the hole; the others' tokens do not change."""
+    path = tiny_checkpoint("base")
+    eng = Engine.from_pretrained(path, scheduler_config=SchedulerConfig(max_num_seqs=3))
+    prompts = [[5, 6, 7], list(range(3, 30)), [9], [4, 4, 4, 4]]
+    params = [
+        SamplingParams(max_new_tokens=n, max_denoising_steps=4, seed=s, ignore_eos=True)
+        for n, s in ((16, 1), (64, 2), (32, 3), (48, 4))
+    ]
+    alone = [eng.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    assert [r.token_ids for r in eng.generate_batch(prompts, params)] == alone
+    assert eng.runner.occupants == [] and eng.runner.num_slots == 3
+
+
+def test_batched_slots_match_per_row(tiny_checkpoint):
+    """The in-place batched pass (forced on CPU) gives the per-row tokens (fp32: ~1e-7 apart in logits)."""
+    path = tiny_checkpoint("wide")
+    ref = Engine.from_pretrained(path)
+    m = DiffusionGemma.from_pretrained(path)
+    m.batch_rows = True
+    eng = Engine(m)
+    prompts = [[5, 6, 7], list(range(3, 30)), [9]]
+    params = [SamplingParams(max_new_tokens=48, max_denoising_steps=4, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    assert [r.token_ids for r in eng.generate_batch(prompts, params)] == [
+        r.token_ids for r in ref.generate_batch(prompts, params)
+    ]
+
+
+def test_cache_budget_decides_slots_and_rejects_what_never_fits():
+    cfg = preset("tiny")
+    m = DiffusionGemma(cfg, random_weights(cfg, 0), torch.float32)
+    per_slot = SlotCache.bytes_per_slot(cfg, 4096, 512, torch.float32)
+    eng = Engine(m, cache_config=CacheConfig(memory=3 * per_slot + 1))
+    assert eng.runner.num_slots == 3 and eng.scheduler.config.max_num_seqs == 3
+    small = Engine(m, cache_config=CacheConfig(memory=per_slot // 2))  # less than one full slot
+    assert small.runner.num_slots == 1 and cfg.canvas_length < small.runner.slot_len < 4096
+    fits = small.runner.slot_len - cfg.canvas_length
+    assert small.generate([5] * fits, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0)).token_ids
+    with pytest.raises(ValueError, match="KV cache budget"):
+        small.add_request([5] * (fits + 1), SamplingParams(max_new_tokens=16))
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        Engine(m, cache_config=CacheConfig(memory=1000))
+
+
+@pytest.mark.parametrize(
+    "text, memory, fraction",
+    [("2GiB", 2 << 30, 0.9), ("512MB", 512 * 10**6, 0.9), ("0.5", None, 0.5), ("1000", 1000, 0.9)],
+)
+def test_cache_config_parse(text, memory, fraction):
+    c = CacheConfig.parse(text)
+    assert (c.memory, c.fraction) == (memory, fraction)
+
+
+def test_cache_config_parse_rejects_garbage():
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        CacheConfig.parse("lots")
+
+
+def test_runner_knobs_are_rows_of_slot_tables():
+    """Admission writes a request's knob rows once; the step reads a prefix slice (a view: no copy)."""
+    cfg = preset("tiny")
+    m = DiffusionGemma(cfg, random_weights(cfg, 0), torch.float32)
+    runner = ModelRunner(m, 4, 256, 16, CacheConfig(memory=1 << 24))
+    rows = runner._rows([0, 1])
+    assert rows == slice(0, 2)
+    assert runner.knobs.rows(rows).seed.data_ptr() == runner.knobs.seed.data_ptr()
+    assert isinstance(runner._rows([1, 0]), torch.Tensor)
