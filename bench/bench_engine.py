@@ -154,10 +154,9 @@ def _ours(args, config, dtype, device, prompt, params, concurrency):
 def _step_figures_main(args) -> None:
     """--step-figures: ours (this tree) and, with --baseline-src, the baseline's in a subprocess; ratios."""
     import os
+    import statistics
     import subprocess
     import sys
-
-    import statistics
 
     argv = [a for a in sys.argv[1:] if a != "--step-figures"]
     if "--baseline-src" in argv:  # the children measure; they must not recurse
@@ -230,7 +229,9 @@ def _step_figures(args) -> dict:
     config = preset(args.shape)
     model = DiffusionGemma(config, _weights(config, 0, dtype, device, "bf16"), dtype, device)
     C, chunk = config.canvas_length, 512
-    engine = Engine(model, scheduler_config=SchedulerConfig(max_num_seqs=16, prefill_chunk=chunk, max_prefill_tokens=chunk))
+    engine = Engine(
+        model, scheduler_config=SchedulerConfig(max_num_seqs=16, prefill_chunk=chunk, max_prefill_tokens=chunk)
+    )
     params = SamplingParams(
         max_new_tokens=args.blocks * C, max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30
     )
