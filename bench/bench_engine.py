@@ -154,19 +154,30 @@ def _ours(args, config, dtype, device, prompt, params, concurrency):
 def _step_figures_main(args) -> None:
     """--step-figures: ours (this tree) and, with --baseline-src, the baseline's in a subprocess; ratios."""
     import os
+    import statistics
     import subprocess
     import sys
 
     argv = [a for a in sys.argv[1:] if a != "--step-figures"]
-    if "--baseline-src" in argv:  # the child measures; it must not recurse
+    if "--baseline-src" in argv:  # the children measure; they must not recurse
         i = argv.index("--baseline-src")
         del argv[i : i + 2]
-    rows = {"after": json.loads(json.dumps(_step_figures(args)))}  # keys as the child prints them
-    if args.baseline_src:
-        env = dict(os.environ, PYTHONPATH=args.baseline_src)
-        cmd = [sys.executable, __file__, "--step-figures-json", *argv]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        rows["before"] = json.loads(out.strip().splitlines()[-1])
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
+    trees = {"after": here} | ({"before": args.baseline_src} if args.baseline_src else {})
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    for _ in range(args.rounds):  # alternate the trees: a shared, noisy machine loads both alike
+        for key, src in trees.items():
+            env = dict(os.environ, PYTHONPATH=src)
+            cmd = [sys.executable, __file__, "--step-figures-json", *argv]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+            runs[key].append(json.loads(out.strip().splitlines()[-1]))
+    rows = {}
+    for key, rs in runs.items():  # medians over rounds (bytes and tokens do not vary)
+        row = dict(rs[0])
+        for k in ("ms_per_step", "ms_per_step_incl_prefill", "tok_s"):
+            row[k] = {n: round(statistics.median(r[k][n] for r in rs), 2) for n in rs[0][k]}
+        row["rounds"] = len(rs)
+        rows[key] = row
     load = os.getloadavg()
     for key, row in rows.items():
         print(json.dumps({"bench": "engine-steps", "tree": key, "loadavg": [round(x, 2) for x in load], **row}))
@@ -218,7 +229,9 @@ def _step_figures(args) -> dict:
     config = preset(args.shape)
     model = DiffusionGemma(config, _weights(config, 0, dtype, device, "bf16"), dtype, device)
     C, chunk = config.canvas_length, 512
-    engine = Engine(model, scheduler_config=SchedulerConfig(max_num_seqs=16, prefill_chunk=chunk, max_prefill_tokens=chunk))
+    engine = Engine(
+        model, scheduler_config=SchedulerConfig(max_num_seqs=16, prefill_chunk=chunk, max_prefill_tokens=chunk)
+    )
     params = SamplingParams(
         max_new_tokens=args.blocks * C, max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30
     )
@@ -285,6 +298,7 @@ def main() -> None:
     ap.add_argument("--step-figures-json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-src", default=None, help="with --step-figures: a python/ dir to measure as before")
     ap.add_argument("--prompt-lens", default="32,1024,4096,8000")
+    ap.add_argument("--rounds", type=int, default=3, help="with --step-figures: alternating runs per tree")
     args = ap.parse_args()
     if args.step_figures_json:
         print(json.dumps(_step_figures(args)))

@@ -152,7 +152,7 @@ def test_engine_fault_fails_calls_and_health(model_dir):
         def broken(*a, **k):
             raise RuntimeError("simulated device failure")
 
-        s.engine.engine.model.denoise = broken
+        s.engine.engine.model.decode_row_hidden = broken  # the decoder pass the model runner calls
         with grpc.insecure_channel(s.target) as ch:
             stub = pb_grpc.TextGenerationStub(ch)
             with pytest.raises(grpc.RpcError) as e:
