@@ -36,6 +36,8 @@ from dgserve.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
     from dgserve.runtime import RuntimePlan
+    from dgserve.structured.constrained import StructuredRow
+    from dgserve.structured.grammar import GrammarCompiler
     from dgserve.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
@@ -77,6 +79,7 @@ class _Request:
     pending: list[int] | None = None  # committed tokens to encode before the next block
     block_index: int = 0
     state: BlockState | None = None
+    structured: StructuredRow | None = None  # grammar state when params.response_format is set
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     blocks: list[BlockOutput] = field(default_factory=list)
@@ -133,6 +136,7 @@ class Engine:
         self._finished: dict[str, GenerationResult] = {}  # results not yet collected by their caller
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     @classmethod
     def from_pretrained(
@@ -264,7 +268,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
-        req = _Request(rid, prompt_ids, params, seed, tracker)
+        req = _Request(rid, prompt_ids, params, seed, tracker, structured=self._structured_row(params))
         with self._lock:
             self.scheduler.add(rid, len(prompt_ids), deadline)
             self._requests[rid] = req
@@ -346,6 +350,9 @@ class Engine:
         req.state = BlockState.start(
             req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
         )
+        if req.structured is not None:  # structured output: the grammar rides on the block (sampler hooks)
+            req.state.structured = req.structured
+            req.structured.start_block(req.state)
         return req.state
 
     def _commit(self, req: _Request) -> BlockOutput:
@@ -373,6 +380,23 @@ class Engine:
         return BlockOutput(0, [], "", BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_CANCELLED)
 
     # ------------------------------------------------------------------ validation
+
+    def _structured_row(self, params: SamplingParams) -> StructuredRow | None:
+        """The grammar state of a request with a response_format (compiled once per format, then cached);
+        ValueError naming response_format when the model has no tokenizer or the format does not compile."""
+        if params.response_format is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("response_format: structured output needs a tokenizer, and this model has none")
+        from dgserve.structured.constrained import StructuredRow
+        from dgserve.structured.grammar import GrammarCompiler
+
+        V = self.model.config.vocab_size
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), V, self.eos_ids)
+            grammars = self._grammars
+        return StructuredRow(grammars.matcher(params.response_format), V, self.eos_ids)
 
     def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe.

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dgserve import ops
 from dgserve.sampling_params import SamplingParams
+from dgserve.structured import hooks as structured
+
+if TYPE_CHECKING:
+    from dgserve.structured.constrained import StructuredRow
 
 
 def to_signed64(seed: int) -> int:
@@ -37,6 +42,7 @@ class BlockState:
     steps_run: int = 0
     mean_entropy: float = float("nan")
     done: bool = False
+    structured: StructuredRow | None = None  # the request's grammar state (response_format), else None
 
     @classmethod
     def start(
@@ -70,6 +76,7 @@ class Sampler:
             k,
             torch.tensor([x.max_denoising_steps for x in p], dtype=torch.int64, device=dev),
         )
+        bitmask = structured.step_bitmask(states, logits.shape[1], logits.shape[2])  # None: no constrained row
         out = ops.diffusion_step(
             logits,
             temperature,
@@ -77,12 +84,15 @@ class Sampler:
             torch.tensor([s.block for s in states], dtype=torch.int64, device=dev),
             k,
             torch.tensor([x.entropy_bound for x in p], dtype=torch.float32, device=dev),
+            None if bitmask is None else bitmask.to(dev),
         )
         tau = torch.tensor([x.confidence_threshold for x in p], dtype=torch.float32, device=dev)
         confident = (out.mean_entropy < tau).tolist()
         mean_entropy = out.mean_entropy.tolist()
         for i, s in enumerate(states):
             self._update(s, out.canvas[i], out.argmax[i], out.processed[i], confident[i], mean_entropy[i])
+        if bitmask is not None:  # grammar-verified acceptance of the constrained rows
+            structured.after_step(states, out.accepted, out.processed, k.tolist())
 
     def _update(self, s: BlockState, canvas, argmax, processed, confident: bool, mean_entropy: float) -> None:
         S = s.params.stability_threshold

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dgserve.structured.response_format import ResponseFormat
+
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_DENOISING_STEPS_LIMIT = 1024
 MAX_STOP_STRINGS = 16
@@ -38,6 +40,8 @@ class SamplingParams:
     seed: 64-bit noise seed (spec §7); None draws a random one, reported in the result.
     ignore_eos: keep generating past EOS tokens.
     stop: strings that end generation (text cut before the match; may span blocks).
+    response_format: a ``ResponseFormat`` (JSON schema, JSON object, regex, choice): the output follows it
+        (docs/structured-output.md); None = free text.
     """
 
     max_new_tokens: int = 256
@@ -50,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         _int_field("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
@@ -78,3 +83,8 @@ class SamplingParams:
                 raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
             if len(s) > MAX_STOP_LENGTH:
                 raise ValueError(f"stop[{i}] is {len(s)} characters; at most {MAX_STOP_LENGTH} are allowed")
+        if self.response_format is not None:
+            if not isinstance(self.response_format, ResponseFormat):
+                raise ValueError(f"response_format must be a ResponseFormat, got {type(self.response_format).__name__}")
+            if self.ignore_eos:
+                raise ValueError("response_format: cannot be combined with ignore_eos (EOS ends the document)")
