@@ -276,6 +276,8 @@ class AsyncEngine:
             ids = await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.request_prompt_ids, prompt, params.max_new_tokens
             )
+        if params.response_format is not None:  # compile (or find cached) off the event loop; errors: ValueError
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.compile_response_format, params)
         stream = RequestStream(self, rid, len(ids), params, drafts, owner)
         with self._lock:
             if rid in self._streams:

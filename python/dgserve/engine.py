@@ -381,22 +381,31 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
 
+    def compile_response_format(self, params: SamplingParams) -> None:
+        """Compile params.response_format into the grammar cache (thread-safe; a no-op without one), so that
+        ``add_request`` finds it there; ValueError naming response_format when it cannot be served."""
+        if params.response_format is not None:
+            self._grammar_compiler().grammar(params.response_format)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("response_format: structured output needs a tokenizer, and this model has none")
+        from dgserve.structured.grammar import GrammarCompiler
+
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model.config.vocab_size, self.eos_ids)
+            return self._grammars
+
     def _structured_row(self, params: SamplingParams) -> StructuredRow | None:
         """The grammar state of a request with a response_format (compiled once per format, then cached);
         ValueError naming response_format when the model has no tokenizer or the format does not compile."""
         if params.response_format is None:
             return None
-        if self.tokenizer is None:
-            raise ValueError("response_format: structured output needs a tokenizer, and this model has none")
         from dgserve.structured.constrained import StructuredRow
-        from dgserve.structured.grammar import GrammarCompiler
 
-        V = self.model.config.vocab_size
-        with self._lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.to_json(), V, self.eos_ids)
-            grammars = self._grammars
-        return StructuredRow(grammars.matcher(params.response_format), V, self.eos_ids)
+        grammars = self._grammar_compiler()
+        return StructuredRow(grammars.matcher(params.response_format), self.model.config.vocab_size, self.eos_ids)
 
     def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe.
