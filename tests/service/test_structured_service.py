@@ -130,3 +130,25 @@ def test_http_bad_format_is_400_naming_response_format(server, client, fmt, prob
     assert err["param"].startswith("response_format") and problem in err["message"]
     ok = client.completions.create(model="tiny", prompt="x", max_tokens=8, seed=1, extra_body=KNOBS)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_response_format_parsing():
+    from dgserve.service.http.protocol import response_format
+
+    assert response_format(None) is None and response_format({"type": "text"}) is None
+    assert response_format({"type": "json_object"}).type == "json_object"
+    fmt = response_format({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}})
+    assert fmt.type == "json_schema" and json.loads(fmt.schema) == SCHEMA and fmt.name == "n" and fmt.strict
+    assert response_format({"type": "regex", "regex": "a+"}).regex == "a+"
+    assert response_format({"type": "choice", "choice": ["x", "y"]}).choices == ("x", "y")
+    for bad, problem in [
+        ("json", 'an object with a "type"'),
+        ({"type": "json_object", "regex": "a"}, "response_format.regex: not used"),
+        ({"type": "json_schema", "json_schema": {"schema": 3}}, "must be a JSON object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}, "json_schema.extra"),
+        ({"type": "choice", "choice": "x"}, "list of strings"),
+        ({"type": "choice", "choice": [""]}, "choices[0]"),
+    ]:
+        with pytest.raises(ValueError, match="response_format") as e:
+            response_format(bad)
+        assert problem in str(e.value)

@@ -86,7 +86,7 @@ class StructuredRow:
         stop, words = self._walk(C, lambda j, w: canvas[j] if ok[j] else None)
         self.accepted += len(self.fixed) - before
         if stop is not None and words is not None and ok[stop]:  # the grammar rejected an accepted proposal
-            g = position_gumbel(seed, state.block, step, stop, self.V)
+            g = position_gumbel(seed, state.block, step, stop, self.V).to(processed.device)
             state.canvas[stop] = masked_argmax(processed[stop] + g, words, self.V)
             self.redrawn += 1
         self._write_prefix(state.canvas)
