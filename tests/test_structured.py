@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.default_model import write_tiny_random_model
+from dgserve.default_model import SHIPPED, write_tiny_random_model
 from dgserve.structured import ResponseFormat
-from dgserve.structured.grammar import GrammarCompiler
+from dgserve.structured.grammar import NUMBER_LIMIT, GrammarCompiler, bound_numbers
 
 SCHEMAS = {
     "nested": {
@@ -207,3 +207,35 @@ def test_no_tokenizer_and_ignore_eos_are_rejected(tmp_path):
 def test_compiler_rejects_a_model_without_eos():
     with pytest.raises(ValueError, match="response_format: this model has no EOS"):
         GrammarCompiler("{}", 10, ())
+
+
+def test_shipped_model_outputs_validate():
+    """The shipped model (a real tokenizer and confident logits: blocks end by the finish walk) on every schema."""
+    engine = Engine.from_pretrained(str(SHIPPED))
+    names = sorted(SCHEMAS)
+    fmts = [schema_format(SCHEMAS[n]) for n in names]
+    results = engine.generate_batch(["Reply with JSON:"] * len(names), [params(f, 1, max_new_tokens=128) for f in fmts])
+    for name, r in zip(names, results, strict=True):
+        assert r.finish_reason == "eos", (name, r.text)
+        jsonschema.validate(json.loads(r.text), SCHEMAS[name])
+
+
+def test_bound_numbers_adds_bounds_only_where_missing():
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "number"},
+            "b": {"type": "integer", "minimum": 3},
+            "c": {"type": ["number", "null"], "exclusiveMaximum": 5, "multipleOf": 0.5},
+            "d": {"const": {"type": "number"}},  # data, not a schema: untouched
+        },
+        "items": [{"type": "integer"}],
+        "anyOf": [{"type": "string"}],
+    }
+    out = bound_numbers(json.loads(json.dumps(schema)))
+    p = out["properties"]
+    assert p["a"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT, "multipleOf": 1e-6}
+    assert p["b"] == {"type": "integer", "minimum": 3, "maximum": NUMBER_LIMIT}
+    assert p["c"] == {**schema["properties"]["c"], "minimum": -NUMBER_LIMIT}
+    assert p["d"] == schema["properties"]["d"] and out["anyOf"] == schema["anyOf"]
+    assert out["items"] == [{"type": "integer", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}]

@@ -31,6 +31,14 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separato
 MAX_GRAMMAR_SYMBOLS = 50_000  # llguidance default 500k; a 32 KiB schema stays well below this
 INITIAL_LEXER_FUEL = 500_000  # ~10 ms of regex analysis (llguidance: ~50k/ms); default 1M
 CACHE_SIZE = 128
+# Numbers are bounded like whitespace (a weak model would otherwise write digits until max_new_tokens): a number or
+# integer schema without its own bounds gets |x| <= 10^15, and a number without multipleOf at most 6 decimals (no
+# exponent). Every document produced still validates against the request's schema (a subset of its numbers).
+NUMBER_LIMIT = 10**15
+NUMBER_STEP = 1e-6
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
 class GrammarError(ValueError):
@@ -41,11 +49,39 @@ def _limits() -> llg.LLParserLimits:
     return llg.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, initial_lexer_fuel=INITIAL_LEXER_FUEL)
 
 
+def bound_numbers(schema: object) -> object:
+    """The schema with NUMBER_LIMIT / NUMBER_STEP added to every number or integer subschema that has no bound of
+    its own (in place; walks only schema-valued keywords, never enum / const data)."""
+    if not isinstance(schema, dict):
+        return schema
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "number" in types or "integer" in types:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            schema["minimum"] = -NUMBER_LIMIT
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            schema["maximum"] = NUMBER_LIMIT
+        if "number" in types and "multipleOf" not in schema:
+            schema["multipleOf"] = NUMBER_STEP
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                bound_numbers(sub)
+    for key in _SCHEMA_VALUES:
+        bound_numbers(schema.get(key))
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                bound_numbers(sub)
+    return schema
+
+
 def grammar_text(fmt: ResponseFormat) -> str:
     """The llguidance grammar (JSON text) of a response format."""
     if fmt.type == "json_schema":
         assert fmt.schema is not None
-        return llg.LLMatcher.grammar_from_json_schema(fmt.schema, defaults=JSON_OPTIONS)
+        schema = bound_numbers(json.loads(fmt.schema))
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     if fmt.type == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
     if fmt.type == "regex":
