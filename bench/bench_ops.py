@@ -340,6 +340,9 @@ def add_diffusion_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--canvases", default="1,4,16")
     p.add_argument("--hbm-gbps", type=float, default=3350.0)
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument(
+        "--bitmask", action="store_true", help="with a token bitmask (structured output): ~1 token in 16 allowed"
+    )
 
 
 def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
@@ -355,6 +358,9 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
             torch.full((B,), 16, dtype=torch.int64),
             torch.full((B,), 0.1),
         ]
+        if args.bitmask:  # random bits among 0, 8, 16, 24 of each word: ~1 token in 16 allowed
+            words = torch.randint(-(2**31), 2**31 - 1, (B, CANVAS, (V + 31) // 32), generator=g, dtype=torch.int32)
+            inputs.append(words & 0x01010101)
         inputs = [t.to(device) for t in inputs]
         ms = time_ms(functools.partial(ops.diffusion_step, *inputs), device, args.repeats, args.warmup)
         nbytes = B * CANVAS * V * (inputs[0].element_size() + 4)
@@ -366,6 +372,7 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
             "canvas": CANVAS,
             "vocab": V,
             "native": ops.has_native("diffusion_step"),
+            "bitmask": bool(args.bitmask),
             "ms": round(ms, 3),
             "gb_s": round(nbytes / ms / 1e6, 1),
             "pct_of_hbm": round(100 * nbytes / ms / 1e6 / args.hbm_gbps, 1),

@@ -195,7 +195,7 @@ void gumbel_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
 void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tensor& seeds, const Tensor& blocks,
                     const Tensor& steps, const Tensor& entropy_bound, const Tensor& canvas, const Tensor& argmax,
                     const Tensor& entropy, const Tensor& accepted, const Tensor& mean_entropy, const Tensor& processed,
-                    int64_t sum_lanes) {
+                    int64_t sum_lanes, const std::optional<Tensor>& bitmask) {
   const char* op = "diffusion_step";
   check_arg(logits, op, "logits", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
   const int64_t B = logits.size(0), C = logits.size(1), V = logits.size(2);
@@ -225,7 +225,14 @@ void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tenso
     check_shape(a.t, op, a.name, a.shape);
     check_same_device(logits, a.t, op, a.name);
   }
+  if (bitmask.has_value()) {
+    const Tensor& m = *bitmask;
+    check_arg(m, op, "bitmask", {at::kInt}, 3);
+    check_shape(m, op, "bitmask", {B, C, dg::bitmask_words(V)});
+    check_same_device(logits, m, op, "bitmask");
+  }
   dg::DiffusionStepParams p{};
+  p.bitmask = bitmask.has_value() ? bitmask->data_ptr<int32_t>() : nullptr;
   p.logits_dtype = dg_dtype(logits);
   p.logits = logits.data_ptr();
   p.logits_stride_b = logits.stride(0);
@@ -608,10 +615,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"));
   m.def("diffusion_step", &diffusion_step,
         "fused sampler step over logits [B, C, V] into preallocated canvas, argmax, entropy, accepted, "
-        "mean_entropy, processed",
+        "mean_entropy, processed; optional token bitmask [B, C, ceil(V/32)] int32 (bit set = allowed)",
         py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("blocks"), py::arg("steps"),
         py::arg("entropy_bound"), py::arg("canvas"), py::arg("argmax"), py::arg("entropy"), py::arg("accepted"),
-        py::arg("mean_entropy"), py::arg("processed"), py::arg("sum_lanes") = 8);
+        py::arg("mean_entropy"), py::arg("processed"), py::arg("sum_lanes") = 8, py::arg("bitmask") = py::none());
   m.def("moe_route", &moe_route,
         "router top-k from scores [T, E] (fp32 probabilities, or logits with from_logits) into weights [T, K] "
         "fp32 and ids [T, K] int64",

@@ -18,6 +18,7 @@ from dgserve.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Starte
 from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
+from dgserve.structured import ResponseFormat
 from dgserve.v1 import text_generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -44,6 +45,30 @@ def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams) -> Samplin
         return dataclasses.replace(defaults, **kw)
     except ValueError as e:
         raise ValueError(f"params.{e}") from None
+
+
+def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
+    """GenerateRequest.response_format → ResponseFormat (None when unset); ValueError names response_format."""
+    if not request.HasField("response_format"):
+        return None
+    msg = request.response_format
+    kind = msg.WhichOneof("format")
+    if kind is None:
+        raise ValueError("response_format: set one of json_schema, json_object, regex, choice")
+    if kind == "json_schema":
+        js = msg.json_schema
+        return ResponseFormat("json_schema", schema=js.schema, name=js.name, strict=js.strict)
+    if kind == "regex":
+        return ResponseFormat("regex", regex=msg.regex)
+    if kind == "choice":
+        return ResponseFormat("choice", choices=tuple(msg.choice.choices))
+    return ResponseFormat("json_object")
+
+
+def with_response_format(params: SamplingParams, request: pb.GenerateRequest) -> SamplingParams:
+    """params with the request's response_format (unchanged when it has none)."""
+    fmt = response_format(request)
+    return params if fmt is None else dataclasses.replace(params, response_format=fmt)
 
 
 def prompt(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) -> Prompt:

@@ -55,6 +55,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         vocab = self.state.ready_info().vocab_size
         prompt = convert.prompt(request, vocab)
         params = convert.sampling_params(request.params, engine.default_params())
+        params = convert.with_response_format(params, request)
         call = _call(context)
         stream = await engine.submit(
             prompt,

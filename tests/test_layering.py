@@ -95,7 +95,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dgserve.outputs",
             "dgserve.tokenizer",
             "dgserve.token_bounds",
-            "dgserve.scheduler",
+            "dgserve.cache_config",
+            "dgserve.structured",  # response formats and the grammar compiler (llguidance): data and rules
             "dgserve.v1",
         ),
     ),
@@ -112,7 +113,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dgserve.native_check",
         ),
     ),
-    ("model_runner", ("dgserve.model_runner", "dgserve.sampler")),
+    (
+        "model_runner",
+        (
+            "dgserve.model_runner",
+            "dgserve.sampler",
+            "dgserve.scheduler",  # plans Requests, which carry the sampler's BlockState
+            "dgserve.request",
+            "dgserve.structured.constrained",  # the grammar-verified step (sampler hooks)
+            "dgserve.structured.hooks",
+        ),
+    ),
     ("engine", ("dgserve.engine",)),
     ("async_engine", ("dgserve.async_engine",)),
     ("service", ("dgserve.service",)),

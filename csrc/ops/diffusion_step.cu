@@ -146,6 +146,17 @@ __global__ void __launch_bounds__(kThreads) position_kernel(DiffusionStepParams 
   // Vector loads/stores when every group of 4 is 4-element aligned (the row start and V).
   const bool vec_in = (V % 4 == 0) && (reinterpret_cast<uintptr_t>(row) % (4 * sizeof(T)) == 0);
   const bool vec_out = (V % 4 == 0) && (reinterpret_cast<uintptr_t>(p.processed) % 16 == 0);  // then every row is
+  // The position's bitmask words; a fully masked position is left unmasked (the block agrees on `any`).
+  const int32_t* mask = p.bitmask == nullptr ? nullptr : p.bitmask + bc * bitmask_words(V);
+  if (mask != nullptr) {
+    int any = 0;
+    const int64_t W = bitmask_words(V);
+    for (int64_t w = threadIdx.x; w < W; w += kThreads) {
+      const int tail = (int)(V - 32 * w);  // valid bits in word w (>= 32 except the last)
+      any |= ((uint32_t)mask[w] & (tail >= 32 ? 0xFFFFFFFFu : ((1u << tail) - 1u))) != 0;
+    }
+    if (!__syncthreads_or(any)) mask = nullptr;
+  }
 
   ArgMax best_y{-__int_as_float(0x7f800000), INT64_MAX}, best_z{-__int_as_float(0x7f800000), INT64_MAX};
   EntropyState st{-__int_as_float(0x7f800000), 0.0, 0.0};
@@ -164,6 +175,12 @@ __global__ void __launch_bounds__(kThreads) position_kernel(DiffusionStepParams 
     float y[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) y[j] = __fdiv_rn(x[j], temp);  // IEEE division, as the reference
+    if (mask != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (v0 + j < V && !bitmask_allows(mask, v0 + j)) y[j] = -__int_as_float(0x7f800000);
+      }
+    }
     bool may_win = false;  // the exact Gumbel skip (see the file comment)
 #pragma unroll
     for (int j = 0; j < 4; ++j) may_win |= v0 + j < V && !(__fadd_rn(y[j], kGumbelMax) < best_z.value);
@@ -180,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) position_kernel(DiffusionStepParams 
       if (may_win) best_z = better(best_z, ArgMax{__fadd_rn(y[j], gumbel_from_bits(r.v[j])), v0 + j});
       if (y[j] != y[j]) {
         saw_nan = true;
-      } else {
+      } else if (y[j] > -__int_as_float(0x7f800000)) {  // -inf (masked) has probability 0: no term
         entropy_add(st, y[j]);
       }
     }

@@ -6,8 +6,15 @@
 //                  b * logits_stride_b + c * logits_stride_c + v (strides in elements; vocab contiguous)
 //   temperature:   [batch] fp32          seeds, blocks, steps: [batch] int64 (steps = remaining-steps k >= 1)
 //   entropy_bound: [batch] fp32
+//   bitmask:       optional [batch, canvas_length, ceil(vocab_size / 32)] int32, contiguous (nullptr: none); bit
+//                  (v % 32) of word v / 32 set = token v allowed (llguidance / xgrammar layout). A disallowed
+//                  token's processed value is -inf, so it gets probability 0 in everything below (argmax, the
+//                  Gumbel draw, the entropy and the self-conditioning logits). Bits >= vocab_size are ignored. A
+//                  position with no allowed token (fully masked) is left unmasked: the mask is a constraint to
+//                  satisfy when it can be, never a reason to produce -inf everywhere (documented in ops).
 // Outputs (contiguous, preallocated by the caller; every element is written)
 //   processed:     [B, C, V] fp32  = f32(logits) / temperature[b]               (IEEE division: bit-exact)
+//                                    (-inf where the bitmask disallows the token)
 //   argmax:        [B, C] int64    = argmax_v processed (lowest index on ties; the first NaN wins, as torch)
 //   canvas:        [B, C] int64    = accepted ? argmax_v (processed + gumbel) : canvas_noise(seed, block, step)
 //                  gumbel = common/philox.h gumbel_from_bits (dg_logf), counter (v/4, c, block, 2*step+1)
@@ -34,6 +41,7 @@
 #include <stdint.h>
 
 #include "../common/dtype.h"
+#include "../common/philox.h"
 #include "../common/status.h"
 
 namespace dg {
@@ -49,6 +57,7 @@ struct DiffusionStepParams {
   const int64_t* blocks;         // [B]
   const int64_t* steps;          // [B]
   const float* entropy_bound;    // [B]
+  const int32_t* bitmask;        // [B, C, bitmask_words] or nullptr (unconstrained)
   // outputs
   int64_t* canvas;               // [B, C]
   int64_t* argmax;               // [B, C]
@@ -62,6 +71,22 @@ struct DiffusionStepParams {
   int64_t vocab_size;
   int sum_lanes;                 // 8 or 16: torch's Vectorized<float>::size() (common/torch_sum.h)
 };
+
+// Words per position of the bitmask: ceil(V / 32).
+DG_HD int64_t bitmask_words(int64_t vocab_size) { return (vocab_size + 31) / 32; }
+
+// Whether token v is allowed by one position's mask words (bit v % 32 of word v / 32).
+DG_HD bool bitmask_allows(const int32_t* words, int64_t v) { return ((uint32_t)words[v >> 5] >> (v & 31)) & 1u; }
+
+// Whether one position's mask allows any token in [0, V) (bits >= V ignored); false = fully masked.
+DG_HD bool bitmask_any(const int32_t* words, int64_t V) {
+  const int64_t W = bitmask_words(V);
+  uint32_t acc = 0;
+  for (int64_t w = 0; w + 1 < W; ++w) acc |= (uint32_t)words[w];
+  const int tail = (int)(V - 32 * (W - 1));  // 1..32 valid bits in the last word
+  acc |= (uint32_t)words[W - 1] & (tail == 32 ? 0xFFFFFFFFu : ((1u << tail) - 1u));
+  return acc != 0;
+}
 
 // The CUDA accept kernel keeps 16 bytes per position in shared memory, plus 64 static bytes, within the 48 KB
 // a block gets without an opt-in.

@@ -26,6 +26,7 @@ constexpr int kLanes = 8;       // independent double accumulators of the entrop
 struct PositionArgs {
   const void* logits;   // row start
   float* processed;     // row start
+  const int32_t* mask;  // the position's bitmask words, or nullptr (unconstrained or fully masked)
   float temperature;
   uint32_t k0, k1, block, ctr3, pos;  // Philox key and counter words (ctr3 = 2k + 1)
   int64_t vocab;
@@ -61,6 +62,13 @@ DG_HD bool chunk_may_beat(const float* y, int64_t n, float best) {
   int hit = 0;
   for (int64_t i = 0; i < n; ++i) hit |= (int)!((y[i] + kGumbelMax) < best);
   return hit != 0;
+}
+
+// y = x / T (IEEE division, as the reference), -inf where the mask disallows v.
+template <class T>
+DG_HD float processed_value(const T* x, int64_t v, float temperature, const int32_t* mask) {
+  const float y = to_float(x[v]) / temperature;
+  return (mask == nullptr || bitmask_allows(mask, v)) ? y : -INFINITY;
 }
 
 // Entropy of softmax(y[0..V)) around its maximum m (not NaN): H = log(s) - t / s, s = sum e, t = sum e (y - m),
@@ -102,15 +110,17 @@ DG_HD PositionResult position_impl(const PositionArgs& a) {
   const T* x = static_cast<const T*>(a.logits);
   float* y = a.processed;
   const int64_t V = a.vocab;
-  float best_y = to_float(x[0]) / a.temperature, best_z = 0.0f;
+  float best_y = processed_value(x, 0, a.temperature, a.mask), best_z = 0.0f;
   int64_t arg_y = 0, arg_z = -1;
   float yc[kChunk], zc[kChunk], g[kChunk];
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t n = V - v0 < kChunk ? V - v0 : kChunk;
-    for (int64_t i = 0; i < n; ++i) {
-      yc[i] = to_float(x[v0 + i]) / a.temperature;  // IEEE division, as the reference
-      y[v0 + i] = yc[i];
+    if (a.mask == nullptr) {  // the unconstrained loop stays branch-free
+      for (int64_t i = 0; i < n; ++i) yc[i] = to_float(x[v0 + i]) / a.temperature;  // IEEE division
+    } else {
+      for (int64_t i = 0; i < n; ++i) yc[i] = processed_value(x, v0 + i, a.temperature, a.mask);
     }
+    for (int64_t i = 0; i < n; ++i) y[v0 + i] = yc[i];
     // The running argmaxes change rarely: scan a chunk only when some element could win (vectorised test).
     if (chunk_may_win(yc, n, best_y)) {
       for (int64_t i = 0; i < n; ++i) argmax_update(yc[i], v0 + i, best_y, arg_y);
@@ -140,6 +150,8 @@ void positions(const DiffusionStepParams& p) {
     PositionArgs a;
     a.logits = logits + b * p.logits_stride_b + c * p.logits_stride_c;
     a.processed = p.processed + bc * V;
+    const int32_t* mask = p.bitmask == nullptr ? nullptr : p.bitmask + bc * bitmask_words(V);
+    a.mask = (mask != nullptr && bitmask_any(mask, V)) ? mask : nullptr;  // fully masked: left unmasked
     a.temperature = p.temperature[b];
     a.k0 = seed_key0(p.seeds[b]);
     a.k1 = seed_key1(p.seeds[b]);

@@ -308,7 +308,11 @@ class AsyncEngine:
                 "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        make = lambda: self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)  # noqa: E731
+        def make() -> Request:  # a response_format is compiled (or found in the cache) here too: ValueError
+            if params is not None and params.response_format is not None:
+                self.engine.compile_response_format(params)
+            return self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)
+
         if isinstance(prompt, (list, tuple)):
             req = make()
         else:  # tokenization runs in a worker thread, never on the event loop

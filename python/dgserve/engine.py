@@ -45,6 +45,8 @@ from dgserve.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
     from dgserve.runtime import RuntimePlan
+    from dgserve.structured.constrained import StructuredRow
+    from dgserve.structured.grammar import GrammarCompiler
     from dgserve.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
@@ -130,6 +132,7 @@ class Engine:
         self._finished_ids: OrderedDict[str, str | None] = OrderedDict()  # recently finished id -> owner
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     @classmethod
     def from_pretrained(
@@ -248,7 +251,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
-        return Request(rid, prompt_ids, params, seed, tracker, deadline=deadline, owner=owner)
+        req = Request(rid, prompt_ids, params, seed, tracker, deadline=deadline, owner=owner)
+        req.structured = self._structured_row(params)
+        return req
 
     def add(self, req: Request) -> Request:
         """Queue a request made by ``make_request``. Raises ``DuplicateRequestError`` (a ValueError) for an id in
@@ -369,6 +374,32 @@ class Engine:
         return BlockOutput(0, [], "", BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_CANCELLED)
 
     # ------------------------------------------------------------------ validation
+
+    def compile_response_format(self, params: SamplingParams) -> None:
+        """Compile params.response_format into the grammar cache (thread-safe; a no-op without one), so that
+        ``add_request`` finds it there; ValueError naming response_format when it cannot be served."""
+        if params.response_format is not None:
+            self._grammar_compiler().grammar(params.response_format)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("response_format: structured output needs a tokenizer, and this model has none")
+        from dgserve.structured.grammar import GrammarCompiler
+
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model.config.vocab_size, self.eos_ids)
+            return self._grammars
+
+    def _structured_row(self, params: SamplingParams) -> StructuredRow | None:
+        """The grammar state of a request with a response_format (compiled once per format, then cached);
+        ValueError naming response_format when the model has no tokenizer or the format does not compile."""
+        if params.response_format is None:
+            return None
+        from dgserve.structured.constrained import StructuredRow
+
+        grammars = self._grammar_compiler()
+        return StructuredRow(grammars.matcher(params.response_format), self.model.config.vocab_size, self.eos_ids)
 
     def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe.

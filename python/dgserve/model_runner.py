@@ -178,6 +178,9 @@ class ModelRunner:
         req.state = BlockState.start(
             req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
         )
+        if req.structured is not None:  # structured output: the grammar rides on the block (sampler hooks)
+            req.state.structured = req.structured
+            req.structured.start_block(req.state)
         return req.state
 
     @torch.inference_mode()

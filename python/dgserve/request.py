@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampler import BlockState
     from dgserve.sampling_params import SamplingParams
+    from dgserve.structured.constrained import StructuredRow
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -41,6 +42,7 @@ class Request:
     pending: list[int] | None = None  # committed tokens to encode before the next block
     block_index: int = 0
     state: BlockState | None = None
+    structured: StructuredRow | None = None  # grammar state when params.response_format is set
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     blocks: list[BlockOutput] = field(default_factory=list)

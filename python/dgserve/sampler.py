@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dgserve import ops
 from dgserve.sampling_params import SamplingParams
+from dgserve.structured import hooks as structured
+
+if TYPE_CHECKING:
+    from dgserve.structured.constrained import StructuredRow
 
 
 def to_signed64(seed: int) -> int:
@@ -38,6 +43,7 @@ class BlockState:
     steps_run: int = 0
     mean_entropy: float = float("nan")
     done: bool = False
+    structured: StructuredRow | None = None  # the request's grammar state (response_format), else None
 
     @classmethod
     def start(
@@ -80,13 +86,24 @@ class Sampler:
 
     def step(self, states: list[BlockState], logits: torch.Tensor, knobs: StepKnobs) -> None:
         """logits [B, C, V] fp32 (softcapped decoder output) for ``states`` with their knobs → updates each state
-        in place (the per-step logic: one place to hook a constrained sampler)."""
+        in place (the per-step logic; rows with a response_format go through dgserve.structured's hooks)."""
         temperature = ops.step_temperature(knobs.t_min, knobs.t_max, knobs.remaining, knobs.max_steps)
-        out = ops.diffusion_step(logits, temperature, knobs.seed, knobs.block, knobs.remaining, knobs.entropy_bound)
+        bitmask = structured.step_bitmask(states, logits.shape[1], logits.shape[2])  # None: no constrained row
+        out = ops.diffusion_step(
+            logits,
+            temperature,
+            knobs.seed,
+            knobs.block,
+            knobs.remaining,
+            knobs.entropy_bound,
+            None if bitmask is None else bitmask.to(logits.device),
+        )
         confident = (out.mean_entropy < knobs.confidence).tolist()
         mean_entropy = out.mean_entropy.tolist()
         for i, s in enumerate(states):
             self._update(s, out.canvas[i], out.argmax[i], out.processed[i], confident[i], mean_entropy[i])
+        if bitmask is not None:  # grammar-verified acceptance of the constrained rows
+            structured.after_step(states, out.accepted, out.processed, knobs.remaining.tolist())
 
     def _update(self, s: BlockState, canvas, argmax, processed, confident: bool, mean_entropy: float) -> None:
         S = s.params.stability_threshold

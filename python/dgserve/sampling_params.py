@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dgserve.config import ConfigError, read_generation_config
+from dgserve.structured.response_format import ResponseFormat
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_DENOISING_STEPS_LIMIT = 1024
@@ -181,6 +182,9 @@ class SamplingParams:
         max_chars=MAX_STOP_LENGTH,
         doc="strings that end generation (text cut before the match; may span blocks)",
     )
+    # not a knob (no bounds table): a ``ResponseFormat`` (JSON schema, JSON object, regex, choice) the output
+    # follows (docs/structured-output.md); None = free text
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         for name, k in KNOBS.items():
@@ -188,6 +192,11 @@ class SamplingParams:
         for name, k in KNOBS.items():
             if k.above and not getattr(self, name) > getattr(self, k.above):
                 raise KnobError(name, f"must be > {k.above} ({getattr(self, k.above)}), got {getattr(self, name)}")
+        if self.response_format is not None:
+            if not isinstance(self.response_format, ResponseFormat):
+                raise ValueError(f"response_format must be a ResponseFormat, got {type(self.response_format).__name__}")
+            if self.ignore_eos:
+                raise ValueError("response_format: cannot be combined with ignore_eos (EOS ends the document)")
 
     @classmethod
     def from_generation_config(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> SamplingParams:

@@ -130,6 +130,10 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ text <-> ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar engines build their token tables from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""

@@ -23,6 +23,7 @@ from dgserve.async_engine import Draft, DraftSpec, Finished
 from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
+from dgserve.structured import ResponseFormat
 
 # dgserve finish reasons → OpenAI's ("abort": the request was cancelled by the server, e.g. a drain timeout; vLLM's)
 FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
@@ -31,7 +32,7 @@ FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "lengt
 # bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
 OPENAI_NAMES = {"max_new_tokens": ("max_tokens", "max_completion_tokens")}
 KNOBS = tuple(name for name in SCALAR_KNOBS if name not in OPENAI_NAMES)
-COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "user", "drafts", *KNOBS}
+COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "user", "drafts", "response_format", *KNOBS}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
@@ -50,7 +51,6 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (False,),
     "suffix": ("",),
     "functions": ([],),
-    "response_format": ({"type": "text"},),
 }
 WHY = {
     "temperature": "the sampler follows a temperature schedule: set t_min and t_max instead",
@@ -62,7 +62,6 @@ WHY = {
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "functions": "tool calling is not supported",
-    "response_format": "structured output is not supported",
 }
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
 
@@ -143,6 +142,9 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
     for name in KNOBS:
         if body.get(name) is not None:
             kw[name] = body[name]
+    fmt = response_format(body.get("response_format"))
+    if fmt is not None:
+        kw["response_format"] = fmt
     try:
         return dataclasses.replace(defaults, **kw)
     except ValueError as e:
@@ -151,6 +153,50 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
             if message.startswith(ours):
                 message = theirs + message[len(ours) :]
         raise ValueError(message) from None
+
+
+def response_format(value) -> ResponseFormat | None:
+    """OpenAI's response_format → ResponseFormat (None for absent or {"type": "text"}); ValueError names it.
+
+    OpenAI: {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}. dgserve extensions (docs/structured-output.md): {"type": "regex", "regex": "..."}
+    and {"type": "choice", "choice": ["a", "b"]}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ValueError('response_format must be an object with a "type" string')
+    kind = value["type"]
+    fields = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"}}
+    fields["choice"] = {"choice"}
+    if kind not in fields:
+        raise ValueError(f"response_format.type must be one of {', '.join(fields)}, got {kind!r}")
+    extra = set(value) - fields[kind] - {"type"}
+    if extra:
+        raise ValueError(f"response_format.{sorted(extra)[0]}: not used by type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError('response_format.json_schema must be an object with a "schema"')
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise ValueError(f"response_format.json_schema.{sorted(unknown)[0]}: not supported")
+        schema = spec["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON object")
+        name, strict = spec.get("name") or "", spec.get("strict") or False
+        if not isinstance(name, str) or not isinstance(strict, bool):
+            raise ValueError("response_format.json_schema: name must be a string and strict a boolean")
+        return ResponseFormat("json_schema", schema=json.dumps(schema), name=name, strict=strict)
+    if kind == "regex":
+        return ResponseFormat("regex", regex=value.get("regex"))
+    if kind == "choice":
+        choices = value.get("choice")
+        if not isinstance(choices, list):
+            raise ValueError("response_format.choice must be a list of strings")
+        return ResponseFormat("choice", choices=tuple(choices))
+    return ResponseFormat("json_object")
 
 
 def _completion_prompt(prompt, vocab_size: int) -> Prompt:

@@ -62,3 +62,18 @@ def test_cuda_graph_capture_replays_the_step():
     torch.cuda.synchronize()
     for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("B,C,V", [(1, 1, 7), (3, 16, 1000), (2, 256, 32768 + 5)])
+def test_cuda_bitmask_equals_cpu_native(B, C, V):
+    """A random token bitmask (with a fully masked position) gives the CPU op's processed, argmax and tokens."""
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        mask = torch.randint(-(2**31), 2**31 - 1, (B, C, (V + 31) // 32), generator=g, dtype=torch.int32)
+        mask[0, 0] = 0  # fully masked: left unmasked
+        cpu = ops.diffusion_step(*_inputs(B, C, V, seed, "cpu"), mask)
+        gpu = ops.diffusion_step(*_inputs(B, C, V, seed, "cuda"), mask.cuda())
+        assert torch.equal(gpu.processed.cpu(), cpu.processed)
+        assert torch.equal(gpu.argmax.cpu(), cpu.argmax)
+        assert torch.equal(gpu.canvas.cpu(), cpu.canvas)
+        torch.testing.assert_close(gpu.entropy.cpu(), cpu.entropy, rtol=1e-5, atol=3e-5)

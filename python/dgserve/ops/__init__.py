@@ -285,7 +285,7 @@ def gumbel_noise(seeds, blocks, steps, canvas_length: int, vocab_size: int) -> t
     return out
 
 
-def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> DiffusionStepOut:
+def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound, bitmask=None) -> DiffusionStepOut:
     """One denoising step for B rows (sample, argmax, entropy, acceptance, renoise); see reference.diffusion_step.
 
     Parameters
@@ -294,14 +294,19 @@ def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> 
     temperature : [B] (rounded to fp32)
     seeds, blocks, steps : [B] int64 (steps = remaining-steps counter k >= 1)
     entropy_bound : [B] (rounded to fp32)
+    bitmask : None (unconstrained: today's results bit for bit) or [B, C, ceil(V/32)] int32, the layout of
+        llguidance / xgrammar: bit v % 32 of word v // 32 set = token v allowed; bits >= V ignored. A disallowed
+        token's processed logit is -inf: probability 0 in the argmax, the Gumbel draw, the entropy (so the
+        acceptance rule sees the masked distribution) and the processed logits fed back as self-conditioning.
+        A fully masked position is left unmasked (defined, tested; the structured sampler never sends one).
 
     Returns
     -------
     DiffusionStepOut of new tensors: canvas [B, C] int64, argmax [B, C] int64, entropy [B, C] fp32,
     accepted [B, C] bool, mean_entropy [B] fp32, processed [B, C, V] fp32.
     """
-    if not _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound):
-        return reference.diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound)
+    if not _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound, bitmask):
+        return reference.diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound, bitmask)
     B, C, V = logits.shape
     dev = logits.device
     if logits.stride(-1) != 1:
@@ -328,11 +333,12 @@ def diffusion_step(logits, temperature, seeds, blocks, steps, entropy_bound) -> 
         out.mean_entropy,
         out.processed,
         _sum_lanes() or 8,
+        None if bitmask is None else bitmask.contiguous(),
     )
     return out
 
 
-def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound) -> bool:
+def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy_bound, bitmask=None) -> bool:
     if not (has_native("diffusion_step") and isinstance(logits, torch.Tensor) and logits.dim() == 3):
         return False
     B, C, V = logits.shape
@@ -349,4 +355,11 @@ def _diffusion_step_native_ok(logits, temperature, seeds, blocks, steps, entropy
             isinstance(t, torch.Tensor) and t.shape == (B,) and t.device == logits.device and t.is_floating_point()
         ):
             return False
+    if bitmask is not None and not (
+        isinstance(bitmask, torch.Tensor)
+        and bitmask.dtype == torch.int32
+        and bitmask.shape == (B, C, (V + 31) // 32)
+        and bitmask.device == logits.device
+    ):
+        return False  # the reference raises with torch's own message on a wrong shape
     return True

@@ -281,6 +281,16 @@ def entropy(processed: torch.Tensor) -> torch.Tensor:
     return -(lp * p).sum(-1)
 
 
+def bitmask_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token bitmask [..., ceil(V/32)] int32 (bit v % 32 of word v // 32 set = allowed) → allowed [..., V] bool.
+
+    A position with no allowed token in [0, V) (fully masked) comes back all True: unmasked (``diffusion_step``).
+    """
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :vocab_size]
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
 def diffusion_step(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -288,15 +298,20 @@ def diffusion_step(
     blocks: torch.Tensor,
     steps: torch.Tensor,
     entropy_bound: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
 ) -> DiffusionStepOut:
     """One denoising step for B rows. logits [B, C, V] (fp32 or md, softcapped); temperature [B] fp32;
-    seeds, blocks, steps (remaining-steps counter k ≥ 1): [B] int64; entropy_bound [B].
+    seeds, blocks, steps (remaining-steps counter k ≥ 1): [B] int64; entropy_bound [B]; bitmask None or
+    [B, C, ceil(V/32)] int32 (bit set = allowed; a fully masked position is left unmasked).
 
-    processed = f32(logits) / T (true division); sample = argmax(processed + gumbel) (§7.5);
-    argmax of processed; entropy; acceptance (§4.4); canvas = where(accepted, sample, canvas_noise(k)).
+    processed = f32(logits) / T (true division), then -inf where the bitmask disallows the token, so a disallowed
+    token has probability 0 in everything below; sample = argmax(processed + gumbel) (§7.5); argmax of processed;
+    entropy of the masked distribution; acceptance (§4.4); canvas = where(accepted, sample, canvas_noise(k)).
     """
     B, C, V = logits.shape
     processed = logits.float() / temperature.float().view(B, 1, 1)
+    if bitmask is not None:
+        processed = processed.masked_fill(~bitmask_allowed(bitmask, V), float("-inf"))
     sample = torch.argmax(processed + gumbel_noise(seeds, blocks, steps, C, V), dim=-1)
     top = torch.argmax(processed, dim=-1)
     ent = entropy(processed)

@@ -1,0 +1,185 @@
+"""The constrained diffusion step (docs/structured-output.md, "spec §11"): grammar-verified acceptance.
+
+A ``StructuredRow`` is one request's grammar state across its blocks: an llguidance matcher at the end of the
+committed text, and the current block's verified prefix ``fixed`` (canvas positions 0..f-1). Per denoising step:
+
+1. ``bitmask`` [C, W]: one-hot of the fixed token at positions < f; the grammar's mask at position f; all ones
+   beyond (the grammar state there depends on tokens not yet chosen). The diffusion_step op applies it.
+2. ``after_step`` walks from f: tokens the grammar forces are committed without a model decision (jump-forward);
+   otherwise the proposal (the op's sample where the entropy rule accepted it) is committed if the grammar
+   admits it. At the first position that is neither, the walk stops; a proposal the grammar rejected is re-drawn
+   there from the masked scores with the same seeded Gumbel noise (spec §7.5 counters), so the next step's input
+   is admissible; the other positions keep the op's canvas (sample or renoise).
+3. When the block stops (adaptive stopping or k = 0) with positions unverified, ``finish`` fills them by a
+   sequential masked-argmax walk over the last step's processed logits: no extra forward. The committed block is
+   then a grammar-accepted prefix; EOS is allowed only where the grammar may end, and ends the request.
+
+Every decision depends on the row's own logits, seed and matcher: batch invariance holds as without a grammar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dgserve.ops import reference
+
+if TYPE_CHECKING:
+    import llguidance as llg
+
+    from dgserve.sampler import BlockState
+
+Propose = Callable[[int, np.ndarray], "int | None"]
+
+
+class StructuredRow:
+    """One request's grammar state. matcher: llguidance matcher at the request's start; vocab_size: V;
+    eos_ids: the tokens that end the document."""
+
+    def __init__(self, matcher: llg.LLMatcher, vocab_size: int, eos_ids: frozenset[int]):
+        self.matcher = matcher
+        self.V = vocab_size
+        self.W = (vocab_size + 31) // 32
+        self.eos_ids = eos_ids
+        self.fixed: list[int] = []  # the current block's verified tokens (canvas positions 0..f-1)
+        self.ended = False  # an EOS was committed: the document is complete
+        # counters for BlockStats / the bench: tokens committed by each route, time in the matcher
+        self.forced = self.accepted = self.redrawn = self.finished = 0
+        self.matcher_seconds = 0.0
+
+    # ------------------------------------------------------------------ per block
+
+    def start_block(self, state: BlockState) -> None:
+        """A new block: commit what the grammar forces before any forward (e.g. ``{"name":"``)."""
+        self.fixed = []
+        self._walk(state.canvas.shape[0], lambda j, w: None)
+        self._write_prefix(state.canvas)
+
+    def bitmask(self, canvas_length: int) -> torch.Tensor:
+        """[C, W] int32 for this step: fixed tokens one-hot, the grammar's mask at f, all allowed beyond."""
+        t0 = time.perf_counter()
+        mask = torch.full((canvas_length, self.W), -1, dtype=torch.int32)
+        f = len(self.fixed)
+        if f:
+            ids = torch.tensor(self.fixed)
+            mask[:f] = 0
+            mask[torch.arange(f), ids >> 5] = _bit(ids & 31)
+        if f < canvas_length and not self.ended:
+            mask[f] = torch.from_numpy(self._mask().copy())
+        self.matcher_seconds += time.perf_counter() - t0
+        return mask
+
+    def after_step(
+        self, state: BlockState, accepted: torch.Tensor, processed: torch.Tensor, seed: int, step: int
+    ) -> None:
+        """Verify the op's proposals (state.canvas, accepted [C] bool, processed [C, V] fp32) for step k = step;
+        finish the block when it is full, ended, or the sampler stopped it (state.done)."""
+        t0 = time.perf_counter()
+        C = state.canvas.shape[0]
+        canvas = state.canvas.tolist()
+        ok = accepted.tolist()
+        before = len(self.fixed)
+        stop, words = self._walk(C, lambda j, w: canvas[j] if ok[j] else None)
+        self.accepted += len(self.fixed) - before
+        if stop is not None and words is not None and ok[stop]:  # the grammar rejected an accepted proposal
+            g = position_gumbel(seed, state.block, step, stop, self.V).to(processed.device)
+            state.canvas[stop] = masked_argmax(processed[stop] + g, words, self.V)
+            self.redrawn += 1
+        self._write_prefix(state.canvas)
+        if state.done or self.ended or len(self.fixed) == C:
+            self.finish(state, processed)
+        self.matcher_seconds += time.perf_counter() - t0
+
+    def finish(self, state: BlockState, processed: torch.Tensor) -> None:
+        """Complete the block: masked argmax walk over the last processed logits [C, V]; state.argmax := block."""
+        C = state.canvas.shape[0]
+        before = len(self.fixed)
+        self._walk(C, lambda j, w: masked_argmax(processed[j], w, self.V))
+        self.finished += len(self.fixed) - before
+        if len(self.fixed) < C and not self.ended:
+            raise RuntimeError(f"structured output: the grammar allows no token at canvas position {len(self.fixed)}")
+        pad = next(t for t in self.fixed if t in self.eos_ids) if self.ended else 0
+        block = self.fixed + [pad] * (C - len(self.fixed))  # after EOS: cut by the output rules
+        state.argmax = torch.tensor(block, dtype=torch.int64, device=state.canvas.device)
+        state.canvas = state.argmax.clone()
+        state.done = True
+
+    # ------------------------------------------------------------------ the walk
+
+    def _walk(self, C: int, propose: Propose) -> tuple[int | None, np.ndarray | None]:
+        """Commit from position f while the grammar forces a token or ``propose(j, mask words)`` gives one it
+        admits. Returns (the position where it stopped, its mask words), or (None, None) at the block's end."""
+        while len(self.fixed) < C and not self.ended:
+            j = len(self.fixed)
+            forced = self.matcher.compute_ff_tokens()
+            if forced:
+                for t in forced[: C - j]:
+                    self._commit(t)
+                self.forced += min(len(forced), C - j)
+                continue
+            words = self._mask()
+            only = _single_allowed(words, self.V)
+            if only is not None:  # e.g. EOS after a complete document
+                self._commit(only)
+                self.forced += 1
+                continue
+            proposal = propose(j, words)
+            if proposal is None or not (0 <= proposal < self.V) or not _allows(words, proposal):
+                return j, words
+            self._commit(proposal)
+        return None, None
+
+    def _commit(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise RuntimeError(f"structured output: the matcher refused token {token}: {self.matcher.get_error()}")
+        self.fixed.append(int(token))
+        if token in self.eos_ids:
+            self.ended = True
+
+    def _mask(self) -> np.ndarray:
+        """The matcher's allowed-token words [W] int32 at the current state."""
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[: self.W]
+
+    def _write_prefix(self, canvas: torch.Tensor) -> None:
+        if self.fixed:
+            canvas[: len(self.fixed)] = torch.tensor(self.fixed, dtype=canvas.dtype, device=canvas.device)
+
+
+def _bit(i: torch.Tensor) -> torch.Tensor:
+    """int32 with bit i set (bit 31 as the negative int32 it is)."""
+    v = torch.ones_like(i, dtype=torch.int64) << i
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def _allows(words: np.ndarray, t: int) -> bool:
+    return bool((int(words[t >> 5]) >> (t & 31)) & 1)
+
+
+def _single_allowed(words: np.ndarray, V: int) -> int | None:
+    """The only allowed token in [0, V), or None when there are several (or none)."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:V]
+    nz = np.flatnonzero(bits)
+    return int(nz[0]) if nz.size == 1 else None
+
+
+def masked_argmax(scores: torch.Tensor, words: np.ndarray, V: int) -> int:
+    """argmax of scores [V] over the tokens the mask words allow (lowest index on ties)."""
+    allowed = reference.bitmask_allowed(torch.from_numpy(words.copy()).to(scores.device), V)
+    return int(scores.masked_fill(~allowed, float("-inf")).argmax())
+
+
+def position_gumbel(seed: int, block: int, step: int, position: int, V: int) -> torch.Tensor:
+    """The contract's Gumbel noise [V] fp32 of one canvas position (spec §7.5; the reference formula)."""
+    from dgserve.sampler import to_signed64
+
+    k0, k1 = reference.seed_key(torch.tensor(to_signed64(seed)))
+    n4 = (V + 3) // 4
+    q = torch.arange(n4, dtype=torch.int64)
+    words = reference.philox4x32_10(q, position, block, 2 * step + 1, k0, k1)  # counter (v // 4, p, b, 2k + 1)
+    r = torch.stack(words, -1).reshape(4 * n4)[:V]
+    u = ((r >> 9).to(torch.float32) + 0.5) * (2.0**-23)
+    return -torch.log(-torch.log(u))

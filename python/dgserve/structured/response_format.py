@@ -1,0 +1,90 @@
+"""``ResponseFormat``: what a structured-output request asks for (docs/structured-output.md), validated once.
+
+Pure Python (no grammar engine import), so ``SamplingParams`` can hold one. Bad values raise ValueError naming
+``response_format`` and the problem; the grammar itself is compiled (and may still be rejected) by
+``dgserve.structured.grammar``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+KINDS = ("json_schema", "json_object", "regex", "choice")
+MAX_SCHEMA_BYTES = 32 * 1024  # bounds compile time and grammar size before the engine sees the schema
+MAX_REGEX_LENGTH = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_LENGTH = 1024
+MAX_NAME_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the generated text.
+
+    type: "json_schema" (``schema``: JSON Schema text), "json_object" (any JSON object), "regex" (``regex``: the
+    whole output matches it) or "choice" (``choices``: the output is exactly one of them).
+    name, strict: OpenAI's json_schema fields, kept for the record (the output always follows the schema).
+    """
+
+    type: str
+    schema: str | None = None
+    name: str = ""
+    strict: bool = False
+    regex: str | None = None
+    choices: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.type not in KINDS:
+            raise ValueError(f"response_format: type must be one of {', '.join(KINDS)}, got {self.type!r}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if not isinstance(self.name, str) or len(self.name) > MAX_NAME_LENGTH:
+            raise ValueError(f"response_format: name must be a string of at most {MAX_NAME_LENGTH} characters")
+        given = {
+            "schema": self.schema is not None,
+            "regex": self.regex is not None,
+            "choices": bool(self.choices),
+        }
+        wanted = {"json_schema": "schema", "regex": "regex", "choice": "choices"}.get(self.type)
+        for name, present in given.items():
+            if present and name != wanted:
+                raise ValueError(f"response_format: {name} is not used by type {self.type!r}")
+        if self.type == "json_schema":
+            _check_schema(self.schema)
+        elif self.type == "regex":
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError("response_format: regex must be a non-empty string")
+            if len(self.regex) > MAX_REGEX_LENGTH:
+                raise ValueError(f"response_format: regex is {len(self.regex)} characters; at most {MAX_REGEX_LENGTH}")
+        elif self.type == "choice":
+            _check_choices(self.choices)
+
+    def key(self) -> tuple:
+        """The grammar cache key: everything that changes the compiled grammar."""
+        return (self.type, self.schema, self.regex, self.choices)
+
+
+def _check_schema(schema: object) -> None:
+    if not isinstance(schema, str) or not schema:
+        raise ValueError("response_format: json_schema needs a schema (JSON text)")
+    n = len(schema.encode())
+    if n > MAX_SCHEMA_BYTES:
+        raise ValueError(f"response_format: schema is {n} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
+    try:
+        value = json.loads(schema)
+    except ValueError as e:
+        raise ValueError(f"response_format: schema is not valid JSON ({e})") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError(f"response_format: schema must be a JSON object, got {type(value).__name__}")
+
+
+def _check_choices(choices: tuple) -> None:
+    if not choices:
+        raise ValueError("response_format: choice needs at least one choice")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"response_format: {len(choices)} choices; at most {MAX_CHOICES} are allowed")
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_LENGTH:
+            raise ValueError(
+                f"response_format: choices[{i}] must be a non-empty string of at most {MAX_CHOICE_LENGTH} characters"
+            )
