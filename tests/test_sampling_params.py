@@ -13,10 +13,11 @@ from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, Knob, KnobError, Sampli
 
 
 def test_the_table_covers_the_contract_fields():
-    """DESIGN Contracts: the ten fields, in order, all knobs; the scalars are all but stop."""
+    """DESIGN Contracts: the ten fields, in order, all knobs; the scalars are all but stop. The one field after
+    them, response_format (structured output), is not a knob: it has no bounds table."""
+    assert [f.name for f in dataclasses.fields(SamplingParams)] == [*KNOBS, "response_format"]
     assert (
         list(KNOBS)
-        == [f.name for f in dataclasses.fields(SamplingParams)]
         == [
             "max_new_tokens",
             "max_denoising_steps",
@@ -117,15 +118,15 @@ def test_stop_limits(stop, match):
 
 
 def test_a_field_without_knob_metadata_is_not_a_knob():
-    """A non-scalar field added without `knob` metadata (e.g. a structured-output spec) is left to its own checks:
-    the knob machinery neither validates nor lists it."""
+    """response_format (structured output) has no `knob` metadata: it is left to its own checks, and the knob
+    machinery neither validates nor lists it."""
+    from dgserve.structured import ResponseFormat
 
-    @dataclasses.dataclass(frozen=True)
-    class WithFormat(SamplingParams):
-        response_format: dict | None = None
-
-    p = WithFormat(response_format={"type": "json_object"}, max_new_tokens=3)
-    assert p.response_format == {"type": "json_object"} and p.max_new_tokens == 3
+    fmt = ResponseFormat(type="json_object")
+    p = SamplingParams(response_format=fmt, max_new_tokens=3)
+    assert p.response_format is fmt and p.max_new_tokens == 3
     assert "response_format" not in KNOBS
     with pytest.raises(KnobError, match=r"^max_new_tokens"):
-        WithFormat(max_new_tokens=0)
+        SamplingParams(response_format=fmt, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"^response_format"):
+        SamplingParams(response_format={"type": "json_object"})  # type: ignore[arg-type]
