@@ -167,9 +167,13 @@ def _step_figures_main(args) -> None:
     runs: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(args.rounds):  # alternate the trees: a shared, noisy machine loads both alike
         for key, src in trees.items():
-            env = dict(os.environ, PYTHONPATH=src)
-            cmd = [sys.executable, __file__, "--step-figures-json", *argv]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+            # the child puts the tree first on sys.path before this file imports dgserve
+            boot = (
+                "import runpy, sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')"
+            )
+            cmd = [sys.executable, "-c", boot, src, __file__, "--step-figures-json", *argv]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[key].append(json.loads(out.strip().splitlines()[-1]))
     rows = {}
     for key, rs in runs.items():  # medians over rounds (bytes and tokens do not vary)
