@@ -167,9 +167,12 @@ def _step_figures_main(args) -> None:
     runs: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(args.rounds):  # alternate the trees: a shared, noisy machine loads both alike
         for key, src in trees.items():
-            # the child imports dgserve from `src` first (sys.path[0], ahead of the installed package)
-            boot = f"import runpy, sys; sys.path.insert(0, {src!r}); runpy.run_path({__file__!r}, run_name='__main__')"
-            cmd = [sys.executable, "-c", boot, "--step-figures-json", *argv]
+            # the child puts the tree first on sys.path before this file imports dgserve
+            boot = (
+                "import runpy, sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')"
+            )
+            cmd = [sys.executable, "-c", boot, src, __file__, "--step-figures-json", *argv]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[key].append(json.loads(out.strip().splitlines()[-1]))
     rows = {}

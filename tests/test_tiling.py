@@ -11,7 +11,7 @@ import torch
 
 from dgserve import DiffusionGemma, SamplingParams
 from dgserve.model import KVCache, RowCache
-from dgserve.sampler import BlockState, Sampler
+from dgserve.sampler import BlockState, Sampler, StepKnobs
 from dgserve.tiny import preset, random_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,9 +84,10 @@ def test_sampler_in_tiles_equals_one_call():
     states = [BlockState.start(100 + i, i, p, C, V, torch.device("cpu")) for i, p in enumerate(params)]
     logits = 4 * torch.randn(5, C, V, generator=torch.Generator().manual_seed(3))
     whole, tiled = copy.deepcopy(states), copy.deepcopy(states)
-    Sampler(torch.float32).step(whole, logits)
+    knobs = StepKnobs.of(states)
+    Sampler(torch.float32).step(whole, logits, knobs)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
-        Sampler(torch.float32).step(tiled[rows], logits[rows])
+        Sampler(torch.float32).step(tiled[rows], logits[rows], knobs.rows(rows))
     for x, y in zip(whole, tiled, strict=True):
         assert torch.equal(x.canvas, y.canvas) and torch.equal(x.argmax, y.argmax)
         assert torch.equal(x.self_cond, y.self_cond) and x.mean_entropy == y.mean_entropy and x.done == y.done

@@ -73,6 +73,25 @@ class StepKnobs:
     entropy_bound: torch.Tensor  # float32: β
     confidence: torch.Tensor  # float32: τ
 
+    @classmethod
+    def of(cls, states: list[BlockState], device: torch.device | str = "cpu") -> StepKnobs:
+        """Knobs built from the states' Python values (tests and one-off callers; the runner keeps tables)."""
+        p = [s.params for s in states]
+
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            t([to_signed64(s.seed) for s in states], torch.int64),
+            t([s.block for s in states], torch.int64),
+            t([s.remaining for s in states], torch.int64),
+            t([x.t_min for x in p], torch.float64),
+            t([x.t_max for x in p], torch.float64),
+            t([x.max_denoising_steps for x in p], torch.int64),
+            t([x.entropy_bound for x in p], torch.float32),
+            t([x.confidence_threshold for x in p], torch.float32),
+        )
+
     def rows(self, rows: slice | torch.Tensor) -> StepKnobs:
         """The knobs of some rows: a view for a slice, a gather for an index tensor."""
         return StepKnobs(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
