@@ -16,21 +16,18 @@ def test_the_table_covers_the_contract_fields():
     """DESIGN Contracts: the ten fields, in order, all knobs; the scalars are all but stop. The one field after
     them, response_format (structured output), is not a knob: it has no bounds table."""
     assert [f.name for f in dataclasses.fields(SamplingParams)] == [*KNOBS, "response_format"]
-    assert (
-        list(KNOBS)
-        == [
-            "max_new_tokens",
-            "max_denoising_steps",
-            "t_min",
-            "t_max",
-            "entropy_bound",
-            "stability_threshold",
-            "confidence_threshold",
-            "seed",
-            "ignore_eos",
-            "stop",
-        ]
-    )
+    assert list(KNOBS) == [
+        "max_new_tokens",
+        "max_denoising_steps",
+        "t_min",
+        "t_max",
+        "entropy_bound",
+        "stability_threshold",
+        "confidence_threshold",
+        "seed",
+        "ignore_eos",
+        "stop",
+    ]
     assert SCALAR_KNOBS == tuple(list(KNOBS)[:-1])
     assert SamplingParams() == SamplingParams(256, 48, 0.4, 0.8, 0.1, 1, 0.005, None, False, ())
     doc = SamplingParams.__doc__ or ""

@@ -308,6 +308,7 @@ class AsyncEngine:
                 "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
         def make() -> Request:  # a response_format is compiled (or found in the cache) here too: ValueError
             if params is not None and params.response_format is not None:
                 self.engine.compile_response_format(params)
