@@ -144,7 +144,7 @@ def moe_path(device: torch.device, dtype: torch.dtype) -> str:
     if not ops.has_native("moe_combine"):
         return "reference (dgserve._C not built)"
     if device.type == "cuda":
-        cuda = ops._cuda_built() and dtype == torch.bfloat16
+        cuda = ops.native._cuda_built() and dtype == torch.bfloat16
         return "native CUDA grouped GEMMs" if cuda else "reference (needs the CUDA build and bf16)"
     return "native align/combine + torch GEMMs per expert"
 
@@ -311,19 +311,19 @@ def nvfp4_path(device: torch.device) -> str:
     if not ops.has_native("nvfp4_moe_experts"):
         return "reference (dgserve._C not built)"
     if device.type == "cuda":
-        return "native CUDA W4A16 grouped GEMMs" if ops._cuda_built() else "reference (needs the CUDA build)"
+        return "native CUDA W4A16 grouped GEMMs" if ops.native._cuda_built() else "reference (needs the CUDA build)"
     return "native align/combine + torch GEMMs on exactly decoded weights"
 
 
 def nvfp4_gemm_ms(x, packed, w, ids, device, args) -> float | None:
     """The native grouped GEMMs alone on a precomputed alignment (CUDA kernels, or the C++ CPU loop)."""
-    if not ops.has_native("nvfp4_moe_experts") or (device.type == "cuda" and not ops._cuda_built()):
+    if not ops.has_native("nvfp4_moe_experts") or (device.type == "cuda" and not ops.native._cuda_built()):
         return None
     T, K = ids.shape
     align = ops.moe_align(ids, packed.gs.shape[0], 8 if device.type == "cuda" else 1)
     act = torch.empty(align.sorted_pairs.numel(), packed.inter, dtype=torch.bfloat16, device=device)
     y = torch.empty(T * K, packed.hidden, dtype=torch.float32, device=device)
-    call = lambda: ops._C.nvfp4_moe_experts(x, *packed[:5], w, align.offsets, align.sorted_pairs, act, y)  # noqa: E731
+    call = lambda: ops.native._C.nvfp4_moe_experts(x, *packed[:5], w, align.offsets, align.sorted_pairs, act, y)  # noqa: E731
     repeats = args.repeats if device.type == "cuda" else 1
     return time_ms(call, device, repeats, args.warmup if device.type == "cuda" else 0)
 

@@ -42,7 +42,7 @@ step device device.txt bash -c "nvidia-smi; nvcc --version; $PY -c 'import torch
 if [ "$BUILD" = 1 ]; then
   step build build.txt "$PY" build.py || { echo "build failed: see $OUT/build.txt" >&2; exit 1; }
 fi
-step cuda-build cuda-build.txt "$PY" -c 'from dgserve import ops; p = ops.cuda_build_problem(); print(ops._C.build_info() if ops._C else None); raise SystemExit(p)' \
+step cuda-build cuda-build.txt "$PY" -c 'from dgserve import ops; p = ops.cuda_build_problem(); print(ops.native._C.build_info() if ops.native._C else None); raise SystemExit(p)' \
   || { echo "dgserve._C cannot run CUDA kernels: see $OUT/cuda-build.txt" >&2; exit 1; }
 step pytest-cuda pytest-cuda.txt "$PY" -m pytest -m cuda -q -rA -p no:cacheprovider "$@"
 step self-check self-check.txt "$PY" -m dgserve.native_check cuda --mode strict

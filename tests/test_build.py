@@ -98,7 +98,7 @@ import torch
 from dgserve import DiffusionGemma, Engine, SamplingParams, ops
 from dgserve.tiny import preset, random_weights
 
-assert ops._C is None and not ops.native_enabled()
+assert ops.native._C is None and not ops.native_enabled()
 cfg = preset("tiny")
 engine = Engine(DiffusionGemma(cfg, random_weights(cfg, seed=4), torch.float32))
 res = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=40, max_denoising_steps=6, seed=9, ignore_eos=True))

@@ -27,14 +27,14 @@ def test_failure_only_with_a_device_and_a_problem():
 
 
 def test_cuda_build_problem_names_the_cause(monkeypatch):
-    monkeypatch.setattr(ops, "_C", None)
-    monkeypatch.setattr(ops, "_info", [])
+    monkeypatch.setattr(ops.native, "_C", None)
+    monkeypatch.setattr(ops.native, "_info", [])
     assert "not built" in ops.cuda_build_problem()
-    monkeypatch.setattr(ops, "_C", types.SimpleNamespace(build_info=lambda: {"cuda": False}))
-    monkeypatch.setattr(ops, "_info", [])
+    monkeypatch.setattr(ops.native, "_C", types.SimpleNamespace(build_info=lambda: {"cuda": False}))
+    monkeypatch.setattr(ops.native, "_info", [])
     assert "without CUDA" in ops.cuda_build_problem()
-    monkeypatch.setattr(ops, "_C", types.SimpleNamespace(build_info=lambda: {"cuda": True}))
-    monkeypatch.setattr(ops, "_info", [])
+    monkeypatch.setattr(ops.native, "_C", types.SimpleNamespace(build_info=lambda: {"cuda": True}))
+    monkeypatch.setattr(ops.native, "_info", [])
     assert ops.cuda_build_problem() is None
 
 

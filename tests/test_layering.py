@@ -200,6 +200,17 @@ def test_ops_import_only_ops():
             assert not outside, f"{module} imports {outside}"
 
 
+def test_ops_modules_do_not_import_their_package():
+    """No circle inside the ops layer either: an op module imports its siblings (native, norm, reference, ...),
+    never the package ``dgserve.ops`` itself, which imports every op module (the old ``import dgserve.ops as
+    _ops  # partially initialised``)."""
+    for module, path in _module_files().items():
+        if module.startswith("dgserve.ops."):
+            deps = _dgserve_imports(module, path)
+            assert "dgserve.ops" not in deps, f"{module} imports the dgserve.ops package (a circle through __init__)"
+            assert "partially initialised" not in path.read_text(), module
+
+
 def test_the_layer_check_sees_a_back_edge(tmp_path):
     """The checker itself: a module of ops importing dgserve.nvfp4 (the old circle), lazily, is found."""
     fake = tmp_path / "nvfp4_experts.py"

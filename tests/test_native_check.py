@@ -53,13 +53,13 @@ def _raise(args):
 
 @pytest.fixture
 def wrong_step(monkeypatch):
-    if ops._C is None:
+    if ops.native._C is None:
         pytest.skip("dgserve._C is not built")
-    monkeypatch.setattr(ops, "_C", _Injected(ops._C, "diffusion_step", _bump_canvas))
+    monkeypatch.setattr(ops.native, "_C", _Injected(ops.native._C, "diffusion_step", _bump_canvas))
 
 
 def test_all_native_ops_pass_on_the_cpu():
-    if ops._C is None:
+    if ops.native._C is None:
         pytest.skip("dgserve._C is not built")
     report = nc.run_self_check("cpu", "auto")
     assert report.failed == [] and set(report.passed) == set(ops.active_native_ops("cpu"))
@@ -81,9 +81,9 @@ def test_auto_switches_a_wrong_op_off(wrong_step, caplog):
 
 
 def test_a_crashing_op_is_switched_off(monkeypatch):
-    if ops._C is None:
+    if ops.native._C is None:
         pytest.skip("dgserve._C is not built")
-    monkeypatch.setattr(ops, "_C", _Injected(ops._C, "moe_align", _raise))
+    monkeypatch.setattr(ops.native, "_C", _Injected(ops.native._C, "moe_align", _raise))
     report = nc.run_self_check("cpu", "auto")
     assert [r.op for r in report.failed] == ["moe_align"] and "injected crash" in report.failed[0].detail
 

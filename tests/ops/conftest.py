@@ -10,9 +10,9 @@ from dgserve import ops
 @pytest.fixture(scope="module")
 def C():
     """The compiled extension dgserve._C; skips the test when it is not built (`python build.py`)."""
-    if ops._C is None:
+    if ops.native._C is None:
         pytest.skip("dgserve._C is not built (run `python build.py`)")
-    return ops._C
+    return ops.native._C
 
 
 @pytest.fixture

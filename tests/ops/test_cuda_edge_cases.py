@@ -89,7 +89,7 @@ def test_long_canvas_runs_natively(monkeypatch, C):
 
 
 def test_canvas_beyond_the_kernel_falls_back_instead_of_raising():
-    C = int(ops._C.build_info()["diffusion_step_max_canvas_cuda"]) + 1
+    C = int(ops.native._C.build_info()["diffusion_step_max_canvas_cuda"]) + 1
     args = _step_inputs(1, C, 33, seed=1)
     gpu = ops.diffusion_step(*[a.cuda() for a in args])
     ref = reference.diffusion_step(*args)

@@ -63,7 +63,7 @@ def test_ties_follow_torch_topk(C, E, K):
     scale = torch.rand(E, generator=gen) + 0.5
     w = torch.empty(50, K)
     ids = torch.empty(50, K, dtype=torch.int64)
-    C.moe_route(probs, scale, K, False, w, ids, ops._sum_lanes())
+    C.moe_route(probs, scale, K, False, w, ids, ops.native._sum_lanes())
     w_ref, ids_ref = _topk_formula(probs, scale, K)
     assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
 
@@ -98,7 +98,7 @@ def test_from_logits_mode_matches_within_fp32(C, dtype):
     scale = torch.rand(E, generator=gen) + 0.5
     w = torch.empty(T, K)
     ids = torch.empty(T, K, dtype=torch.int64)
-    C.moe_route(logits, scale, K, True, w, ids, ops._sum_lanes())
+    C.moe_route(logits, scale, K, True, w, ids, ops.native._sum_lanes())
     w_ref, ids_ref = _topk_formula(torch.softmax(logits, -1, dtype=torch.float32), scale, K)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
@@ -115,7 +115,7 @@ def test_deterministic(C):
 
 def test_native_disabled_uses_reference(C, monkeypatch):
     calls = []
-    monkeypatch.setattr(ops._C, "moe_route", lambda *a: calls.append(a), raising=False)
+    monkeypatch.setattr(ops.native._C, "moe_route", lambda *a: calls.append(a), raising=False)
     gen = torch.Generator().manual_seed(1)
     args = _router(3, 16, 4, torch.float32, gen)
     with ops.native_disabled():
@@ -144,7 +144,7 @@ def test_validation_messages_name_the_argument(C):
     "shape", [(1, 64, 4, 2), (7, 48, 5, 1), (33, 64, 128, 8), (300, 96, 13, 8)], ids=lambda s: "x".join(map(str, s))
 )
 def test_cuda_close_to_reference(C, shape, dtype):
-    if not (torch.cuda.is_available() and ops._cuda_built()):
+    if not (torch.cuda.is_available() and ops.native._cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
     T, H, E, K = shape
     gen = torch.Generator().manual_seed(T + E)

@@ -65,7 +65,7 @@ def _run_cuda(x, packed, weights, ids, block_size=8):
     align = ops.moe_align(ids.cuda(), packed.gs.shape[0], block_size)
     act = torch.zeros(align.sorted_pairs.numel(), packed.inter, dtype=torch.bfloat16, device="cuda")
     y = torch.full((T * K, packed.hidden), float("nan"), device="cuda")
-    ops._C.nvfp4_moe_experts(x.cuda(), *packed[:5], weights.cuda(), align.offsets, align.sorted_pairs, act, y)
+    ops.native._C.nvfp4_moe_experts(x.cuda(), *packed[:5], weights.cuda(), align.offsets, align.sorted_pairs, act, y)
     return y, act, align
 
 

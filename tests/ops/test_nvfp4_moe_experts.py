@@ -29,9 +29,9 @@ from dgserve.ops import reference
 
 @pytest.fixture(scope="module")
 def C():
-    if ops._C is None or not hasattr(ops._C, "nvfp4_moe_experts"):
+    if ops.native._C is None or not hasattr(ops.native._C, "nvfp4_moe_experts"):
         pytest.skip("dgserve._C with nvfp4_moe_experts is not built (run `python build.py`)")
-    return ops._C
+    return ops.native._C
 
 
 # (E, H, I, T, K, experts used): odd shapes (kernels.md §9.9 T11)

@@ -17,9 +17,9 @@ from dgserve import nvfp4, ops
 
 @pytest.fixture(scope="module")
 def C():
-    if ops._C is None or not hasattr(ops._C, "nvfp4_repack"):
+    if ops.native._C is None or not hasattr(ops.native._C, "nvfp4_repack"):
         pytest.skip("dgserve._C with nvfp4_repack is not built (run `python build.py`)")
-    return ops._C
+    return ops.native._C
 
 
 def expected_operands(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import dgserve.ops as _ops  # the package (partially initialised at import time; used at call time only)
+from . import native
+from .norm import rms_norm
 
 from . import reference
 from .reference import MoeAlignOut, moe_align_capacity
@@ -34,7 +35,7 @@ _route_exact_memo: list[bool] = []
 
 
 def _device_ok(device: torch.device, experts: int) -> bool:
-    return device.type == "cpu" or (device.type == "cuda" and _ops._cuda_built() and experts <= CUDA_MAX_EXPERTS)
+    return device.type == "cpu" or (device.type == "cuda" and native._cuda_built() and experts <= CUDA_MAX_EXPERTS)
 
 
 def _route_exact() -> bool:
@@ -42,7 +43,7 @@ def _route_exact() -> bool:
     ties (softmax of small integers); memoised per process."""
     if _route_exact_memo:
         return _route_exact_memo[0]
-    lanes = _ops._sum_lanes()
+    lanes = native._sum_lanes()
     ok = lanes is not None
     gen = torch.Generator().manual_seed(7)
     for E, k in ((4, 2), (5, 1), (6, 3), (7, 7), (128, 1), (128, 8), (257, 4), (1000, 8)):
@@ -52,7 +53,7 @@ def _route_exact() -> bool:
         scale = torch.rand(E, generator=gen) + 0.5
         w = torch.empty(64, k)
         ids = torch.empty(64, k, dtype=torch.int64)
-        _ops._C.moe_route(probs, scale, k, False, w, ids, lanes)
+        native._C.moe_route(probs, scale, k, False, w, ids, lanes)
         v, i = torch.topk(probs, k, dim=-1)
         ok = torch.equal(ids, i) and torch.equal(w, v / v.sum(dim=-1, keepdim=True) * scale[i])
     _route_exact_memo.append(ok)
@@ -60,9 +61,9 @@ def _route_exact() -> bool:
 
 
 def _route_native_ok(residual, router_scale, proj_w, per_expert_scale, top_k) -> bool:
-    if not (_ops.has_native("moe_route") and isinstance(residual, torch.Tensor) and residual.dim() >= 1):
+    if not (native.has_native("moe_route") and isinstance(residual, torch.Tensor) and residual.dim() >= 1):
         return False
-    if residual.dtype not in _FLOATS or _ops._wants_grad(residual, router_scale, proj_w, per_expert_scale):
+    if residual.dtype not in _FLOATS or native._wants_grad(residual, router_scale, proj_w, per_expert_scale):
         return False
     E = proj_w.shape[0]
     if not (1 <= top_k <= E and per_expert_scale.shape == (E,) and _device_ok(residual.device, E)):
@@ -80,7 +81,7 @@ def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps:
     """
     if not _route_native_ok(residual, router_scale, proj_w, per_expert_scale, top_k):
         return reference.moe_route(residual, router_scale, proj_w, per_expert_scale, top_k, eps)
-    h = _ops.rms_norm(residual, None, eps)  # bit-identical to reference.rms_norm
+    h = rms_norm(residual, None, eps)  # bit-identical to reference.rms_norm
     h = h * router_scale * (residual.shape[-1] ** -0.5)  # the reference's two md roundings
     logits = F.linear(h, proj_w)  # [..., E] md: torch's GEMM
     lead, E = logits.shape[:-1], logits.shape[-1]
@@ -92,14 +93,14 @@ def moe_route(residual, router_scale, proj_w, per_expert_scale, top_k: int, eps:
     T, dev = scores.shape[0], scores.device
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
-    _ops._C.moe_route(
+    native._C.moe_route(
         scores,
         per_expert_scale.to(torch.float32).contiguous(),
         int(top_k),
         from_logits,
         weights,
         ids,
-        _ops._sum_lanes() or 8,
+        native._sum_lanes() or 8,
     )
     return weights.view(*lead, top_k), ids.view(*lead, top_k)
 
@@ -112,7 +113,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignO
     Bit-identical on every path; no host synchronisation on CUDA (ids must lie in [0, E) there: not checked).
     """
     if not (
-        _ops.has_native("moe_align")
+        native.has_native("moe_align")
         and isinstance(ids, torch.Tensor)
         and ids.dim() == 2
         and ids.dtype == torch.int64
@@ -129,7 +130,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignO
         sorted_pairs=torch.empty(cap, dtype=torch.int32, device=dev),
         block_expert=torch.empty(cap // block_size, dtype=torch.int32, device=dev),
     )
-    _ops._C.moe_align(ids.contiguous(), int(num_experts), int(block_size), *out)
+    native._C.moe_align(ids.contiguous(), int(num_experts), int(block_size), *out)
     return out
 
 
@@ -137,20 +138,20 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtyp
     """``rnd(Σ_k y[:, k]·w[:, k])`` in slot order: y [T, K, H] fp32, weights [T, K] fp32 or None (y already
     weighted) → new [T, H] in dtype; see reference.moe_combine. Bit-identical on every path."""
     ok = (
-        _ops.has_native("moe_combine")
+        native.has_native("moe_combine")
         and y.dim() == 3
         and y.dtype == torch.float32
         and y.shape[1] >= 1
         and dtype in _FLOATS
-        and _ops._native_device(y.device)
-        and not _ops._wants_grad(y, weights)
+        and native._native_device(y.device)
+        and not native._wants_grad(y, weights)
     )
     if ok and weights is not None:
         ok = weights.dtype == torch.float32 and weights.shape == y.shape[:2] and weights.device == y.device
     if not ok:
         return reference.moe_combine(y, weights, dtype)
     out = torch.empty(y.shape[0], y.shape[2], dtype=dtype, device=y.device)
-    _ops._C.moe_combine(y.contiguous(), None if weights is None else weights.contiguous(), out)
+    native._C.moe_combine(y.contiguous(), None if weights is None else weights.contiguous(), out)
     return out
 
 
@@ -164,7 +165,7 @@ def _experts_cuda_ok(x, gate_up, down, weights, ids) -> bool:
         and H % 8 == 0
         and I % 8 == 0
         and E <= CUDA_MAX_EXPERTS
-        and _ops._cuda_built()
+        and native._cuda_built()
         and weights.is_floating_point()
     )
 
@@ -178,23 +179,23 @@ def moe_experts(x, gate_up, down, weights, ids):
     native combine, with no host synchronisation; other CUDA inputs use the reference.
     """
     ok = (
-        _ops.native_enabled()
+        native.native_enabled()
         and isinstance(x, torch.Tensor)
         and x.dim() == 2
         and ids.dim() == 2
         and ids.dtype == torch.int64
         and ids.shape == weights.shape
         and ids.shape[0] == x.shape[0]
-        and not _ops._wants_grad(x, gate_up, down, weights)
+        and not native._wants_grad(x, gate_up, down, weights)
     )
     if not ok:
         return reference.moe_experts(x, gate_up, down, weights, ids)
     (T, K), E, H = ids.shape, gate_up.shape[0], x.shape[-1]
-    if x.device.type == "cuda" and _ops.has_native("moe_experts") and _experts_cuda_ok(x, gate_up, down, weights, ids):
+    if x.device.type == "cuda" and native.has_native("moe_experts") and _experts_cuda_ok(x, gate_up, down, weights, ids):
         align = moe_align(ids, E, CUDA_ALIGN_BLOCK)
         act = torch.empty(align.sorted_pairs.numel(), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
-        _ops._C.moe_experts(
+        native._C.moe_experts(
             x,
             gate_up,
             down,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-import dgserve.ops as _ops  # the package (partially initialised at import time; used at call time only)
+from . import native
+from .norm import rms_norm
 
 from . import nvfp4_format
 from .moe import CUDA_ALIGN_BLOCK, CUDA_MAX_EXPERTS, moe_align, moe_combine
@@ -24,7 +25,7 @@ from .reference import nvfp4_moe_experts as _reference_moe_experts
 
 
 def _repack_native_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    if not (_ops.has_native("nvfp4_repack") and _ops._native_device(weight.device)):
+    if not (native.has_native("nvfp4_repack") and native._native_device(weight.device)):
         return False
     if weight.dim() != 3 or weight.dtype != torch.uint8 or weight_scale.device != weight.device:
         return False
@@ -51,7 +52,7 @@ def nvfp4_repack(
     kc = nvfp4_format.chunks(2 * half)
     words = torch.empty(E, N // 16, kc, 128, dtype=torch.int32, device=weight.device)
     scales = torch.empty(E, N // 16, kc, 64, dtype=torch.uint8, device=weight.device)
-    _ops._C.nvfp4_repack(weight.contiguous(), raw, N // 2 if interleave else 0, words, scales)
+    native._C.nvfp4_repack(weight.contiguous(), raw, N // 2 if interleave else 0, words, scales)
     return words, scales
 
 
@@ -60,7 +61,7 @@ def nvfp4_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     (native decode on CPU or CUDA; the reference is ``nvfp4_format.decode_repacked(words, scales) * 2^-7``)."""
     E, RT, kc = words.shape[:3]
     out = torch.empty(E, RT * 16, kc * nvfp4_format.CHUNK_K, dtype=torch.bfloat16, device=words.device)
-    _ops._C.nvfp4_decode(words.contiguous(), scales.contiguous(), out)
+    native._C.nvfp4_decode(words.contiguous(), scales.contiguous(), out)
     return out
 
 
@@ -73,8 +74,8 @@ def _native_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _cuda_ok(x: torch.Tensor, experts: nvfp4_format.PackedExperts) -> bool:
     E = experts.gs.shape[0]
     return (
-        _ops.has_native("nvfp4_moe_experts")
-        and _ops._cuda_built()
+        native.has_native("nvfp4_moe_experts")
+        and native._cuda_built()
         and x.dtype == torch.bfloat16
         and E <= CUDA_MAX_EXPERTS
         and all(t.device == x.device for t in experts[:5])
@@ -95,12 +96,12 @@ def nvfp4_moe_experts(
     T, K = ids.shape
     H = experts.hidden
     ok = (
-        _ops.native_enabled()
+        native.native_enabled()
         and x.dim() == 2
         and x.shape == (T, H)
         and weights.shape == ids.shape
         and ids.dtype == torch.int64
-        and not _ops._wants_grad(x, weights)
+        and not native._wants_grad(x, weights)
     )
     if not ok:
         return _reference_moe_experts(x, experts, weights, ids)
@@ -109,11 +110,11 @@ def nvfp4_moe_experts(
         align = moe_align(ids, experts.gs.shape[0], CUDA_ALIGN_BLOCK)
         act = torch.empty(align.sorted_pairs.numel(), experts.inter, dtype=torch.bfloat16, device=x.device)
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
-        _ops._C.nvfp4_moe_experts(x, *experts[:5], weights, align.offsets, align.sorted_pairs, act, y)
+        native._C.nvfp4_moe_experts(x, *experts[:5], weights, align.offsets, align.sorted_pairs, act, y)
         return moe_combine(y.view(T, K, H), None, x.dtype)
-    if x.device.type == "cpu" and _ops.has_native("nvfp4_moe_experts"):
+    if x.device.type == "cpu" and native.has_native("nvfp4_moe_experts"):
         align = moe_align(ids, experts.gs.shape[0], 1)
-        decode = _native_decode if _ops.has_native("nvfp4_decode") else nvfp4_format.decode_repacked
+        decode = _native_decode if native.has_native("nvfp4_decode") else nvfp4_format.decode_repacked
         y = nvfp4_format.expert_outputs(x, experts, weights, align.offsets, align.sorted_pairs, decode)
         return moe_combine(y.view(T, K, H), None, x.dtype)
     return _reference_moe_experts(x, experts, weights, ids)

@@ -1,0 +1,155 @@
+"""Native dispatch state of the ops: the compiled extension ``dgserve._C`` (optional), whether native paths are on
+(``native_disabled``, ``switch_off_native``), what the build supports (CUDA, limits) and the probes the CPU paths
+need (``sum_lanes``). Every op module reads this module; it imports only ``dgserve.ops.reference`` (no circle
+inside the ops package). Tests that inject a fake extension patch ``dgserve.ops.native._C``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from . import reference
+
+try:  # the extension is optional: `python build.py` builds it; the package works without it
+    from dgserve import _C  # type: ignore[attr-defined,unused-ignore]  # absent (attr-defined) until build.py builds it
+except ImportError:  # pragma: no cover - depends on the build
+    _C = None
+
+_lock = threading.Lock()
+_disabled_depth = 0  # > 0 inside native_disabled(); process-wide, always restored by the context manager
+_lanes: list[int | None] = []  # memo of _sum_lanes(): [] = not probed yet
+_info: list[dict] = []  # memo of _build_info()
+_switched_off: dict[str, str] = {}  # op -> why its native path is off for this process (switch_off_native)
+
+
+@contextlib.contextmanager
+def native_disabled() -> Iterator[None]:
+    """Within the block every op uses ``dgserve.ops.reference`` (process-wide; nests; always restored)."""
+    global _disabled_depth
+    with _lock:
+        _disabled_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _disabled_depth -= 1
+
+
+def native_enabled() -> bool:
+    """True when ``dgserve._C`` is importable and native dispatch is not disabled by ``native_disabled()``."""
+    return _C is not None and _disabled_depth == 0
+
+
+def has_native(op: str) -> bool:
+    """True when ``dgserve._C`` is importable, provides ``op``, native dispatch is enabled and ``op`` was not
+    switched off (``switch_off_native``)."""
+    return native_enabled() and hasattr(_C, op) and op not in _switched_off
+
+
+def switch_off_native(op: str, reason: str) -> None:
+    """Use the reference for ``op`` for the rest of the process (``reason`` is reported by ``switched_off``)."""
+    with _lock:
+        _switched_off[op] = reason
+
+
+def switched_off() -> dict[str, str]:
+    """Ops whose native path was switched off in this process → why."""
+    with _lock:
+        return dict(_switched_off)
+
+
+def switch_on_native(op: str | None = None) -> None:
+    """Undo ``switch_off_native`` for ``op`` (all ops when None): tests only."""
+    with _lock:
+        if op is None:
+            _switched_off.clear()
+        else:
+            _switched_off.pop(op, None)
+
+
+# op -> devices its native path serves (dtype limits in each op's docstring). The GEMMs of moe_experts on CPU
+# stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe).
+NATIVE_OPS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("cpu", "cuda"),
+    "canvas_noise": ("cpu", "cuda"),
+    "gumbel_noise": ("cpu", "cuda"),
+    "diffusion_step": ("cpu", "cuda"),
+    "moe_route": ("cpu", "cuda"),
+    "moe_align": ("cpu", "cuda"),
+    "moe_experts": ("cuda",),
+    "moe_combine": ("cpu", "cuda"),
+    "nvfp4_repack": ("cpu", "cuda"),
+    "nvfp4_moe_experts": ("cpu", "cuda"),
+}
+
+
+def active_native_ops(device: torch.device | str) -> list[str]:
+    """The ops of NATIVE_OPS whose native path serves ``device`` in this process (built, not switched off)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not _cuda_built():
+        return []
+    return [op for op, kinds in NATIVE_OPS.items() if kind in kinds and has_native(op)]
+
+
+def cuda_build_problem() -> str | None:
+    """Why this process cannot run the CUDA kernels of ``dgserve._C`` (None when it can): the extension is not
+    importable, or was built without CUDA (build.py falls back to a CPU-only build when torch is a CPU build or
+    nvcc is missing). On a machine with a CUDA device such a build silently runs the references instead."""
+    if _C is None:
+        return "dgserve._C is not built (run `python build.py`)"
+    if not _cuda_built():
+        return (
+            "dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python build.py` ran)"
+        )
+    return None
+
+
+def _cuda_built() -> bool:
+    return _C is not None and bool(_build_info().get("cuda", False))
+
+
+def _build_info() -> dict:
+    """``_C.build_info()``, memoised (it does not change within a process); {} without the extension."""
+    if not _info:
+        _info.append(dict(_C.build_info()) if _C is not None else {})
+    return _info[0]
+
+
+# The CUDA diffusion_step's accept kernel keeps the canvas in shared memory (csrc/ops/diffusion_step.h);
+# longer canvases use the reference on CUDA. Older builds without the entry: their 1024-thread limit.
+def _diffusion_step_max_canvas_cuda() -> int:
+    return int(_build_info().get("diffusion_step_max_canvas_cuda", 1024))
+
+
+def _native_device(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and _cuda_built())
+
+
+def _sum_lanes() -> int | None:
+    """Vector width of torch's CPU float sum kernel (8 on AVX2/AVX-512 x86 builds), found by matching
+    ``_C.rms_norm`` against ``reference.rms_norm`` bit for bit on a probe; None when neither width matches
+    (then rms_norm stays on the reference and the native mean entropy is not bit-exact)."""
+    if _lanes:
+        return _lanes[0]
+    gen = torch.Generator().manual_seed(20240607)
+    probes = [torch.randn(3, d, generator=gen) * 3 for d in (67, 300, 1031)]
+    found = None
+    for lanes in (8, 16):
+        ok = True
+        for x in probes:
+            out = torch.empty_like(x)
+            _C.rms_norm(x, None, 1e-6, out, lanes)
+            ok = ok and torch.equal(out, reference.rms_norm(x, None, 1e-6))
+        if ok:
+            found = lanes
+            break
+    _lanes.append(found)
+    return found
+
+
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
