@@ -35,12 +35,9 @@ import torch
 
 from . import native, reference
 from .moe import MoeAlignOut, moe_align, moe_combine, moe_experts, moe_route  # MoE dispatch (see moe.py)
-from .nvfp4_experts import nvfp4_decode, nvfp4_moe_experts, nvfp4_repack  # W4A16 experts (see nvfp4_experts.py)
-from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
-
 from .native import (
-    NATIVE_OPS,
     _C,  # noqa: F401  # read-only here; patch dgserve.ops.native._C
+    NATIVE_OPS,
     active_native_ops,
     cuda_build_problem,
     has_native,
@@ -51,6 +48,8 @@ from .native import (
     switched_off,
 )
 from .norm import rms_norm
+from .nvfp4_experts import nvfp4_decode, nvfp4_moe_experts, nvfp4_repack  # W4A16 experts (see nvfp4_experts.py)
+from .reference import DiffusionStepOut, entropy_bound_accept, gated_mlp, step_temperature
 
 __all__ = [
     "NATIVE_OPS",
@@ -79,6 +78,7 @@ __all__ = [
     "switch_on_native",
     "switched_off",
 ]
+
 
 def _noise_inputs(seeds, blocks, steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """[B] int64 tensors on one device the extension supports, else None (→ reference)."""

@@ -22,10 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, reference
 from .norm import rms_norm
-
-from . import reference
 from .reference import MoeAlignOut, moe_align_capacity
 
 CUDA_ALIGN_BLOCK = 8  # moe_align block on CUDA: one n8 tile of the expert GEMMs' token dimension
@@ -191,7 +189,11 @@ def moe_experts(x, gate_up, down, weights, ids):
     if not ok:
         return reference.moe_experts(x, gate_up, down, weights, ids)
     (T, K), E, H = ids.shape, gate_up.shape[0], x.shape[-1]
-    if x.device.type == "cuda" and native.has_native("moe_experts") and _experts_cuda_ok(x, gate_up, down, weights, ids):
+    if (
+        x.device.type == "cuda"
+        and native.has_native("moe_experts")
+        and _experts_cuda_ok(x, gate_up, down, weights, ids)
+    ):
         align = moe_align(ids, E, CUDA_ALIGN_BLOCK)
         act = torch.empty(align.sorted_pairs.numel(), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)

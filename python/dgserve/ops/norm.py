@@ -25,7 +25,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def _rms_norm_native_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    if not (native.has_native("rms_norm") and native._native_device(x.device) and x.dtype in (torch.float32, torch.bfloat16)):
+    if not (
+        native.has_native("rms_norm") and native._native_device(x.device) and x.dtype in (torch.float32, torch.bfloat16)
+    ):
         return False
     if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0 or x.stride(-1) != 1 or native._wants_grad(x, weight):
         return False  # a strided last dim changes torch's sum order; autograd needs the reference

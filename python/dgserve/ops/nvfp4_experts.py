@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-from .norm import rms_norm
-
-from . import nvfp4_format
+from . import native, nvfp4_format
 from .moe import CUDA_ALIGN_BLOCK, CUDA_MAX_EXPERTS, moe_align, moe_combine
 from .reference import nvfp4_moe_experts as _reference_moe_experts
 
