@@ -179,4 +179,5 @@ def test_writes_mostly_real_words(engine):
     words = [w.lower() for o in outs for w in re.findall(r"[A-Za-z]+", o.text)]
     assert len(words) >= 150, words
     known = sum(w in vocab for w in words) / len(words)
+    print(f"known words: {known:.3f}")
     assert known >= 0.80, (known, [o.text for o in outs])
