@@ -309,14 +309,11 @@ class AsyncEngine:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-        def make() -> Request:  # a response_format is compiled (or found in the cache) here too: ValueError
-            if params is not None and params.response_format is not None:
-                self.engine.compile_response_format(params)
-            return self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)
-
-        if isinstance(prompt, (list, tuple)):
+        make = lambda: self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)  # noqa: E731
+        structured = params is not None and params.response_format is not None
+        if isinstance(prompt, (list, tuple)) and not structured:
             req = make()
-        else:  # tokenization runs in a worker thread, never on the event loop
+        else:  # tokenization and grammar compilation (make_request) run in a worker thread, never on the event loop
             req = await asyncio.get_running_loop().run_in_executor(None, make)
         stream = req.stream = RequestStream(self, req, drafts)
         self.engine.add(req)

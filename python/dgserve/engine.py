@@ -375,12 +375,6 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
 
-    def compile_response_format(self, params: SamplingParams) -> None:
-        """Compile params.response_format into the grammar cache (thread-safe; a no-op without one), so that
-        ``add_request`` finds it there; ValueError naming response_format when it cannot be served."""
-        if params.response_format is not None:
-            self._grammar_compiler().grammar(params.response_format)
-
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise ValueError("response_format: structured output needs a tokenizer, and this model has none")

@@ -36,7 +36,6 @@ import torch
 from . import native, reference
 from .moe import MoeAlignOut, moe_align, moe_combine, moe_experts, moe_route  # MoE dispatch (see moe.py)
 from .native import (
-    _C,  # noqa: F401  # read-only here; patch dgserve.ops.native._C
     NATIVE_OPS,
     active_native_ops,
     cuda_build_problem,
