@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dgserve import ops
 
@@ -21,3 +22,30 @@ def cpu_levels(C):
     top = C._set_cpu_level(-1)
     yield list(range(top + 1))
     C._set_cpu_level(-1)
+
+
+@pytest.fixture
+def step_buffers():
+    """(B, C, V) → (inputs, outputs): valid keyword arguments of ``_C.diffusion_step`` (zero logits, unit
+    temperature and bound, seed 0, block 0, step 1; empty outputs), for tests that break one argument at a time."""
+
+    def make(B: int, C: int, V: int) -> tuple[dict, dict]:
+        ins = dict(
+            logits=torch.zeros(B, C, V),
+            temperature=torch.ones(B),
+            seeds=torch.zeros(B, dtype=torch.int64),
+            blocks=torch.zeros(B, dtype=torch.int64),
+            steps=torch.ones(B, dtype=torch.int64),
+            entropy_bound=torch.ones(B),
+        )
+        outs = dict(
+            canvas=torch.empty(B, C, dtype=torch.int64),
+            argmax=torch.empty(B, C, dtype=torch.int64),
+            entropy=torch.empty(B, C),
+            accepted=torch.empty(B, C, dtype=torch.bool),
+            mean_entropy=torch.empty(B),
+            processed=torch.empty(B, C, V),
+        )
+        return ins, outs
+
+    return make

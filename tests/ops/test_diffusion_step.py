@@ -200,24 +200,9 @@ def test_unsupported_inputs_fall_back(C):
     assert all(torch.equal(a, b) for a, b in zip(out, reference.diffusion_step(*case), strict=True))
 
 
-def test_validation_messages_name_the_argument(C):
+def test_validation_messages_name_the_argument(C, step_buffers):
     B, C_len, V = 2, 3, 5
-    outs = dict(
-        canvas=torch.empty(B, C_len, dtype=torch.int64),
-        argmax=torch.empty(B, C_len, dtype=torch.int64),
-        entropy=torch.empty(B, C_len),
-        accepted=torch.empty(B, C_len, dtype=torch.bool),
-        mean_entropy=torch.empty(B),
-        processed=torch.empty(B, C_len, V),
-    )
-    ins = dict(
-        logits=torch.zeros(B, C_len, V),
-        temperature=torch.ones(B),
-        seeds=torch.zeros(B, dtype=torch.int64),
-        blocks=torch.zeros(B, dtype=torch.int64),
-        steps=torch.ones(B, dtype=torch.int64),
-        entropy_bound=torch.ones(B),
-    )
+    ins, outs = step_buffers(B, C_len, V)
     C.diffusion_step(**ins, **outs)  # valid
     for name, bad in [
         ("logits", torch.zeros(B, C_len, V).half()),

@@ -121,24 +121,9 @@ def test_masked_step_deterministic_and_thread_invariant(C, cpu_levels):
         torch.set_num_threads(threads)
 
 
-def test_bitmask_validation_names_the_argument(C):
+def test_bitmask_validation_names_the_argument(C, step_buffers):
     B, C_len, V = 2, 3, 40
-    outs = dict(
-        canvas=torch.empty(B, C_len, dtype=torch.int64),
-        argmax=torch.empty(B, C_len, dtype=torch.int64),
-        entropy=torch.empty(B, C_len),
-        accepted=torch.empty(B, C_len, dtype=torch.bool),
-        mean_entropy=torch.empty(B),
-        processed=torch.empty(B, C_len, V),
-    )
-    ins = dict(
-        logits=torch.zeros(B, C_len, V),
-        temperature=torch.ones(B),
-        seeds=torch.zeros(B, dtype=torch.int64),
-        blocks=torch.zeros(B, dtype=torch.int64),
-        steps=torch.ones(B, dtype=torch.int64),
-        entropy_bound=torch.ones(B),
-    )
+    ins, outs = step_buffers(B, C_len, V)
     C.diffusion_step(**ins, **outs, bitmask=torch.full((B, C_len, 2), -1, dtype=torch.int32))  # valid
     for bad in [
         torch.zeros(B, C_len, 1, dtype=torch.int32),  # ceil(40 / 32) = 2 words
