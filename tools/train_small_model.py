@@ -426,9 +426,11 @@ def export_hf(model, tok_path: pathlib.Path, dest: pathlib.Path, args, dtype: to
 
 
 def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to min_lr_frac * lr at args.steps; counted from args.restart_step."""
+    step -= args.restart_step
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    p = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    p = min(1.0, (step - args.warmup) / max(1, args.steps - args.restart_step - args.warmup))
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
@@ -485,6 +487,13 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument(
+        "--restart-step",
+        type=int,
+        default=0,
+        help="with --resume: start a fresh warmup + cosine schedule at this step (a warm restart; the optimizer "
+        "state is kept)",
+    )
     ap.add_argument("--wd", type=float, default=0.01)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=25)
