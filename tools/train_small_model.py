@@ -314,24 +314,30 @@ def heldout_batches(held: np.ndarray, C: int, n: int = 96, prefix_lens=(16, 48, 
 
 @torch.no_grad()
 def heldout_loss(model, batches, vocab: int, ts=(0.25, 0.5, 0.75, 1.0), sc: bool = False, seed: int = 99):
-    """Mean canvas cross-entropy (nats/token) at fixed noise levels; returns {t: loss} and the mean."""
+    """Mean canvas cross-entropy (nats/token) at fixed noise levels.
+
+    Returns ({t: loss}, the mean over ts, {t: [loss at canvas position 1..C]}); a position's loss and the overall
+    loss come from the same noise draw (every window has C canvas positions, so the overall loss is the mean of
+    the per-position ones).
+    """
     was = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    res = {}
+    res, per_position = {}, {}
     for t in ts:
-        tot, cnt = 0.0, 0
+        nll = []
         for P, w in batches:
             prefix, target = w[:, :P], w[:, P:]
             tt = torch.full((w.shape[0],), float(t))
             noisy = corrupt(target, tt, vocab, gen)
             mask = torch.ones(w.shape[0], dtype=torch.bool) if sc else None
             logits = canvas_logits(model, prefix, noisy, mask)
-            tot += F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="sum").item()
-            cnt += target.numel()
-        res[t] = tot / cnt
+            nll.append(F.cross_entropy(logits.transpose(1, 2), target, reduction="none"))  # [B, C]
+        by_position = torch.cat(nll).mean(0)
+        res[t] = by_position.mean().item()
+        per_position[t] = by_position.tolist()
     model.train(was)
-    return res, sum(res.values()) / len(res)
+    return res, sum(res.values()) / len(res), per_position
 
 
 def unigram_baseline(train: np.ndarray, batches, vocab: int) -> float:
@@ -571,6 +577,9 @@ def main(argv=None):
         gen.set_state(st["torch_gen"])
         step, tokens_seen, train_time = st["step"], st["tokens_seen"], st["train_time"]
         print(f"resumed from {ck} at step {step}", flush=True)
+    if not args.export_only and not step >= args.restart_step >= 0:
+        # lr_at counts the schedule from restart_step: before it the learning rate would be negative.
+        sys.exit(f"--restart-step {args.restart_step} must lie between 0 and the step the run starts at ({step})")
 
     if args.export_only:
         export_hf(
@@ -635,7 +644,7 @@ def main(argv=None):
             )
             run_loss, run_n, t_log, tok_log = 0.0, 0, time.time(), 0
         if time.time() - last_ev > args.eval_every_s or step == args.steps:
-            res, mean = heldout_loss(model, hb, V)
+            res, mean, _ = heldout_loss(model, hb, V)
             print(
                 f"eval step {step} held-out "
                 + " ".join(f"t={k}:{v:.4f}" for k, v in res.items())
