@@ -17,6 +17,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dgserve.async_engine import EngineFaultError, EngineUnavailableError, StreamStalledError
+from dgserve.request import RequestFailedError
 from dgserve.scheduler import DuplicateRequestError, QueueFullError
 
 log = logging.getLogger("dgserve.service")
@@ -58,6 +59,7 @@ TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE"),
     (StreamStalledError, grpc.StatusCode.UNAVAILABLE, "STREAM_STALLED"),
     (EngineFaultError, grpc.StatusCode.INTERNAL, "ENGINE_FAULT"),
+    (RequestFailedError, grpc.StatusCode.INTERNAL, "REQUEST_FAILED"),
 ]
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)")

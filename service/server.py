@@ -204,7 +204,8 @@ class Server:
         log.error("engine fault, marking the server not live and not ready: %s", error)
         self.live = False
         self.state.engine = None
-        self.state.loading_error = f"engine fault: {error}"
+        # callers see the type only: the message may carry the content of the request that was running
+        self.state.loading_error = f"engine fault ({type(error).__name__}); see the server log"
         asyncio.get_running_loop().create_task(self._set_all(NOT_SERVING))
 
     async def _set_all(self, status) -> None:

@@ -1,7 +1,8 @@
 """Scheduler: admission, bounded queue, FIFO, deadlines, abort, chunked prefill planning (no model, no torch).
 
 The scheduler holds the engine's Request objects and relies on the engine's one lock; ``Ids`` below builds
-requests from (id, prompt length) and reads plans back as ids, under a lock as the engine calls it."""
+requests from (id, prompt length) and reads plans back as ids, under a lock as the engine calls it (no owner:
+the keys are (None, id))."""
 
 from __future__ import annotations
 
@@ -47,17 +48,17 @@ class Ids:
 
     def abort(self, rid: str):
         with self.lock:
-            return self.s.abort(rid)
+            return self.s.abort((None, rid))
 
     def finish(self, rid: str) -> None:
         with self.lock:
-            self.s.finish(rid)
+            self.s.finish((None, rid))
 
     def __getattr__(self, name):
         return getattr(self.s, name)
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self.s
+        return (None, rid) in self.s
 
     def __len__(self) -> int:
         return len(self.s)
@@ -261,3 +262,15 @@ def test_capacity_message_states_running_waiting_and_limits_exactly():
     s.schedule()
     with pytest.raises(QueueFullError, match=r": 1 running \+ 2 waiting = 3 requests"):
         s.add("d", 1)
+
+
+def test_request_ids_are_a_namespace_per_owner():
+    """Two callers may use the same id; one caller's duplicate is still refused; each owner aborts its own."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4))
+    a, b = (Request("same", [0], None, 0, None, owner=o) for o in ("alice", "bob"))  # type: ignore[arg-type]
+    s.add(a)
+    s.add(b)
+    with pytest.raises(DuplicateRequestError):
+        s.add(Request("same", [0], None, 0, None, owner="alice"))  # type: ignore[arg-type]
+    assert s.get(("alice", "same")) is a and s.get(("bob", "same")) is b and s.get((None, "same")) is None
+    assert s.abort(("bob", "same")) == "waiting" and s.get(("alice", "same")) is a and len(s) == 1

@@ -11,7 +11,10 @@ blocks wait is aborted, and its stream raises ``StreamStalledError`` after the b
 Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot before the engine's next step.
 Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a digest of its token) can only be
 aborted by the same owner; to anyone else it looks exactly like an id never seen.
-An exception in the step loop fails every in-flight stream with ``EngineFaultError`` and stops the engine.
+A request that fails alone (``Engine.step``: its grammar, its output) ends its stream with its error, after the
+blocks it committed; the others carry on. An exception out of the step itself is an engine bug: it fails every
+in-flight stream with ``EngineFaultError`` and stops the engine. Neither message carries another request's content:
+the fault is named by its type only (the server log has the rest).
 
 The request is the engine's ``Request`` (dgserve.request), minted once by ``Engine.make_request``; the stream hangs
 on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently finished ids
@@ -39,7 +42,7 @@ from dgserve.sampling_params import SamplingParams
 log = logging.getLogger("dgserve.engine")
 
 # What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, admit time),
-# ("block", stream, (BlockOutput, GenerationResult | None)) or ("draft", stream, Draft).
+# ("block", stream, (BlockOutput, GenerationResult | None)), ("draft", stream, Draft) or ("failed", stream, error).
 _Event = tuple[str, "RequestStream | None", Any]
 
 ABORT_CANCELLED, ABORT_ALREADY_FINISHED = "cancelled", "already_finished"
@@ -305,7 +308,9 @@ class AsyncEngine:
             check_request_id(request_id)
         if not self.running:
             raise EngineUnavailableError(
-                "the engine is not running" if self.fault is None else f"the engine stopped after a fault: {self.fault}"
+                "the engine is not running"
+                if self.fault is None
+                else f"the engine stopped after an internal error ({type(self.fault).__name__})"
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -389,6 +394,7 @@ class AsyncEngine:
         for req, block in out.blocks:
             if req.stream is not None:
                 batch.append(("block", req.stream, (block, req.result() if block.finish_reason is not None else None)))
+        batch.extend(("failed", r.stream, r.error) for r in out.failed if r.stream is not None)
         for req in out.decoded:
             stream = req.stream
             if stream is not None and stream.drafts is not None:
@@ -416,6 +422,9 @@ class AsyncEngine:
                 continue  # aborted, cancelled or failed meanwhile
             elif kind == "started":
                 self._on_started(stream, payload)
+            elif kind == "failed":
+                self.observer.on_abort("request_error")
+                stream._fail(payload)
             elif kind == "draft":
                 if stream._push_draft(payload):
                     self.observer.on_draft_dropped()
@@ -454,7 +463,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for req in self.engine.in_flight():
-            if req.stream is not None:
-                req.stream._fail(EngineFaultError(f"engine failure: {type(error).__name__}: {error}"))
+            if req.stream is not None:  # the type only: the message may hold a request's content (the log has it)
+                req.stream._fail(EngineFaultError(f"engine failure: an internal error ({type(error).__name__})"))
         if self.on_fault is not None:
             self.on_fault(error)

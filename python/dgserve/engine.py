@@ -12,6 +12,10 @@ One request is one ``Request`` object (dgserve.request), minted here once (id, s
 and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
 caller in each ``StepOutput``: ``step`` is schedule → run → commit.
 
+A request fails alone: what is its own (its grammar, its output decoding) may fail mid-generation; ``step`` then
+ends that request with ``Request.error`` (reported in ``StepOutput.failed``), frees its slot and goes on with the
+others. Only the shared work (the batched passes) can raise out of ``step``: that is an engine fault.
+
 Thread safety: one lock. ``add_request``/``add`` and ``abort`` may be called from any thread while one thread runs
 ``step``; an abort takes effect before the next step (the current one's result for that request is discarded,
 and its slot is freed at the start of the next step, on the engine thread that owns the runner's tensors).
@@ -37,8 +41,8 @@ from dgserve.cache_config import CacheConfig
 from dgserve.config import generation_eos_token_ids
 from dgserve.model import DiffusionGemma
 from dgserve.model_runner import ModelRunner
-from dgserve.outputs import FINISH_CANCELLED, BlockOutput, BlockStats, GenerationResult, OutputTracker
-from dgserve.request import Request
+from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
+from dgserve.request import Request, RequestFailedError
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import Scheduler, SchedulerConfig
 from dgserve.token_bounds import PromptTooLongError
@@ -79,11 +83,13 @@ class DraftOutput:
 @dataclass
 class StepOutput:
     """What one ``Engine.step`` did: requests admitted into slots, blocks committed (and an empty "cancelled"
-    block for each queued request whose deadline passed), and the requests that took a denoising step."""
+    block for each queued request whose deadline passed), the requests that took a denoising step, and those that
+    failed alone (their ``error`` is set; they are finished and their slots freed)."""
 
     admitted: list[Request] = field(default_factory=list)
     blocks: list[tuple[Request, BlockOutput]] = field(default_factory=list)
     decoded: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -129,7 +135,7 @@ class Engine:
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
         self.scheduler = Scheduler(sched)
-        self._finished_ids: OrderedDict[str, str | None] = OrderedDict()  # recently finished id -> owner
+        self._finished_ids: OrderedDict[tuple[str | None, str], None] = OrderedDict()  # recently finished keys
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
@@ -221,11 +227,14 @@ class Engine:
         req = self.add(self.make_request(prompt, params))
         try:
             while True:
-                for r, block in self.step().blocks:
+                out = self.step()
+                for r, block in out.blocks:
                     if r is req:
                         yield block
                         if block.finish_reason is not None:
                             return
+                if req.error is not None:
+                    raise req.error
         finally:
             self.abort(req.request_id)
 
@@ -277,10 +286,10 @@ class Engine:
         """Drop a queued or running request of ``owner`` (its slot is freed before the next step); returns it, or
         None when no such request is in flight (or it belongs to another owner)."""
         with self._lock:
-            req = self.scheduler.get(request_id)
-            if req is None or req.owner != owner:
+            req = self.scheduler.get((owner, request_id))
+            if req is None:
                 return None
-            self.scheduler.abort(request_id)
+            self.scheduler.abort(req.key)
             req.tracker.finish_reason = req.tracker.finish_reason or FINISH_CANCELLED
             self._remember_finished(req)
             return req
@@ -288,10 +297,11 @@ class Engine:
     def recently_finished(self, request_id: str, owner: str | None = None) -> bool:
         """True when ``owner``'s request ``request_id`` finished or was aborted recently."""
         with self._lock:
-            return request_id in self._finished_ids and self._finished_ids[request_id] == owner
+            return (owner, request_id) in self._finished_ids
 
     def _remember_finished(self, req: Request) -> None:
-        self._finished_ids[req.request_id] = req.owner
+        self._finished_ids[req.key] = None
+        self._finished_ids.move_to_end(req.key)
         while len(self._finished_ids) > REMEMBER_FINISHED:
             self._finished_ids.popitem(last=False)
 
@@ -325,12 +335,14 @@ class Engine:
         out.admitted = plan.admitted
         for req, start, end in plan.prefill:
             self.runner.prefill(req, req.prompt_ids[start:end])
-        active = plan.decode
-        if not active:
-            return out
-        for r in active:
+        for r in plan.decode:
             if r.state is None:
                 self.runner.start_block(r)
+        with self._lock:  # a grammar that failed before the block's first step: that request ends here
+            active = [r for r in plan.decode if not self._failed_alone(r, out)]
+        if not active:
+            self.runner.release_finished()
+            return out
         t0 = time.perf_counter()
         self.runner.run(active)
         dt = time.perf_counter() - t0
@@ -338,10 +350,34 @@ class Engine:
         with self._lock:
             for req in active:
                 req.denoise_seconds += dt
-                if req.state is not None and req.state.done and not req.finished:
-                    out.blocks.append((req, self._commit(req)))
+                if req.finished or self._failed_alone(req, out):
+                    continue
+                if req.state is not None and req.state.done:
+                    try:
+                        out.blocks.append((req, self._commit(req)))
+                    except Exception:
+                        log.exception("request %s: committing its block failed; ending it alone", req.request_id)
+                        self._fail(req, RequestFailedError(f"request {req.request_id}: failed during generation"))
+                        out.failed.append(req)
         self.runner.release_finished()
         return out
+
+    def _failed_alone(self, req: Request, out: StepOutput) -> bool:
+        """End ``req`` when its own state failed (its grammar); True when it did. Under the lock."""
+        row = req.structured
+        if row is None or row.error is None or req.finished:
+            return False
+        log.info("request %s ended by its grammar: %s", req.request_id, row.error)
+        self._fail(req, row.error)
+        out.failed.append(req)
+        return True
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """Finish ``req`` with ``error`` (its slot is freed by ``release_finished``). Under the lock."""
+        req.error, req.state = error, None
+        req.tracker.finish_reason = req.tracker.finish_reason or FINISH_ERROR
+        self.scheduler.abort(req.key)
+        self._remember_finished(req)
 
     def draft(self, req: Request) -> DraftOutput | None:
         """The request's current block after its latest denoising step, or None between blocks. Call from the
@@ -364,7 +400,7 @@ class Engine:
         req.blocks.append(block)
         req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
         if block.finish_reason is not None:
-            self.scheduler.finish(req.request_id)
+            self.scheduler.finish(req.key)
             self._remember_finished(req)
         return block
 

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
+class RequestFailedError(Exception):
+    """A request ended by a failure of its own (not of the engine): the others carry on. The message is generic
+    (it names the request, never its content); the server log has the cause."""
+
+
 @dataclass(eq=False)
 class Request:
     """State of one request; fields are grouped by the layer that writes them (all under the engine's lock or on
@@ -30,7 +35,7 @@ class Request:
     seed: int  # the one in use (drawn once when params.seed is None)
     tracker: OutputTracker
     deadline: float | None = None  # time.monotonic() after which a still-waiting request is dropped
-    owner: str | None = None  # who may abort it (``AsyncEngine.abort``)
+    owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING
     # scheduler
@@ -46,8 +51,14 @@ class Request:
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     blocks: list[BlockOutput] = field(default_factory=list)
+    error: Exception | None = None  # set when the request failed alone (``Engine.step``); ``result`` raises it
     # async engine
     stream: Any = None
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        """(owner, request_id): request ids are a namespace per caller (two callers may use the same id)."""
+        return (self.owner, self.request_id)
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +76,8 @@ class Request:
         from dgserve.outputs import GenerationResult
 
         t = self.tracker
+        if self.error is not None:
+            raise self.error
         if t.finish_reason is None:
             raise RuntimeError(f"request {self.request_id!r} has not finished")
         return GenerationResult(

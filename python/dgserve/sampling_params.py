@@ -197,6 +197,11 @@ class SamplingParams:
                 raise ValueError(f"response_format must be a ResponseFormat, got {type(self.response_format).__name__}")
             if self.ignore_eos:
                 raise ValueError("response_format: cannot be combined with ignore_eos (EOS ends the document)")
+            if self.stop:  # a stop string could end the output mid-document with a "stop" that claims completion
+                raise ValueError(
+                    "stop: cannot be combined with response_format (the grammar ends the output where the document "
+                    "is complete; a stop string could cut it)"
+                )
 
     @classmethod
     def from_generation_config(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> SamplingParams:

@@ -12,7 +12,8 @@ Each ``schedule()`` call plans one engine iteration:
 * every running request whose prompt is fully encoded (after this iteration's chunks) takes one denoising step.
 
 ``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
-with a retry delay estimated from recent service times) or when the id is in flight (``DuplicateRequestError``).
+with a retry delay estimated from recent service times) or when the caller has a request with that id in flight
+(``DuplicateRequestError``). Requests are keyed by ``Request.key``, (owner, request_id): ids are per caller.
 The scheduler holds ``Request`` objects (dgserve.request), the engine's own, and has no lock: the engine calls it
 under its one lock.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from dgserve.request import FINISHED, RUNNING, WAITING, Request
 
+Key = tuple[str | None, str]  # Request.key: (owner, request_id)
 DEFAULT_RETRY_AFTER_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 
@@ -87,8 +89,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
         self.clock = clock
-        self._waiting: OrderedDict[str, Request] = OrderedDict()
-        self._running: OrderedDict[str, Request] = OrderedDict()
+        self._waiting: OrderedDict[Key, Request] = OrderedDict()
+        self._running: OrderedDict[Key, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
 
     # ------------------------------------------------------------------ state
@@ -101,14 +103,15 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._waiting or request_id in self._running
+    def __contains__(self, key: Key) -> bool:
+        return key in self._waiting or key in self._running
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
 
-    def get(self, request_id: str) -> Request | None:
-        return self._running.get(request_id) or self._waiting.get(request_id)
+    def get(self, key: Key) -> Request | None:
+        """The request in flight under ``key`` = (owner, request_id)."""
+        return self._running.get(key) or self._waiting.get(key)
 
     def requests(self) -> list[Request]:
         """Every request in the system: running ones first, then the queue in order."""
@@ -125,13 +128,13 @@ class Scheduler:
         """Queue a request. Raises DuplicateRequestError or QueueFullError; never blocks."""
         if req.prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {req.prompt_len}")
-        if req.request_id in self:
+        if req.key in self:
             raise DuplicateRequestError(f"request_id: {req.request_id!r} is already in flight")
         cap = self.capacity
         if cap is not None and len(self) >= cap:
             raise QueueFullError(self._capacity_message(), self.retry_after_s())
         req.arrival, req.status = self.clock(), WAITING
-        self._waiting[req.request_id] = req
+        self._waiting[req.key] = req
 
     def _capacity_message(self) -> str:
         # requests not yet moved into a free slot count as waiting until the next schedule(), so "waiting" alone
@@ -142,18 +145,18 @@ class Scheduler:
             f"requests, the limit of max_num_seqs {c.max_num_seqs} + max_queue_len {c.max_queue_len}"
         )
 
-    def abort(self, request_id: str) -> str | None:
+    def abort(self, key: Key) -> str | None:
         """Remove a request (marked finished): returns "waiting" or "running" (where it was), or None if unknown."""
         for where, table in ((WAITING, self._waiting), (RUNNING, self._running)):
-            req = table.pop(request_id, None)
+            req = table.pop(key, None)
             if req is not None:
                 req.status = FINISHED
                 return where
         return None
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, key: Key) -> None:
         """A running request completed; its slot is free and its service time feeds the retry estimate."""
-        seq = self._running.pop(request_id, None)
+        seq = self._running.pop(key, None)
         if seq is not None:
             seq.status = FINISHED
         if seq is not None and seq.admitted_at is not None:
@@ -180,16 +183,16 @@ class Scheduler:
         return out
 
     def _expire(self, now: float, out: ScheduleOutput) -> None:
-        for rid in [rid for rid, s in self._waiting.items() if s.deadline is not None and s.deadline <= now]:
-            req = self._waiting.pop(rid)
+        for key in [key for key, s in self._waiting.items() if s.deadline is not None and s.deadline <= now]:
+            req = self._waiting.pop(key)
             req.status = FINISHED
             out.expired.append(req)
 
     def _admit(self, now: float, out: ScheduleOutput) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
-            rid, seq = self._waiting.popitem(last=False)
+            key, seq = self._waiting.popitem(last=False)
             seq.admitted_at, seq.status = now, RUNNING
-            self._running[rid] = seq
+            self._running[key] = seq
             out.admitted.append(seq)
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:

@@ -33,6 +33,7 @@ STATUS: dict[str, tuple[int, str]] = {
     "ENGINE_UNAVAILABLE": (503, "service_unavailable_error"),
     "STREAM_STALLED": (503, "service_unavailable_error"),
     "ENGINE_FAULT": (500, "server_error"),
+    "REQUEST_FAILED": (500, "server_error"),
     "INTERNAL": (500, "server_error"),
 }
 

@@ -15,6 +15,11 @@ committed text, and the current block's verified prefix ``fixed`` (canvas positi
    then a grammar-accepted prefix; EOS is allowed only where the grammar may end, and ends the request.
 
 Every decision depends on the row's own logits, seed and matcher: batch invariance holds as without a grammar.
+
+Failures are the request's own: whatever the grammar engine raises inside a row's hook (a parser limit hit by a
+grammar that only blows up mid-document, a state that admits no token) is caught here and kept as ``error``, a
+``GrammarFailure`` naming response_format. The row's block is then marked done and the engine ends that request
+alone with the error; no exception from a request's grammar crosses the batched step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ if TYPE_CHECKING:
     from dgserve.sampler import BlockState
 
 Propose = Callable[[int, np.ndarray], "int | None"]
+MAX_ERROR_CHARS = 300  # the grammar engine's messages carry its state dump: the first line, this long at most
+
+
+class GrammarFailure(ValueError):
+    """A request's grammar failed during generation (the message starts with ``response_format``)."""
+
+
+def grammar_failure(error: BaseException) -> GrammarFailure:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return GrammarFailure(f"response_format: the grammar failed during generation: {first[:MAX_ERROR_CHARS]}")
 
 
 class StructuredRow:
@@ -50,17 +65,36 @@ class StructuredRow:
         # counters for BlockStats / the bench: tokens committed by each route, time in the matcher
         self.forced = self.accepted = self.redrawn = self.finished = 0
         self.matcher_seconds = 0.0
+        self.error: GrammarFailure | None = None  # set once the grammar failed; the request then ends with it
+
+    def _fail(self, state: BlockState, error: Exception) -> None:
+        """The grammar raised: keep the error, end the block (the engine ends the request with ``error``)."""
+        self.error = error if isinstance(error, GrammarFailure) else grammar_failure(error)
+        state.done = True
 
     # ------------------------------------------------------------------ per block
 
     def start_block(self, state: BlockState) -> None:
         """A new block: commit what the grammar forces before any forward (e.g. ``{"name":"``)."""
         self.fixed = []
-        self._walk(state.canvas.shape[0], lambda j, w: None)
-        self._write_prefix(state.canvas)
+        try:
+            self._walk(state.canvas.shape[0], lambda j, w: None)
+            self._write_prefix(state.canvas)
+        except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone (see the module doc)
+            self._fail(state, e)
 
     def bitmask(self, canvas_length: int) -> torch.Tensor:
-        """[C, W] int32 for this step: fixed tokens one-hot, the grammar's mask at f, all allowed beyond."""
+        """[C, W] int32 for this step: fixed tokens one-hot, the grammar's mask at f, all allowed beyond (all
+        allowed everywhere once the grammar failed: the row's results are then discarded)."""
+        if self.error is not None:
+            return torch.full((canvas_length, self.W), -1, dtype=torch.int32)
+        try:
+            return self._bitmask(canvas_length)
+        except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone
+            self.error = grammar_failure(e)
+            return torch.full((canvas_length, self.W), -1, dtype=torch.int32)
+
+    def _bitmask(self, canvas_length: int) -> torch.Tensor:
         t0 = time.perf_counter()
         mask = torch.full((canvas_length, self.W), -1, dtype=torch.int32)
         f = len(self.fixed)
@@ -77,7 +111,19 @@ class StructuredRow:
         self, state: BlockState, accepted: torch.Tensor, processed: torch.Tensor, seed: int, step: int
     ) -> None:
         """Verify the op's proposals (state.canvas, accepted [C] bool, processed [C, V] fp32) for step k = step;
-        finish the block when it is full, ended, or the sampler stopped it (state.done)."""
+        finish the block when it is full, ended, or the sampler stopped it (state.done). A grammar that fails
+        (now or in this step's ``bitmask``) ends the block with ``error`` set."""
+        if self.error is not None:
+            state.done = True
+            return
+        try:
+            self._after_step(state, accepted, processed, seed, step)
+        except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone
+            self._fail(state, e)
+
+    def _after_step(
+        self, state: BlockState, accepted: torch.Tensor, processed: torch.Tensor, seed: int, step: int
+    ) -> None:
         t0 = time.perf_counter()
         C = state.canvas.shape[0]
         canvas = state.canvas.tolist()
@@ -101,7 +147,9 @@ class StructuredRow:
         self._walk(C, lambda j, w: masked_argmax(processed[j], w, self.V))
         self.finished += len(self.fixed) - before
         if len(self.fixed) < C and not self.ended:
-            raise RuntimeError(f"structured output: the grammar allows no token at canvas position {len(self.fixed)}")
+            raise GrammarFailure(
+                f"response_format: the grammar allows no token at position {len(self.fixed)} of block {state.block}"
+            )
         pad = next(t for t in self.fixed if t in self.eos_ids) if self.ended else 0
         block = self.fixed + [pad] * (C - len(self.fixed))  # after EOS: cut by the output rules
         state.argmax = torch.tensor(block, dtype=torch.int64, device=state.canvas.device)
@@ -135,7 +183,7 @@ class StructuredRow:
 
     def _commit(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"structured output: the matcher refused token {token}: {self.matcher.get_error()}")
+            raise grammar_failure(RuntimeError(f"the matcher refused token {token}: {self.matcher.get_error()}"))
         self.fixed.append(int(token))
         if token in self.eos_ids:
             self.ended = True

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import llguidance as llg
+import numpy as np
 
 from dgserve.structured.response_format import ResponseFormat
 
@@ -125,6 +126,7 @@ class GrammarCompiler:
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=_limits())
         if failed:
             raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(messages[0])}")
+        self._check_start(fmt, text)
         log.debug("compiled a %s grammar in %.1f ms", fmt.type, 1e3 * (time.perf_counter() - t0))
         with self._lock:
             self.compiles += 1
@@ -132,6 +134,24 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return text
+
+    def _check_start(self, fmt: ResponseFormat, text: str) -> None:
+        """GrammarError unless the grammar's first state admits a first token: a grammar that fails there, admits
+        nothing, or (for JSON and choices, which are never empty) admits only the end of the output can never give
+        a valid result, and is refused now rather than failing (or ending empty) mid-request."""
+        m = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
+        forced = m.compute_ff_tokens() if not m.is_error() else []
+        words = np.frombuffer(m.compute_bitmask(), dtype=np.int32) if not m.is_error() and not forced else None
+        if m.is_error():
+            raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(m.get_error())}")
+        if words is None:
+            return  # a forced first token: the output starts
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = set(np.flatnonzero(bits).tolist())
+        if not allowed:
+            raise GrammarError(f"response_format: the {fmt.type} admits no output at all (unsatisfiable)")
+        if fmt.type != "regex" and allowed <= self.eos_ids:
+            raise GrammarError(f"response_format: the {fmt.type} admits only an empty output (unsatisfiable)")
 
     def matcher(self, fmt: ResponseFormat) -> llg.LLMatcher:
         """A fresh matcher at the start of the document (one per request)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dgserve.structured import schema_check
+
 KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_SCHEMA_BYTES = 32 * 1024  # bounds compile time and grammar size before the engine sees the schema
 MAX_REGEX_LENGTH = 4096
@@ -72,10 +74,16 @@ def _check_schema(schema: object) -> None:
         raise ValueError(f"response_format: schema is {n} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
     try:
         value = json.loads(schema)
+    except RecursionError:  # e.g. 30,000 "[": deeper than the parser recurses
+        raise ValueError(
+            f"response_format: schema nests too deep; at most {schema_check.MAX_SCHEMA_DEPTH} levels are allowed"
+        ) from None
     except ValueError as e:
         raise ValueError(f"response_format: schema is not valid JSON ({e})") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"response_format: schema must be a JSON object, got {type(value).__name__}")
+    schema_check.check_depth(value)
+    schema_check.check_productive(value)
 
 
 def _check_choices(choices: tuple) -> None:
