@@ -111,6 +111,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         ),
     ),
     (
+        "--max-request-steps",
+        "DGSERVE_MAX_REQUEST_STEPS",
+        "max_request_steps",
+        int,
+        (
+            "most denoising steps one request may ask for: max_denoising_steps x its canvases (max_new_tokens / "
+            "canvas length); more is refused with INVALID_ARGUMENT / 400 (default 16384)"
+        ),
+    ),
+    (
         "--stall-timeout",
         "DGSERVE_STALL_TIMEOUT",
         "stall_timeout",

@@ -30,6 +30,7 @@ class ServiceConfig:
     kv_cache_memory: CacheConfig = field(
         default_factory=CacheConfig
     )  # KV cache budget: bytes or a fraction of free memory
+    max_request_steps: int = 16384  # max_denoising_steps x canvases one request may ask for (its total work)
     drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
     stall_timeout: float = 30.0  # a reader taking nothing this long while blocks wait is aborted
     auth_token_file: str | None = None
@@ -50,6 +51,7 @@ class ServiceConfig:
             ("max_num_seqs", 1, 1 << 20),
             ("max_queue_len", 0, 1 << 24),
             ("prefill_chunk", 1, 1 << 24),
+            ("max_request_steps", 1, 1 << 31),
             ("max_message_bytes", 1024, 1 << 31),
             ("keepalive_time_ms", 1000, 1 << 31),
             ("keepalive_min_ping_ms", 100, 1 << 31),

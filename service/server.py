@@ -2,15 +2,22 @@
 door (service/http/, uvicorn on this same event loop) over one AsyncEngine; model loading, signals, graceful drain.
 
 Lifecycle: ``start()`` checks the files it was given (auth tokens, TLS, the model directory), binds both ports and
-serves at once — liveness ("" and /v1/health/live) SERVING, readiness (``dgserve.v1.TextGeneration`` and
-/v1/health/ready) NOT_SERVING, Generate UNAVAILABLE, HTTP generation 503 — while the model loads and warms up on a
-worker thread; then readiness flips to SERVING. Anything that makes startup impossible (a missing file, a port in
-use, a model that fails to load) raises ``StartupError`` with one line naming the problem and the flag that fixes
-it; ``run()`` then stops what it started and re-raises (``dgserve serve`` prints the line and exits 2).
+serves at once — liveness (gRPC health ``liveness`` and /v1/health/live) SERVING, readiness (gRPC health "" and
+``dgserve.v1.TextGeneration``, /v1/health/ready) NOT_SERVING, Generate UNAVAILABLE, HTTP generation 503 — while the
+model loads and warms up on a worker thread; then readiness flips to SERVING. The empty service name "" follows
+readiness because it is what a gRPC probe that names no service asks for (Kubernetes' grpc probe,
+grpc_health_probe): a pool must not route to a replica that cannot generate yet.
+
+Anything that makes startup impossible (a missing file, a port in use, a model that fails to load) raises
+``StartupError`` with one line naming the problem and the flag that fixes it; ``run()`` then stops what it started
+and re-raises (``dgserve serve`` prints the line and exits 2).
+
 ``drain()`` (SIGTERM/SIGINT under ``run()``): every health status NOT_SERVING at once, new calls UNAVAILABLE (gRPC)
-or 503 (HTTP), in-flight streams of both front doors get ``drain_timeout`` seconds to finish, then the engine
-stops. An engine fault fails in-flight calls (INTERNAL / 500) and turns both liveness and readiness off, so an
-orchestrator restarts the process.
+or 503 (HTTP), in-flight streams of both front doors get ``drain_timeout`` seconds to finish; the requests still
+running then are cancelled in the engine, so every stream ends cleanly (gRPC: Finished{CANCELLED} then OK; SSE: a
+last chunk with finish_reason "abort", then [DONE]) within ``FLUSH_S`` more seconds; then the engine stops. An
+engine fault fails in-flight calls (INTERNAL / 500) and turns liveness and readiness off, so an orchestrator
+restarts the process.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ from .servicer import ServingState, TextGenerationServicer
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
 MAX_METADATA_BYTES = 16 << 10
+LIVENESS_NAME = "liveness"  # gRPC health name that is SERVING while the process is live (loading included)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+FLUSH_S = 2.0  # after the drain grace: time the cancelled streams get to send their last event
 
 
 class StartupError(Exception):
@@ -71,6 +80,7 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         scheduler_config=scheduler_config(cfg),
         max_model_len=cfg.max_model_len,
         cache_config=cfg.kv_cache_memory,
+        max_request_steps=cfg.max_request_steps,
     )
 
 
@@ -127,8 +137,8 @@ class Server:
         except BaseException:
             await server.stop(None)
             raise
-        await self.health.set("", SERVING)
-        await self.health.set(SERVICE_NAME, NOT_SERVING)
+        await self.health.set(LIVENESS_NAME, SERVING)
+        await self._set_ready(NOT_SERVING)
         log.info(
             "listening: gRPC %s:%s%s, HTTP %s",
             cfg.host,
@@ -187,7 +197,7 @@ class Server:
             self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs)
             self.state.engine = aengine
             if not self.state.draining:
-                await self.health.set(SERVICE_NAME, SERVING)
+                await self._set_ready(SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
         except Exception as e:
             log.debug("model load failed", exc_info=True)
@@ -196,7 +206,7 @@ class Server:
             self.state.loading_error = f"model {path} failed to load: {detail} (--model / env NIM_MODEL_PATH)"
             self.load_error = e
             self.live = False
-            await self.health.set("", NOT_SERVING)
+            await self.health.set(LIVENESS_NAME, NOT_SERVING)
         finally:
             self.loaded.set()
 
@@ -208,9 +218,13 @@ class Server:
         self.state.loading_error = f"engine fault ({type(error).__name__}); see the server log"
         asyncio.get_running_loop().create_task(self._set_all(NOT_SERVING))
 
-    async def _set_all(self, status) -> None:
+    async def _set_ready(self, status) -> None:
         await self.health.set("", status)
         await self.health.set(SERVICE_NAME, status)
+
+    async def _set_all(self, status) -> None:
+        await self.health.set(LIVENESS_NAME, status)
+        await self._set_ready(status)
 
     # ---------------------------------------------------------------- stop
 
@@ -230,8 +244,9 @@ class Server:
         end = loop.time() + grace
         waits = [self._engine_idle(end)] + ([self._http.wait_idle(grace)] if self._http is not None else [])
         await asyncio.gather(*waits)
+        await self._end_streams()
         if self._grpc is not None:  # None: drained before start()
-            await self._grpc.stop(max(0.0, end - loop.time()))
+            await self._grpc.stop(max(0.0, end - loop.time()) + FLUSH_S)
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.engine is not None:
@@ -240,6 +255,17 @@ class Server:
             await self._http.stop()
         log.info("stopped")
         self._stopped.set()
+
+    async def _end_streams(self) -> None:
+        """Past the grace: cancel what still runs, each stream told (Finished{CANCELLED} / finish_reason "abort"),
+        and give the front doors FLUSH_S seconds to send those last events before the servers stop."""
+        engine = self.state.engine
+        if engine is None or not engine.num_in_flight:
+            return
+        n = engine.cancel_all("drain_timeout")
+        log.warning("drain: grace over, %d request(s) cancelled; their streams end with finish reason cancelled", n)
+        waits = [self.state.wait_idle(FLUSH_S)] + ([self._http.wait_idle(FLUSH_S)] if self._http is not None else [])
+        await asyncio.gather(*waits)
 
     async def _engine_idle(self, end: float) -> None:
         """Until no request is running or waiting in the engine, or the loop's clock passes ``end``."""

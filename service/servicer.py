@@ -5,6 +5,7 @@ Errors are raised as domain exceptions and mapped to status codes by the call in
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,19 @@ class ServingState:
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False
     loading_error: str | None = field(default=None)
+    streams: int = 0  # Generate calls in progress (the drain waits for them to send their last event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no Generate call is in progress (at most ``timeout`` s); True when idle."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def ready_engine(self) -> AsyncEngine:
         if self.draining:
@@ -65,11 +79,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,
         )
+        self.state.streams += 1
+        self.state.idle.clear()
         try:
             async for event in stream:
                 yield convert.response(stream.request_id, event)
         finally:  # the call may be over here: use what was read at its start, never the context
             stream.cancel("deadline" if call.expired() else "client_cancelled")
+            self.state.streams -= 1
+            if not self.state.streams:
+                self.state.idle.set()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         outcome = self.state.ready_engine().abort(request.request_id, owner=_call(context).owner, reason="abort_rpc")

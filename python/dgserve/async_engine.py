@@ -339,6 +339,13 @@ class AsyncEngine:
             return ABORT_CANCELLED
         return ABORT_ALREADY_FINISHED if self.engine.recently_finished(request_id, owner) else None
 
+    def cancel_all(self, reason: str) -> int:
+        """Cancel every queued and running request; each stream ends with Finished("cancelled"). Returns how many."""
+        reqs = self.engine.in_flight()
+        for req in reqs:
+            self._abort(req, reason, notify=True)
+        return len(reqs)
+
     def _abort(self, req: Request, reason: str, notify: bool = False) -> None:
         """Cancel a request whoever owns it (client gone, stalled reader, shutdown)."""
         if self.engine.abort(req.request_id, req.owner) is req:

@@ -186,7 +186,7 @@ class Client:
         return info
 
     def health(self, service: str = HEALTH_SERVICE, timeout: float | None = 5.0) -> str:
-        """ "SERVING", "NOT_SERVING", ... of grpc.health.v1 (service "" = liveness)."""
+        """ "SERVING", "NOT_SERVING", ... of grpc.health.v1 ("" and the default name: readiness; "liveness")."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         # types-grpcio-health-checking declares HealthStub without the methods grpc sets in its __init__

@@ -100,7 +100,8 @@ class Engine:
     (prompt + generated canvases), at most the model's max_position_embeddings (the default). scheduler_config:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
     None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
-    the slots that fit.
+    the slots that fit. max_request_steps: the most denoising steps one request may ask for (max_denoising_steps
+    times its canvases), so that no request can hold a slot for hours; None: no limit.
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class Engine:
         native_ops: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
         cache_config: CacheConfig | None = None,
+        max_request_steps: int | None = None,
     ):
         from dgserve.native_check import run_self_check
 
@@ -129,6 +131,7 @@ class Engine:
         cfg = model.config
         eos = tuple(eos_token_ids or ()) or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
+        self.max_request_steps = max_request_steps
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         sched = scheduler_config or SchedulerConfig()
         self.runner = ModelRunner(model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config)
@@ -256,6 +259,7 @@ class Engine:
         params = params or self.default_params()
         if request_id is not None:
             check_request_id(request_id)
+        self.check_work(params)
         prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(64)
@@ -473,6 +477,19 @@ class Engine:
             raise
         self.check_context(len(ids), max_new_tokens)
         return ids
+
+    def check_work(self, params: SamplingParams) -> None:
+        """ValueError naming the knobs when a request asks for more denoising steps than ``max_request_steps``."""
+        limit = self.max_request_steps
+        C = self.model.config.canvas_length
+        canvases = -(-params.max_new_tokens // C)
+        work = params.max_denoising_steps * canvases
+        if limit is not None and work > limit:
+            raise ValueError(
+                f"max_denoising_steps: {params.max_denoising_steps} steps x {canvases} canvases of {C} tokens "
+                f"(max_new_tokens {params.max_new_tokens}) = {work} denoising steps, more than this server's limit "
+                f"of {limit} per request (--max-request-steps); lower max_denoising_steps or max_new_tokens"
+            )
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> None:
         """ValueError (with both numbers) when the prompt plus the canvases generated do not fit."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 
 import grpc
@@ -370,5 +371,31 @@ def test_drain_finishes_running_http_streams_and_refuses_new_ones(model_dir):
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert rest[-1]["choices"][0]["finish_reason"] == "length"
         drained.result(30)
+    finally:
+        s.stop()
+
+
+def test_drain_past_the_grace_ends_sse_streams_with_abort_then_done(model_dir, caplog):
+    """A stream that outlives the drain grace gets a last chunk with finish_reason "abort", then [DONE]; no
+    traceback is logged."""
+    s = ServerThread(base_config(model_dir))
+    url = base_url(s)
+    try:
+        body = {
+            "prompt": "forever",
+            "stream": True,
+            "max_tokens": 16 * 200,
+            "ignore_eos": True,
+            "max_denoising_steps": 8,
+        }
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            drained = asyncio.run_coroutine_threadsafe(s.server.drain(0.5), s.loop)
+            rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        drained.result(30)
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     finally:
         s.stop()
