@@ -224,3 +224,16 @@ def test_big_bodies_do_not_stall_small_calls(server, channel, stub, http):
         o == 400 or (isinstance(o, grpc.RpcError) and o.code() == grpc.StatusCode.INVALID_ARGUMENT) for o in outcomes
     )
     assert worst < max(1.5, 5 * baseline), (worst, baseline)
+
+
+def test_tokenizer_refuses_lone_surrogates_naming_the_field(model_dir):
+    """The library's own check, for callers that do not come through a door (which refuses them first)."""
+    from dgserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode \(lone surrogate U\+D800 at character 1\)"):
+        tok.encode("a\ud800")
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: not valid Unicode"):
+        tok.encode_chat([{"role": "user", "content": "\udc00"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]\.text: not valid Unicode"):
+        tok.encode_chat([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}])
