@@ -23,6 +23,10 @@ from dgserve.scheduler import DuplicateRequestError, QueueFullError
 log = logging.getLogger("dgserve.service")
 DOMAIN = "dgserve.v1"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# what an error message may quote of a client's value, and how long a whole message may be: a client must not
+# get its 15 MB model name back in a 404, nor make us log it
+MAX_ECHO_CHARS = 80
+MAX_MESSAGE_CHARS = 2048
 
 
 class ModelNotFoundError(LookupError):
@@ -73,10 +77,28 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "INTERNAL"
 
 
+def clip(value: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``value`` as an error message may quote it: unchanged when at most ``limit`` characters, else its first
+    ``limit`` characters, an ellipsis and its full length."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}… ({len(value)} characters)"
+
+
+def bounded_message(message: str) -> str:
+    """An error message fit to send and log: at most MAX_MESSAGE_CHARS characters (the leading field name kept),
+    and lone surrogates (which no UTF-8 encoder accepts) written as backslash escapes."""
+    message = clip(message, MAX_MESSAGE_CHARS)
+    if message.isascii():
+        return message
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def to_status(exc: BaseException) -> grpc.Status:
-    """The full status (code, message, google.rpc details, retry trailer) for an exception."""
+    """The full status (code, message, google.rpc details, retry trailer) for an exception; the message is
+    bounded (``bounded_message``)."""
     code, reason = classify(exc)
-    message = str(exc) if reason != "INTERNAL" else "internal error"
+    message = bounded_message(str(exc)) if reason != "INTERNAL" else "internal error"
     details = [error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)]
     trailers: list[tuple[str, str]] = []
     if code is grpc.StatusCode.INVALID_ARGUMENT:

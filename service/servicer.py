@@ -14,7 +14,7 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import convert
-from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError
+from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
 from .interceptors import CallInfo, current_call
 
 
@@ -56,7 +56,7 @@ class ServingState:
 
     def check_model(self, name: str) -> None:
         if name and name not in self.names:
-            raise ModelNotFoundError(f"model: {name!r} is not served here (served: {', '.join(self.names)})")
+            raise ModelNotFoundError(f"model: {clip(name)!r} is not served here (served: {', '.join(self.names)})")
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
@@ -66,8 +66,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        vocab = self.state.ready_info().vocab_size
-        prompt = convert.prompt(request, vocab)
+        info = self.state.ready_info()
+        prompt = convert.prompt(request, info.vocab_size, info.max_model_len)
         params = convert.sampling_params(request.params, engine.default_params())
         params = convert.with_response_format(params, request)
         call = _call(context)
@@ -101,7 +101,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
-        prompt = convert.prompt(request, self.state.ready_info().vocab_size)
+        info = self.state.ready_info()
+        prompt = convert.prompt(request, info.vocab_size, info.max_model_len)
         # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
         ids = await engine.tokenize(prompt)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.max_model_len)

@@ -150,9 +150,12 @@ class Tokenizer:
         transformers' `AutoTokenizer` and `tokenizers` do: the same ids on every path, even for text that itself
         starts with `<bos>` (then there are two, as there are in transformers).
         With `max_tokens`, a text with more ids raises PromptTooLongError, with bounded work (module docstring).
+        Text that is not valid Unicode (a lone surrogate, which `tokenizers` cannot take) raises ValueError naming
+        `prompt`.
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        check_unicode(text, "prompt")
         if max_tokens is not None:
             self._check_bound(text, max_tokens)
         ids = self._tok.encode(text, add_special_tokens=bool(add_special_tokens)).ids
@@ -333,8 +336,22 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         raise ValueError(f"messages must hold only JSON data ({e})") from e
 
 
+def check_unicode(text: str, field: str) -> None:
+    """ValueError naming `field` when `text` holds a lone surrogate (a str can, e.g. from a JSON "\\ud800"
+    escape; it has no UTF-8 form, so a tokenizer, a regex engine or a log line would fail on it)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field}: not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at character {e.start})"
+        ) from None
+
+
 def _validate_content(content, field: str) -> None:
     if isinstance(content, str):
+        check_unicode(content, field)
         return
     if not isinstance(content, (list, tuple)):
         raise ValueError(f"{field} must be a string or a list of text parts")
@@ -346,6 +363,7 @@ def _validate_content(content, field: str) -> None:
             raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: v1 accepts text parts only")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{field}[{j}].text must be a string")
+        check_unicode(part["text"], f"{field}[{j}].text")
 
 
 def message_text(content) -> str:

@@ -47,14 +47,15 @@ class HttpError(Exception):
 
 
 def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
-    """(HTTP status, OpenAI error body, extra headers) for an exception."""
+    """(HTTP status, OpenAI error body, extra headers) for an exception; the message is bounded
+    (``errors.bounded_message``: a client's huge value is never echoed back whole)."""
     if isinstance(exc, HttpError):
         reason, param = exc.reason, exc.param
     else:
         reason = errors.classify(exc)[1]
         param = None
     status, kind = STATUS.get(reason, (500, "server_error"))
-    message = str(exc) if status != 500 or isinstance(exc, HttpError) else "internal error"
+    message = errors.bounded_message(str(exc)) if status != 500 or isinstance(exc, HttpError) else "internal error"
     if status == 500 and not isinstance(exc, HttpError):
         log.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
     if status == 400 and param is None:

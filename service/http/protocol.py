@@ -7,6 +7,12 @@ the proto's names and SamplingParams' single validation. An OpenAI field that dg
 accepted only at its no-op value (``n: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
 field we do not know, is a ValueError naming it — never silently ignored.
 
+Bodies: ``decode_body`` turns the raw bytes into JSON with bounded work and bounded shape (at most
+MAX_JSON_VALUES values, MAX_JSON_DEPTH levels) and refuses text that is not valid Unicode (a JSON ``"\ud800"``
+escape decodes to a lone surrogate, which no tokenizer, regex engine or UTF-8 encoder accepts), each a ValueError
+naming ``body`` or the field. Checking the request is then O(fields): a list is refused by its length (token ids,
+messages) before its items are looked at.
+
 Responses: ``completion`` / ``chat_completion`` (non-streaming) and ``*_chunk`` (SSE), with ``usage`` and a
 ``dgserve`` extension object (seed, request id, per-block denoising stats, timing).
 """
@@ -15,15 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import json.decoder
+import json.scanner
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 from dgserve.async_engine import Draft, DraftSpec, Finished
 from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
 from dgserve.structured import ResponseFormat
+
+from ..errors import clip
 
 # dgserve finish reasons → OpenAI's ("abort": the request was cancelled by the server, e.g. a drain timeout; vLLM's)
 FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
@@ -64,6 +75,12 @@ WHY = {
     "functions": "tool calling is not supported",
 }
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
+# the shape of a body: json.loads holds the GIL for its whole call (~70 ns a value), so a 16 MB body of 8 million
+# small values stalled every other caller for 0.6 s even in a worker thread; a real request has a few thousand
+# values (token ids and messages are bounded by the context window) and a few levels of nesting (a JSON schema's
+# included), and deeper structures only end in RecursionError in json, jinja or a grammar compiler
+MAX_JSON_VALUES = 1 << 18
+MAX_JSON_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -81,24 +98,126 @@ class Call:
 # ---------------------------------------------------------------------------------------------- requests
 
 
-def completion_request(body, defaults: SamplingParams, vocab_size: int) -> Call:
-    """POST /v1/completions body → Call."""
+def decode_body(raw: bytes):
+    """The JSON value of a request body (UTF-8, RFC 8259). ValueError naming ``body`` when it is not UTF-8 JSON,
+    has more than MAX_JSON_VALUES values or more than MAX_JSON_DEPTH levels, or naming the field whose text (or
+    field name) holds a lone surrogate (``messages[0].content: ...``). Builds at most about MAX_JSON_VALUES
+    values; safe in a worker thread."""
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
+    except UnicodeDecodeError as e:
+        raise ValueError(f"body: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    opens = text.count("[") + text.count("{")
+    try:
+        # commas and brackets bound the number of values from above (strings' own included): below the cap, the
+        # fast C parser; above, the Python one, which counts as it goes and gives the GIL up between values
+        value = json.loads(text) if text.count(",") + opens <= MAX_JSON_VALUES else _counted_loads(text)
+    except RecursionError:
+        raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except _TooManyValues:
+        raise ValueError(f"body: more than {MAX_JSON_VALUES} JSON values") from None
+    except ValueError as e:
+        raise ValueError(f"body: not valid JSON ({e})") from None
+    # a lone surrogate can only come from a \uD800-\uDFFF escape (the text itself is strict UTF-8)
+    escapes = "\\ud" in text or "\\uD" in text
+    if escapes or opens > MAX_JSON_DEPTH:
+        _check_shape(value, escapes)
+    return value
+
+
+class _TooManyValues(Exception):
+    pass
+
+
+def _counted_loads(text: str):
+    """json.loads with the pure-Python scanner, stopping with _TooManyValues after MAX_JSON_VALUES values."""
+    count = 0
+
+    def counted(scan_once):
+        def scan(s, idx):
+            nonlocal count
+            count += 1
+            if count > MAX_JSON_VALUES:
+                raise _TooManyValues
+            return scan_once(s, idx)
+
+        return scan
+
+    # the pure-Python parser's hooks: json.decoder / json.scanner internals (unchanged since Python 2.7, untyped)
+    pure: Any = json.decoder
+    decoder: Any = json.JSONDecoder()
+    decoder.parse_array = lambda s_and_end, scan_once: pure.JSONArray(s_and_end, counted(scan_once))
+    decoder.parse_object = lambda s_and_end, strict, scan_once, *hooks: pure.JSONObject(
+        s_and_end, strict, counted(scan_once), *hooks
+    )
+    decoder.scan_once = cast(Any, json.scanner).py_make_scanner(decoder)
+    return decoder.decode(text)
+
+
+def _check_shape(value, text: bool) -> None:
+    """ValueError when ``value`` nests deeper than MAX_JSON_DEPTH (naming ``body``) or, with ``text``, holds a
+    string or field name that is not valid Unicode (naming its field). Iterative: no recursion on client data."""
+    stack: list[tuple[object, int, tuple]] = [(value, 1, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, (dict, list)) and depth > MAX_JSON_DEPTH:
+            raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if text:
+                    _check_text(key, path, "field name")
+                stack.append((child, depth + 1, (path, key)))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1, (path, i)) for i, child in enumerate(item))
+        elif text and isinstance(item, str):
+            _check_text(item, path, "text")
+
+
+def _check_text(s: str, path: tuple, what: str) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field_name(path)}: {what} is not valid Unicode (lone surrogate U+{ord(s[e.start]):04X} at "
+            f"character {e.start})"
+        ) from None
+
+
+def field_name(path: tuple) -> str:
+    """``messages[0].content`` for the linked path ((((), "messages"), 0), "content"); ``body`` for ()."""
+    keys = []
+    while path:
+        path, key = path
+        keys.append(key)
+    name = ""
+    for key in reversed(keys):
+        name += f"[{key}]" if isinstance(key, int) else (f".{clip(key)}" if name else clip(key))
+    return name or "body"
+
+
+def completion_request(body, defaults: SamplingParams, vocab_size: int, max_len: int | None = None) -> Call:
+    """POST /v1/completions body → Call. ``max_len`` (the context window): more token ids are refused unread."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
-    return _call(body, _completion_prompt(body.get("prompt"), vocab_size), defaults, "max_tokens")
+    return _call(body, _completion_prompt(body.get("prompt"), vocab_size, max_len), defaults, "max_tokens")
 
 
-def chat_request(body, defaults: SamplingParams) -> Call:
-    """POST /v1/chat/completions body → Call (messages through the checkpoint's chat template)."""
+def chat_request(body, defaults: SamplingParams, max_len: int | None = None) -> Call:
+    """POST /v1/chat/completions body → Call (messages through the checkpoint's chat template). ``max_len`` (the
+    context window): more messages, or content parts in all, are refused (each renders to at least a token)."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
+    if max_len is not None:
+        _check_chat_size(messages, max_len)
     kwargs = _optional(body, "chat_template_kwargs", dict) or {}
     for key, value in kwargs.items():
         if key not in CHAT_KWARGS:
-            raise ValueError(f"chat_template_kwargs.{key}: not supported (supported: {', '.join(CHAT_KWARGS)})")
+            raise ValueError(f"chat_template_kwargs.{clip(key)}: not supported (supported: {', '.join(CHAT_KWARGS)})")
         if not isinstance(value, bool):
             raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
     prompt = ChatPrompt(
@@ -117,7 +236,7 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
             raise ValueError("stream_options: only allowed when stream is true")
         for key, value in options.items():
             if key != "include_usage":
-                raise ValueError(f"stream_options.{key}: not supported (supported: include_usage)")
+                raise ValueError(f"stream_options.{clip(key)}: not supported (supported: include_usage)")
             if not isinstance(value, bool):
                 raise ValueError("stream_options.include_usage must be a boolean")
         include_usage = options.get("include_usage", False)
@@ -169,10 +288,10 @@ def response_format(value) -> ResponseFormat | None:
     fields = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"}}
     fields["choice"] = {"choice"}
     if kind not in fields:
-        raise ValueError(f"response_format.type must be one of {', '.join(fields)}, got {kind!r}")
+        raise ValueError(f"response_format.type must be one of {', '.join(fields)}, got {clip(kind)!r}")
     extra = set(value) - fields[kind] - {"type"}
     if extra:
-        raise ValueError(f"response_format.{sorted(extra)[0]}: not used by type {kind!r}")
+        raise ValueError(f"response_format.{clip(sorted(extra)[0])}: not used by type {kind!r}")
     if kind == "text":
         return None
     if kind == "json_schema":
@@ -181,7 +300,7 @@ def response_format(value) -> ResponseFormat | None:
             raise ValueError('response_format.json_schema must be an object with a "schema"')
         unknown = set(spec) - {"name", "schema", "strict", "description"}
         if unknown:
-            raise ValueError(f"response_format.json_schema.{sorted(unknown)[0]}: not supported")
+            raise ValueError(f"response_format.json_schema.{clip(sorted(unknown)[0])}: not supported")
         schema = spec["schema"]
         if not isinstance(schema, (dict, bool)):
             raise ValueError("response_format.json_schema.schema must be a JSON object")
@@ -199,7 +318,7 @@ def response_format(value) -> ResponseFormat | None:
     return ResponseFormat("json_object")
 
 
-def _completion_prompt(prompt, vocab_size: int) -> Prompt:
+def _completion_prompt(prompt, vocab_size: int, max_len: int | None = None) -> Prompt:
     """A string, a list of token ids, or a one-element list of either (OpenAI's batch form, batch size 1)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -207,6 +326,8 @@ def _completion_prompt(prompt, vocab_size: int) -> Prompt:
         if not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
+    if isinstance(prompt, list) and max_len is not None and len(prompt) > max_len:
+        raise ValueError(f"prompt: {len(prompt)} token ids exceed the context window of {max_len} positions")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         for i, t in enumerate(prompt):
             if not 0 <= t < vocab_size:
@@ -215,6 +336,14 @@ def _completion_prompt(prompt, vocab_size: int) -> Prompt:
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ValueError(f"prompt: {len(prompt)} prompts in one request are not supported; send one per request")
     raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def _check_chat_size(messages: list, max_len: int) -> None:
+    if len(messages) > max_len:
+        raise ValueError(f"messages: {len(messages)} messages exceed the context window of {max_len} positions")
+    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if parts > max_len:
+        raise ValueError(f"messages: {parts} content parts exceed the context window of {max_len} positions")
 
 
 def _drafts(spec, stream: bool) -> DraftSpec | None:
@@ -228,7 +357,7 @@ def _drafts(spec, stream: bool) -> DraftSpec | None:
         raise ValueError("drafts must be true or an object {every_n_steps, include_text}")
     for key in spec:
         if key not in ("every_n_steps", "include_text"):
-            raise ValueError(f"drafts.{key}: not supported (supported: every_n_steps, include_text)")
+            raise ValueError(f"drafts.{clip(key)}: not supported (supported: every_n_steps, include_text)")
     every = spec.get("every_n_steps", 1)
     if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= 1024:
         raise ValueError(f"drafts.every_n_steps must be an integer in [1, 1024], got {every!r}")
@@ -252,7 +381,7 @@ def _check_fields(body: dict, known: set[str]) -> None:
         ):
             continue
         why = WHY.get(name, "not supported by this server")
-        raise ValueError(f"{name}: {why} (got {json.dumps(value)[:80]})")
+        raise ValueError(f"{clip(name)}: {why} (got {clip(json.dumps(value))})")
 
 
 def _same_number(a, b) -> bool:

@@ -1,0 +1,239 @@
+"""Hostile request bodies against a real server, on both doors: text that is not valid Unicode and absurdly deep
+JSON are refused as 400 / INVALID_ARGUMENT naming the field (never a 500 / INTERNAL with a traceback), error
+messages never echo a huge value back, and 16 MB bodies do not stall the event loop for other callers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from service_helpers import params
+
+from dgserve.v1 import text_generation_pb2 as pb
+
+GENERATE = "/dgserve.v1.TextGeneration/Generate"
+BIG = 15 << 20  # under the 16 MB message limit, far over anything an error message should hold
+SHORT = 4096  # the most an error body may take (its message is capped at 2048 characters)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}", timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def no_traceback(caplog):
+    """Fails the test when the server logged an error or a traceback while it ran."""
+    caplog.set_level(logging.INFO)
+    yield
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage()[:200] for r in bad]
+
+
+def post(http, path: str, body: bytes) -> httpx.Response:
+    return http.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def error_param(r: httpx.Response) -> str | None:
+    return r.json()["error"]["param"]
+
+
+def raw_generate(channel, data: bytes, timeout: float = 60) -> grpc.RpcError | None:
+    """Send serialized bytes as a GenerateRequest; the error, or None when the call succeeded."""
+    call = channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=pb.GenerateResponse.FromString)
+    try:
+        list(call(data, timeout=timeout))
+    except grpc.RpcError as e:
+        return e
+    return None
+
+
+def bad_request_field(err: grpc.RpcError) -> str:
+    for d in rpc_status.from_call(err).details:
+        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            msg = error_details_pb2.BadRequest()
+            d.Unpack(msg)
+            return msg.field_violations[0].field
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------- invalid Unicode
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", b'{"prompt": "ab\\ud800cd", "max_tokens": 16}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 16}', "prompt[0]"),
+        ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 16}', "stop[0]"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\uDC00"}]}', "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\ud800"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        ("/v1/completions", b'{"prompt": "hi", "\\ud800": 1}', "body"),
+        ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', "model"),
+        ("/v1/completions", b'{"prompt": "hi", "response_format": {"type": "regex", "regex": "\\ud800"}}', None),
+    ],
+)
+def test_lone_surrogate_is_a_400_naming_the_field(http, no_traceback, path, body, field):
+    r = post(http, path, body)
+    assert r.status_code == 400, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+    assert error_param(r) == (field or "response_format.regex")
+
+
+def test_utf8_encoded_surrogate_is_a_400(http, no_traceback):
+    """Raw UTF-8 bytes of a surrogate (json.loads(bytes) would decode them with surrogatepass) are not UTF-8."""
+    r = post(http, "/v1/completions", b'{"prompt": "\xed\xa0\x80", "max_tokens": 16}')
+    assert r.status_code == 400 and error_param(r) == "body"
+
+
+def test_surrogate_pair_is_ordinary_text(http):
+    r = post(http, "/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 16, "max_denoising_steps": 2}')
+    assert r.status_code == 200, r.text
+
+
+def test_invalid_utf8_string_field_over_grpc_is_invalid_argument(channel, no_traceback):
+    """protobuf refuses a string field that is not UTF-8 (a surrogate's bytes): INVALID_ARGUMENT, not INTERNAL."""
+    data = pb.GenerateRequest(prompt="abc", params=params()).SerializeToString()
+    err = raw_generate(channel, data.replace(b"abc", b"\xed\xa0\x80"))
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_field(err) == "request"
+
+
+# ---------------------------------------------------------------------------------------------- deep nesting
+
+
+@pytest.mark.parametrize("depth", [129, 1_000, 100_000])
+def test_deep_body_is_a_400(http, no_traceback, depth):
+    body = b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    r = post(http, "/v1/completions", body)
+    assert r.status_code == 400 and error_param(r) == "body"
+    assert "nested deeper than 128 levels" in r.json()["error"]["message"]
+
+
+def test_deep_response_format_is_a_400(http, no_traceback):
+    schema = b'{"type": "array", "items": ' * 900 + b"{}" + b"}" * 900
+    body = b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": ' + schema + b"}}}"
+    r = post(http, "/v1/completions", body)
+    assert r.status_code == 400 and error_param(r) == "body"
+
+
+def test_deep_chat_message_is_a_400(http, no_traceback):
+    extra = b"[" * 1_000 + b"]" * 1_000
+    body = b'{"messages": [{"role": "user", "content": "hi", "meta": ' + extra + b"}]}"
+    r = post(http, "/v1/chat/completions", body)
+    assert r.status_code == 400 and error_param(r) == "body"
+
+
+def test_moderate_nesting_is_accepted(http):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    body = {"prompt": "hi", "max_tokens": 16, "max_denoising_steps": 2, "response_format": {"type": "json_schema"}}
+    body["response_format"]["json_schema"] = {"name": "x", "schema": schema}
+    r = post(http, "/v1/completions", json.dumps(body).encode())
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------------------------- bounded echoes
+
+
+def test_huge_model_name_gets_a_short_404(http, stub):
+    name = "m" * BIG
+    r = post(http, "/v1/completions", json.dumps({"model": name, "prompt": "hi"}).encode())
+    assert r.status_code == 404 and len(r.content) < SHORT
+    assert r.json()["error"]["message"].startswith("model: 'mmm") and f"({BIG} characters)" in r.text
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(model=name, prompt="hi", params=params()), timeout=60))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and len(e.value.details()) < SHORT
+    assert e.value.details().startswith("model: 'mmm")
+
+
+def test_huge_unknown_field_gets_a_short_400(http):
+    r = post(http, "/v1/completions", json.dumps({"prompt": "hi", "f" * BIG: "v" * 1000}).encode())
+    assert r.status_code == 400 and len(r.content) < SHORT
+    assert error_param(r).startswith("fff") and len(error_param(r)) < 100
+
+
+def test_huge_path_gets_a_short_404(http):
+    r = http.get("/" + "p" * 10_000)
+    assert r.status_code == 404 and len(r.content) < SHORT
+
+
+# ---------------------------------------------------------------------------------------------- no stalls
+
+N = 16 << 20
+
+
+def _grpc_bodies() -> list[bytes]:
+    ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (N // 2 - 64)), params=params())
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="")] * (N // 8 - 64))
+    return [ids.SerializeToString(), pb.GenerateRequest(chat=chat, params=params()).SerializeToString()]
+
+
+def _http_bodies() -> list[tuple[str, bytes]]:
+    ids = json.dumps({"prompt": [1] * (N // 2 - 64)}, separators=(",", ":")).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": ""}] * (N // 30)}, separators=(",", ":"))
+    return [("/v1/completions", ids), ("/v1/chat/completions", chat.encode())]
+
+
+def test_big_bodies_do_not_stall_small_calls(server, channel, stub, http):
+    """While 16 MB bodies of small values (the costliest to decode: token ids, empty chat messages) arrive on
+    both doors, a small call's latency stays near its baseline. Each such body took 1-3 s of event-loop time
+    before (a short call then waited 4-5 s); the bound here is loose for loaded CPUs."""
+    grpc_bodies, http_bodies = _grpc_bodies(), _http_bodies()
+
+    def small() -> float:
+        t0 = time.perf_counter()
+        stub.Tokenize(pb.TokenizeRequest(prompt="hello"), timeout=30)
+        http.get("/v1/models")
+        return time.perf_counter() - t0
+
+    baseline = statistics.median(small() for _ in range(10))
+    outcomes: list[object] = []
+
+    def send_grpc(data):
+        outcomes.append(raw_generate(channel, data))
+
+    def send_http(path, body):
+        with httpx.Client(base_url=str(http.base_url), timeout=60) as c:
+            outcomes.append(post(c, path, body).status_code)
+
+    senders = [threading.Thread(target=send_grpc, args=(b,)) for b in grpc_bodies * 2]
+    senders += [threading.Thread(target=send_http, args=b) for b in http_bodies * 2]
+    for t in senders:
+        t.start()
+    worst = 0.0
+    while any(t.is_alive() for t in senders):
+        worst = max(worst, small())
+        time.sleep(0.02)
+    for t in senders:
+        t.join()
+    assert len(outcomes) == len(senders)
+    assert all(
+        o == 400 or (isinstance(o, grpc.RpcError) and o.code() == grpc.StatusCode.INVALID_ARGUMENT) for o in outcomes
+    )
+    assert worst < max(1.5, 5 * baseline), (worst, baseline)
+
+
+def test_tokenizer_refuses_lone_surrogates_naming_the_field(model_dir):
+    """The library's own check, for callers that do not come through a door (which refuses them first)."""
+    from dgserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode \(lone surrogate U\+D800 at character 1\)"):
+        tok.encode("a\ud800")
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: not valid Unicode"):
+        tok.encode_chat([{"role": "user", "content": "\udc00"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]\.text: not valid Unicode"):
+        tok.encode_chat([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}])
