@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import resource
 import string
 import subprocess
 import sys
@@ -52,9 +53,10 @@ FUZZ_CODES = {
 
 
 class ServerProcess:
-    """``python -m dgserve.service`` on 127.0.0.1 with ephemeral ports; ``port``/``http_port`` parsed from its log."""
+    """``python -m dgserve.service`` on 127.0.0.1 with ephemeral ports; ``port``/``http_port`` parsed from its log.
+    ``nofile``: its open-file limit, soft and hard (None: inherited)."""
 
-    def __init__(self, model_dir, *extra: str, ready_timeout: float = 120):
+    def __init__(self, model_dir, *extra: str, ready_timeout: float = 120, nofile: int | None = None):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
             [
@@ -75,6 +77,9 @@ class ServerProcess:
             env=env,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=None
+            if nofile is None
+            else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))),
         )
         self.lines: list[str] = []
         self.port = self.http_port = None
