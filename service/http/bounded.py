@@ -8,15 +8,21 @@ class arms its own timer at ``connection_made`` and whenever a new request start
 whole request; when it fires, a connection still sending its headers is answered 408 and closed (one sending its
 body is reset: its app task is already reading).
 
-Over the cap, a new connection first evicts the oldest connection that holds no request in flight (one still
-waiting for or receiving its request, or idle between keep-alive requests): those cost a descriptor and do no
-work, and evicting them keeps the door open to health probes under a flood of silent connections. Only when
-every connection is busy with a request is the new one shed (reset at once).
+The cap is enforced twice. At accept() (``BoundedListener``): asyncio accepts up to its backlog of sockets in one
+callback before any protocol sees them, so a burst could exhaust the descriptors before ``connection_made`` runs
+(and asyncio then logs one error per remaining accept() of the burst); the listener therefore closes at once any
+socket beyond what the door can take. At ``connection_made``: over the cap, a new connection first evicts the
+oldest connection that holds no request in flight (one still waiting for or receiving its request, or idle
+between keep-alive requests): those cost a descriptor and do no work, and evicting them keeps the door open to
+health probes under a flood of silent connections. Only when every connection is busy with a request is the new
+one shed (reset at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +33,8 @@ from ..connections import ConnectionEvents
 
 DOOR = "http"
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)  # h11 states of a request not yet complete (IDLE: none yet)
+EVICT_SLACK = 16  # sockets accepted beyond the cap (each to evict an idle one): descriptors in flight, bounded
+SHED_BURST = 64  # sockets closed at accept() in one call before yielding to the event loop
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -39,6 +47,52 @@ class DoorState:
     events: ConnectionEvents
     open: set[BoundedH11Protocol] = field(default_factory=set)
     idle: dict[BoundedH11Protocol, None] = field(default_factory=dict)  # evictable, oldest first
+    accepting: int = 0  # sockets accepted whose protocol does not exist yet
+    exhausted: bool = False  # accept() ran out of descriptors in this event-loop iteration
+
+    def admits(self) -> bool:
+        """Whether a socket accepted now could be kept: fewer connections busy with a request than the cap (an
+        idle one can be evicted for it), and no more than EVICT_SLACK sockets beyond the cap in flight."""
+        held = len(self.open) + self.accepting
+        return len(self.open) - len(self.idle) < self.max_connections and held < self.max_connections + EVICT_SLACK
+
+
+class BoundedListener(socket.socket):
+    """The HTTP door's listening socket: ``accept()`` closes at once what the door cannot take (module docstring),
+    and reports running out of descriptors once per event-loop iteration rather than once per queued socket."""
+
+    door: DoorState
+
+    @classmethod
+    def wrap(cls, sock: socket.socket, door: DoorState) -> BoundedListener:
+        listener = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        listener.door = door
+        return listener
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        door = self.door
+        for _ in range(SHED_BURST):
+            conn, addr = self._accept_one()
+            if door.admits():
+                door.accepting += 1
+                return conn, addr
+            conn.close()
+            door.events.note(DOOR, "limit")
+        raise BlockingIOError  # asyncio's "queue empty": the rest waits for the next iteration
+
+    def _accept_one(self) -> tuple[socket.socket, Any]:
+        door = self.door
+        try:
+            return super().accept()
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            if door.exhausted:  # asyncio would log this again for every socket still queued
+                raise BlockingIOError from None
+            door.exhausted = True
+            asyncio.get_running_loop().call_soon(setattr, door, "exhausted", False)
+            door.events.note(DOOR, "no_descriptors")
+            raise  # asyncio logs it once and pauses this listener for a second
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -48,6 +102,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.door.accepting = max(0, self.door.accepting - 1)  # asyncio makes the protocol right after accept()
         self._deadline: asyncio.TimerHandle | None = None
         self._shed = False
 

@@ -13,7 +13,7 @@ import uvicorn
 
 from ..connections import ConnectionEvents
 from .app import Gate, build_app
-from .bounded import DoorState, protocol_class
+from .bounded import BoundedListener, DoorState, protocol_class
 
 log = logging.getLogger("dgserve.http")
 KEEP_ALIVE_S = 30  # an idle keep-alive connection is closed after this (uvicorn's own timer)
@@ -50,9 +50,9 @@ class HttpFrontDoor:
         request_timeout: float,
         events: ConnectionEvents,
     ):
-        self.gate, self.sock = gate, sock
-        self.port = sock.getsockname()[1]
         self.door = DoorState(max_connections, request_timeout, events)
+        self.gate, self.sock = gate, BoundedListener.wrap(sock, self.door)
+        self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
             build_app(gate),
             lifespan="off",
