@@ -135,6 +135,27 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "largest gRPC message accepted or sent (default 16 MiB)",
     ),
     (
+        "--request-timeout",
+        "DGSERVE_REQUEST_TIMEOUT",
+        "request_timeout",
+        float,
+        (
+            "seconds a connection has to deliver a complete request (HTTP headers and body; gRPC: the HTTP/2 "
+            "handshake) before it is closed (default 30)"
+        ),
+    ),
+    (
+        "--max-connections",
+        "DGSERVE_MAX_CONNECTIONS",
+        "max_connections",
+        int,
+        (
+            "open connections on both ports together, half each when HTTP is on; beyond it the oldest connection "
+            "without a request is closed (HTTP) or new ones are refused (default: the open-file limit, raised to "
+            "its hard limit, less a reserve, at most 16384)"
+        ),
+    ),
+    (
         "--keepalive-min-ping-ms",
         "DGSERVE_KEEPALIVE_MIN_PING_MS",
         "keepalive_min_ping_ms",

@@ -42,6 +42,8 @@ class ServiceConfig:
     max_message_bytes: int = 16 << 20  # largest request / response message
     keepalive_time_ms: int = 60_000  # server pings idle connections this often
     keepalive_min_ping_ms: int = 10_000  # clients may ping this often (with or without calls)
+    request_timeout: float = 30.0  # seconds a connection has to deliver a complete request (both ports)
+    max_connections: int | None = None  # both ports together; None = from the open-file limit (service/connections)
     reflection: bool = True
     warm_up: bool = True
 
@@ -61,6 +63,12 @@ class ServiceConfig:
             _int("http_port", self.http_port, 0, 65535)
         if self.max_model_len is not None:
             _int("max_model_len", self.max_model_len, 1, 1 << 30)
+        if self.max_connections is not None:
+            _int("max_connections", self.max_connections, 2, 1 << 24)  # at least one per port
+        v = self.request_timeout
+        # grpc takes milliseconds: below 1 ms would round to its "no timeout" 0
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 86400:
+            raise ValueError(f"request_timeout must be a number of seconds in [0.001, 86400], got {v!r}")
         for name in ("drain_timeout", "stall_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

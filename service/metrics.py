@@ -50,6 +50,15 @@ class Metrics(EngineObserver):
         self.drafts_dropped = Counter(p + "drafts_dropped", "Drafts replaced before the reader took them", registry=r)
         self.step_time = Histogram(p + "engine_step_seconds", "Engine iteration time", buckets=_LATENCY, registry=r)
         self.rpcs = Counter(p + "rpc", "Finished RPCs by method and status code", ["method", "code"], registry=r)
+        self.connections_rejected = Counter(
+            p + "connections_rejected",
+            "Connections the server closed or refused: timeout (no complete request in time), evicted (oldest "
+            "connection without a request in flight, for a new one over the cap), limit (over the cap, refused)",
+            ["door", "reason"],
+            registry=r,
+        )
+        self.connections = ConnectionsCollector()
+        r.register(self.connections)
         r.register(NvmlCollector())
         r.register(NativeOpsCollector())
 
@@ -90,6 +99,46 @@ class Metrics(EngineObserver):
         """A sample's current value (tests, debugging); 0 when absent."""
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else v
+
+
+class ConnectionsCollector:
+    """dgserve_connections_open{door} and dgserve_connections_max{door}, read at scrape time. HTTP counts what its
+    protocol holds; grpc core tells Python nothing about its connections, so the gRPC figure counts the
+    established TCP connections whose local port is the gRPC port (/proc/net/tcp, accept backlog included)."""
+
+    def __init__(self) -> None:
+        self.http_open: Callable[[], int] | None = None
+        self.grpc_port: int | None = None
+        self.caps: dict[str, int] = {}
+
+    def track(self, caps: dict[str, int], grpc_port: int | None, http_open: Callable[[], int] | None) -> None:
+        self.caps, self.grpc_port, self.http_open = dict(caps), grpc_port, http_open
+
+    def collect(self):
+        open_ = GaugeMetricFamily("dgserve_connections_open", "Open client connections", labels=["door"])
+        cap = GaugeMetricFamily("dgserve_connections_max", "Connection cap", labels=["door"])
+        if self.grpc_port is not None:
+            open_.add_metric(["grpc"], established_on_port(self.grpc_port))
+        if self.http_open is not None:
+            open_.add_metric(["http"], self.http_open())
+        for door, n in sorted(self.caps.items()):
+            cap.add_metric([door], n)
+        yield from (open_, cap)
+
+
+def established_on_port(port: int) -> int:
+    """Established TCP connections (IPv4 and IPv6) whose local port is ``port``; 0 without /proc."""
+    n, local = 0, f":{port:04X}"
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split(None, 4)
+                    n += cols[1].endswith(local) and cols[3] == "01"  # 01: TCP_ESTABLISHED
+        except OSError:
+            continue
+    return n
 
 
 class NativeOpsCollector:

@@ -38,7 +38,7 @@ from dgserve.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-from . import convert
+from . import connections, convert
 from .config import ServiceConfig
 from .http.app import Gate
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
@@ -50,6 +50,9 @@ log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
 MAX_METADATA_BYTES = 16 << 10
 LIVENESS_NAME = "liveness"  # gRPC health name that is SERVING while the process is live (loading included)
+# a connection with no call for this long gets GOAWAY (clients reconnect on their next call): without it a peer
+# that completed the HTTP/2 handshake and answers pings would hold its descriptor forever
+GRPC_MAX_IDLE_MS = 300_000
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 FLUSH_S = 2.0  # after the drain grace: time the cancelled streams get to send their last event
 
@@ -84,8 +87,14 @@ def load_engine(cfg: ServiceConfig) -> Engine:
     )
 
 
-def grpc_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
+def grpc_options(cfg: ServiceConfig, max_connections: int) -> list[tuple[str, int]]:
+    """grpc core's channel arguments for the server; ``max_connections``: this door's cap."""
     return [
+        # grpc core closes a connection at once when it holds this many (accept, then close: no accept() loop)
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        # from accept to the client's HTTP/2 SETTINGS: a silent or trickling connection is closed after this
+        ("grpc.server_handshake_timeout_ms", max(1, round(cfg.request_timeout * 1000))),
+        ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_MS),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes
@@ -118,6 +127,8 @@ class Server:
         self._http: HttpFrontDoor | None = None
         self._load_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self.connection_events = connections.ConnectionEvents(self.metrics.connections_rejected)
+        self.connection_plan: connections.ConnectionPlan | None = None
 
     # ---------------------------------------------------------------- start
 
@@ -129,7 +140,8 @@ class Server:
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
         interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
-        self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
+        self.connection_plan = plan = connections.start_plan(cfg.max_connections, cfg.http_port is not None)
+        self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg, plan.grpc))
         try:
             await self._start_grpc(server, creds)
             if cfg.http_port is not None:
@@ -137,6 +149,11 @@ class Server:
         except BaseException:
             await server.stop(None)
             raise
+        self.metrics.connections.track(
+            {"grpc": plan.grpc, "http": plan.http} if self._http is not None else {"grpc": plan.grpc},
+            self.port,
+            None if self._http is None else self._http.open_connections,
+        )
         await self.health.set(LIVENESS_NAME, SERVING)
         await self._set_ready(NOT_SERVING)
         log.info(
@@ -178,7 +195,14 @@ class Server:
             ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
         gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner, max_body_bytes=cfg.max_message_bytes)
-        self._http = HttpFrontDoor(gate, sock)
+        assert self.connection_plan is not None, "start() plans the connections before binding"
+        self._http = HttpFrontDoor(
+            gate,
+            sock,
+            max_connections=self.connection_plan.http,
+            request_timeout=cfg.request_timeout,
+            events=self.connection_events,
+        )
         await self._http.start()
         self.http_port = self._http.port
 
@@ -253,6 +277,7 @@ class Server:
             await self.state.engine.stop()
         if self._http is not None:
             await self._http.stop()
+        self.connection_events.close()
         log.info("stopped")
         self._stopped.set()
 

@@ -11,9 +11,12 @@ import socket
 
 import uvicorn
 
+from ..connections import ConnectionEvents
 from .app import Gate, build_app
+from .bounded import BoundedListener, DoorState, protocol_class
 
 log = logging.getLogger("dgserve.http")
+KEEP_ALIVE_S = 30  # an idle keep-alive connection is closed after this (uvicorn's own timer)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -34,27 +37,41 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpFrontDoor:
-    """The FastAPI app served by uvicorn on ``sock``, in this event loop."""
+    """The FastAPI app served by uvicorn on ``sock``, in this event loop, holding at most ``max_connections``
+    connections, each of which must deliver a complete request within ``request_timeout`` seconds
+    (service/http/bounded.py); ``events`` counts and logs the connections closed or shed for that."""
 
-    def __init__(self, gate: Gate, sock: socket.socket):
-        self.gate, self.sock = gate, sock
-        self.port = sock.getsockname()[1]
+    def __init__(
+        self,
+        gate: Gate,
+        sock: socket.socket,
+        *,
+        max_connections: int,
+        request_timeout: float,
+        events: ConnectionEvents,
+    ):
+        self.door = DoorState(max_connections, request_timeout, events)
+        self.gate, self.sock = gate, BoundedListener.wrap(sock, self.door)
+        self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
             build_app(gate),
             lifespan="off",
-            http="h11",
+            http=protocol_class(self.door),
             loop="none",
             log_config=None,
             access_log=False,
             server_header=False,
             timeout_graceful_shutdown=1,
-            timeout_keep_alive=30,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         config.load()
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its lifecycle lines duplicate ours
         self._server = uvicorn.Server(config)
         self._server.lifespan = config.lifespan_class(config)
         self._ticker: asyncio.Task | None = None
+
+    def open_connections(self) -> int:
+        return len(self.door.open)
 
     async def start(self) -> None:
         await self._server.startup(sockets=[self.sock])

@@ -8,9 +8,12 @@ is one a client may legitimately get (``STREAM_CODES``, ``FUZZ_CODES``) and the 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import resource
+import socket
 import string
 import subprocess
 import sys
@@ -52,9 +55,10 @@ FUZZ_CODES = {
 
 
 class ServerProcess:
-    """``python -m dgserve.service`` on 127.0.0.1 with ephemeral ports; ``port``/``http_port`` parsed from its log."""
+    """``python -m dgserve.service`` on 127.0.0.1 with ephemeral ports; ``port``/``http_port`` parsed from its log.
+    ``nofile``: its open-file limit, soft and hard (None: inherited)."""
 
-    def __init__(self, model_dir, *extra: str, ready_timeout: float = 120):
+    def __init__(self, model_dir, *extra: str, ready_timeout: float = 120, nofile: int | None = None):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
             [
@@ -75,6 +79,9 @@ class ServerProcess:
             env=env,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=None
+            if nofile is None
+            else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))),
         )
         self.lines: list[str] = []
         self.port = self.http_port = None
@@ -300,3 +307,123 @@ def fuzz(channel, n: int, concurrency: int = 8, seed: int = 0) -> Counter:
 
 def stub_for(channel):
     return pb_grpc.TextGenerationStub(channel)
+
+
+# ---------------------------------------------------------------------------------------------- HTTP
+
+HTTP_MODES = ("close_at_once", "after_first_event", "at_random", "complete")
+
+
+def _http_send(port: int, head: bytes, body: bytes = b"", timeout: float = 60) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(head + body)
+    return s
+
+
+def chat_request(i: int, stream: bool = True, max_tokens: int = 16) -> bytes:
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"storm {i}"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "seed": i,
+        }
+    ).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+def _status(data: bytes) -> str:
+    m = re.match(rb"HTTP/1\.1 (\d{3})", data)
+    return m.group(1).decode() if m else ("closed" if not data else "garbled")
+
+
+def one_sse_stream(port: int, mode: str, i: int, rng: random.Random) -> str:
+    """One streamed chat completion over a raw socket, ended as ``mode`` says; the HTTP status (or "closed")."""
+    try:
+        with _http_send(port, chat_request(i)) as s:
+            if mode == "close_at_once":
+                return "sent"
+            data = s.recv(65536)
+            if mode == "after_first_event":
+                while b"data:" not in data and (more := s.recv(65536)):
+                    data += more
+            elif mode == "at_random":
+                time.sleep(rng.uniform(0, 0.05))
+            else:
+                while more := s.recv(65536):
+                    data += more
+                assert b"data: [DONE]" in data or not data.startswith(b"HTTP/1.1 200"), data[-200:]
+            return _status(data)
+    except (ConnectionResetError, BrokenPipeError):
+        return "reset"
+
+
+def sse_storm(port: int, n: int, concurrency: int = 16, seed: int = 0) -> Counter:
+    """``n`` SSE streams, ``concurrency`` at a time, each ended by a random HTTP mode; Counter of (mode, status)."""
+    rng = random.Random(seed)
+    jobs = [(rng.choice(HTTP_MODES), i, random.Random(rng.random())) for i in range(n)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return Counter(pool.map(lambda job: (job[0], one_sse_stream(port, *job)), jobs))
+
+
+def malformed_http(port: int, rng: random.Random) -> str:
+    """One malformed HTTP request (bad JSON, bad fields, odd headers, truncated body); the status or "closed"."""
+    kind = rng.randrange(5)
+    path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/health/live", "/nope"])
+    body = rng.choice([b"{", b"[]", b"null", b'{"model": 1}', b'{"prompt": "x", "max_tokens": -1}', rng.randbytes(40)])
+    headers = "content-type: application/json\r\n"
+    if kind == 1:  # fields of the wrong kind
+        body = json.dumps({"model": "tiny", "messages": rng.choice([[], "x", [{"role": 5}]]), "n": "two"}).encode()
+    elif kind == 2:  # odd headers
+        headers += rng.choice(["x-request-id: " + "x" * 5000 + "\r\n", "authorization: Bearer\r\n", "a\x01b: c\r\n"])
+    declared = len(body)
+    if kind == 3:  # truncated body: the connection ends before the declared length
+        declared = len(body) + rng.randrange(1, 1000)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}content-length: {declared}\r\nconnection: close\r\n\r\n"
+    if kind == 4:  # not HTTP at all
+        head, body = rng.choice(["GARBAGE\r\n\r\n", "GET / HTTP/9.9\r\n\r\n", "\x00" * 64]), b""
+    try:
+        with _http_send(port, head.encode("latin-1"), body, timeout=30) as s:
+            if kind == 3:
+                s.shutdown(socket.SHUT_WR)
+            data = b""
+            while more := s.recv(65536):
+                data += more
+            return _status(data)
+    except (ConnectionResetError, BrokenPipeError):
+        return "reset"
+
+
+def http_fuzz(port: int, n: int, concurrency: int = 8, seed: int = 0) -> Counter:
+    rng = random.Random(seed)
+    rngs = [random.Random(rng.random()) for _ in range(n)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return Counter(pool.map(lambda r: malformed_http(port, r), rngs))
+
+
+def slow_connections(ports: tuple[int, ...], n: int) -> list[socket.socket]:
+    """``n`` connections to each port: half silent, half trickling a request head (call ``trickle`` to go on)."""
+    socks = []
+    for port in ports:
+        for i in range(n):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                if i % 2:
+                    s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n")
+                socks.append(s)
+            except OSError:
+                pass
+    return socks
+
+
+def trickle(socks: list[socket.socket]) -> None:
+    for s in socks:
+        try:
+            s.send(b"X: y\r\n")
+        except OSError:
+            pass
