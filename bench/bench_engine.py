@@ -3,7 +3,14 @@
     python bench/bench_engine.py [--shape tiny|mid|26b-a4b] [--device cpu|cuda] [--dtype float32|bfloat16]
                                  [--experts bf16|nvfp4] [--steps 16] [--blocks 4] [--prompt-len 512]
                                  [--concurrency 1,4,16] [--no-baseline] [--mem-gbps 3000]
+    python bench/bench_engine.py --figures --shape 26b-a4b --device cuda --experts nvfp4|bf16 [--max-seconds 90]
     python bench/bench_engine.py --step-figures [--baseline-src /path/to/old/python] [--prompt-lens 32,1024,...]
+
+``--figures`` (what scripts/gpu_check.sh runs): the step alone at batch 1 and 16 (CUDA events after warm-up), a
+canvas, the first block after a 4K prompt, tok/s at 1K in / 1K out for 1, 16 and 64 requests, peak memory, % of
+the HBM roofline (H100 3350 GB/s, H200 4800 GB/s unless --mem-gbps), and as baseline the same engine and weights
+with native ops off. With ``--experts nvfp4`` the experts are real NVFP4 built on the device (random codes and
+scales, no dense copy) and run through the W4A16 kernels; on the CPU through their reference.
 
 ``--step-figures`` (issue 17) measures the engine itself, before and after in one run: with ``--baseline-src`` (a
 ``python/`` directory of another checkout, e.g. ``git archive main python``) the same measurement runs in a
@@ -474,8 +481,8 @@ def main() -> None:
     ap.add_argument("--experts", choices=["bf16", "nvfp4"], default="bf16")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (--figures: 1024)")
+    ap.add_argument("--concurrency", default=None, help="default 1,4 (--figures: 1,16,64)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mem-gbps", type=float, default=None, help="memory bandwidth for the roofline (H100: 3000)")
@@ -489,6 +496,9 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=float("inf"), help="with --figures: start nothing after")
     ap.add_argument("--rounds", type=int, default=3, help="with --step-figures: alternating runs per tree")
     args = ap.parse_args()
+    if not args.figures:
+        args.concurrency = args.concurrency or "1,4"
+        args.prompt_len = args.prompt_len or 512
     if args.step_figures_json:
         print(json.dumps(_step_figures(args)))
         return
@@ -496,10 +506,8 @@ def main() -> None:
         _step_figures_main(args)
         return
     if args.figures:
-        if args.concurrency == "1,4":  # the figures' own default: 1, 16 and 64 concurrent requests
-            args.concurrency = "1,16,64"
-        if args.prompt_len == 512:
-            args.prompt_len = 1024
+        args.concurrency = args.concurrency or "1,16,64"  # the figures' own defaults: 1K in, 1, 16, 64 requests
+        args.prompt_len = args.prompt_len or 1024
         _figures(args)
         return
     device = torch.device(args.device)
