@@ -9,7 +9,8 @@ Steps (each prints one line):
 2. ``dgserve._C`` with ``torch.utils.cpp_extension.load`` (ninja) against the installed torch:
    ``csrc/bindings.cpp`` + ``csrc/ops/*_cpu.cpp`` always; ``csrc/ops/*.cu`` only when torch is a CUDA build
    AND nvcc is found (SASS for sm_90a, sm_80, sm_100a, sm_120, sm_121, each when this nvcc knows it, plus
-   PTX for compute_80 that newer parts JIT-compile). ``-O3``, no fast-math,
+   PTX for compute_80 that newer parts JIT-compile; ``--arch native``: device 0's arch alone, which a
+   one-machine check wants). ``-O3``, no fast-math,
    ``-ffp-contract=off`` / ``--fmad=false`` (the ops are bit-exact contracts), OpenMP. The library is copied
    to ``python/dgserve/_C<EXT_SUFFIX>``, importable as ``dgserve._C`` from the editable install.
 
@@ -141,11 +142,28 @@ def gencode(name: str) -> str:
     return f"-gencode=arch=compute_{num},code=sm_{num}"
 
 
+def arch_of_capability(major: int, minor: int) -> str:
+    """The SASS arch name of a device of compute capability (major, minor): the arch-specific ``a`` variant
+    where CUDA_ARCHES builds one (9.0 → sm_90a, 10.0 → sm_100a), else plain (8.6 → sm_86, 12.0 → sm_120)."""
+    name = f"sm_{major}{minor}"
+    return f"{name}a" if f"{name}a" in {a for a, _ in CUDA_ARCHES} else name
+
+
+def native_arch() -> str:
+    """The arch of CUDA device 0 (``--arch native``); BuildError without a visible device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BuildError("--arch native: no CUDA device is visible to torch")
+    return arch_of_capability(*torch.cuda.get_device_capability(0))
+
+
 def cuda_arches(nvcc: str, requested: list[str] | None) -> list[str]:
     """Arch names to build: those of CUDA_ARCHES (+ PTX_ARCH) this nvcc knows, or exactly ``requested``
-    (names from CUDA_ARCHES, PTX_ARCH or any ``sm_XX`` / ``compute_XX`` the caller asks for)."""
+    (names from CUDA_ARCHES, PTX_ARCH or any ``sm_XX`` / ``compute_XX`` the caller asks for; ``native`` is
+    the arch of device 0, so a one-machine build compiles one arch instead of six)."""
     if requested is not None:
-        return list(requested)
+        return [native_arch() if name == "native" else name for name in requested]
     known = set(subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split())
     names = [name for name, compute in CUDA_ARCHES if compute in known]
     if PTX_ARCH in known:
@@ -362,11 +380,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--arch",
         default=None,
-        help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; "
-        "compute_XX for PTX (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
+        help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; compute_XX for PTX; native: the arch "
+        "of CUDA device 0 (sm_90a on H100/H200) (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
         "each when nvcc supports it)",
     )
-    p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's choice)")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="parallel compile jobs, sets MAX_JOBS (default: MAX_JOBS or ninja's)"
+    )
     p.add_argument(
         "--check-cuda",
         action="store_true",

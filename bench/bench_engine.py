@@ -3,7 +3,14 @@
     python bench/bench_engine.py [--shape tiny|mid|26b-a4b] [--device cpu|cuda] [--dtype float32|bfloat16]
                                  [--experts bf16|nvfp4] [--steps 16] [--blocks 4] [--prompt-len 512]
                                  [--concurrency 1,4,16] [--no-baseline] [--mem-gbps 3000]
+    python bench/bench_engine.py --figures --shape 26b-a4b --device cuda --experts nvfp4|bf16 [--max-seconds 90]
     python bench/bench_engine.py --step-figures [--baseline-src /path/to/old/python] [--prompt-lens 32,1024,...]
+
+``--figures`` (what scripts/gpu_check.sh runs): the step alone at batch 1 and 16 (CUDA events after warm-up), a
+canvas, the first block after a 4K prompt, tok/s at 1K in / 1K out for 1, 16 and 64 requests, peak memory, % of
+the HBM roofline (H100 3350 GB/s, H200 4800 GB/s unless --mem-gbps), and as baseline the same engine and weights
+with native ops off. With ``--experts nvfp4`` the experts are real NVFP4 built on the device (random codes and
+scales, no dense copy) and run through the W4A16 kernels; on the CPU through their reference.
 
 ``--step-figures`` (issue 17) measures the engine itself, before and after in one run: with ``--baseline-src`` (a
 ``python/`` directory of another checkout, e.g. ``git archive main python``) the same measurement runs in a
@@ -64,16 +71,41 @@ def _weight_bytes(config, dtype, experts) -> int:
     return total
 
 
-def _weights(config, seed, dtype, device, experts):
+def _random_packed_experts(config, layer: int, seed: int, device) -> object:
+    """One layer's experts as NVFP4, built on ``device`` without a dense copy: random E2M1 codes (packed two per
+    byte), random E4M3 block scales in [0.5, 2) and a per-expert global scale that gives the decoded weights an
+    RMS of about 0.02 (as ``random_weights`` draws the dense ones), then ``nvfp4.pack_experts`` (the native repack
+    on CUDA) into the W4A16 kernel layout that ``ops.nvfp4_moe_experts`` runs on."""
     from dgserve import nvfp4
-    from dgserve.tiny import random_weights
 
-    w = random_weights(config, seed, dtype, device)
-    if experts == "nvfp4":  # the CPU/reference path runs on exactly dequantized NVFP4 weights
-        for name in [n for n in w if ".experts." in n]:
-            t = w[name]
-            for e in range(t.shape[0]):
-                t[e] = nvfp4.dequantize(*nvfp4.quantize(t[e]), t.shape[2]).to(dtype)
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * layer + 1)
+    rms_e2m1 = (sum(v * v for v in nvfp4.E2M1_VALUES) / 16) ** 0.5  # of a uniformly random code
+
+    def proj(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kp = nvfp4.padded(k)
+        codes = torch.randint(0, 256, (E, n, kp // 2), generator=g, device=device, dtype=torch.uint8)
+        # E4M3 bytes 0x30..0x3F: exponent 6 or 7, any mantissa = [0.5, 2); finite and positive as the kernels need
+        scale = torch.randint(0x30, 0x40, (E, n, kp // nvfp4.GROUP), generator=g, device=device, dtype=torch.uint8)
+        scale_2 = torch.full((E,), 0.02 / (rms_e2m1 * 1.2), device=device)  # 1.2: the mean block scale, roughly
+        return codes, scale.view(torch.float8_e4m3fn), scale_2
+
+    return nvfp4.pack_experts(proj(I, H), proj(I, H), proj(H, I))
+
+
+def _weights(config, seed, dtype, device, experts):
+    """Random weights on ``device``; with ``experts="nvfp4"`` the experts are real NVFP4 (``_random_packed_experts``
+    under ``layers.{i}.experts.packed``), served by the W4A16 kernels on CUDA and by their reference on the CPU."""
+    from dgserve.checkpoint import PACKED
+    from dgserve.tiny import random_tensor, random_weights
+
+    if experts != "nvfp4":
+        return random_weights(config, seed, dtype, device)
+    w = {
+        n: random_tensor(n, s, seed, dtype, device) for n, s in expected_shapes(config).items() if ".experts." not in n
+    }
+    for layer in range(config.num_hidden_layers):
+        w[f"layers.{layer}.{PACKED}"] = _random_packed_experts(config, layer, seed, device)
     return w
 
 
@@ -282,6 +314,162 @@ def _step_figures(args) -> dict:
     return out
 
 
+# HBM bandwidth (GB/s) of the cards the targets name, for the roofline when --mem-gbps is not given
+_MEM_GBPS = {"H100": 3350.0, "H200": 4800.0}
+
+
+def _mem_gbps(args, device) -> float | None:
+    if args.mem_gbps or device.type != "cuda":
+        return args.mem_gbps
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _MEM_GBPS.items() if k in name), None)
+
+
+class _Clock:
+    """Wall time of a region: CUDA events on a CUDA device (read after one synchronisation), else perf_counter."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = 1e3 * (time.perf_counter() - self.t0)
+
+
+def _step_ms(engine, config, device, batch: int, steps: int, timed: int = 4) -> float:
+    """Median ms of one denoising step alone for ``batch`` running canvases: requests with 32-token prompts
+    are admitted and prefilled, two steps run as warm-up, then ``timed`` steps are timed one by one (all inside
+    the first block: no prefill, no commit), and the requests are aborted."""
+    import statistics
+
+    from dgserve import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=config.canvas_length, max_denoising_steps=steps, ignore_eos=True, confidence_threshold=1e-30
+    )
+    prompt = [3 + i % (config.vocab_size - 3) for i in range(32)]
+    ids = [engine.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": 1 + i})) for i in range(batch)]
+    for _ in range(2 + -(-32 * batch // 512)):  # prefill (512 prompt tokens per iteration), then two steps
+        engine.step()
+    times = []
+    for _ in range(timed):
+        with _Clock(device) as c:
+            engine.step()
+        times.append(c.ms)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times)
+
+
+def _figures(args) -> None:
+    """--figures: the step alone (batch 1 and 16), a canvas, the first block after a long prompt, tok/s at
+    --prompt-len in / --out-len out for each --concurrency, peak memory and % of the HBM roofline; then the
+    baseline: the same engine and weights with native ops off (the torch reference path). One JSON line per
+    figure as it is measured; configurations that would start after --max-seconds are reported as skipped."""
+    from dgserve import DiffusionGemma, Engine, SamplingParams, ops
+    from dgserve.tiny import preset
+
+    t_start = time.monotonic()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    config = preset(args.shape)
+    torch.manual_seed(0)
+    model = DiffusionGemma(config, _weights(config, 0, dtype, device, args.experts), dtype, device)
+    build_s = time.monotonic() - t_start
+    engine = Engine(model)
+    C = config.canvas_length
+    gbps = _mem_gbps(args, device)
+    wbytes = _weight_bytes(config, dtype, args.experts)
+    base = {
+        "bench": "engine-figures",
+        "device": _device_name(device),
+        "shape": args.shape,
+        "dtype": str(dtype)[6:],
+        "experts": args.experts,
+        "native_ops": ops.active_native_ops(device),
+        "weight_gb": round(wbytes / 1e9, 2),
+    }
+    print(json.dumps({**base, "figure": "weights", "build_s": round(build_s, 1)}), flush=True)
+
+    def emit(figure: str, **kw) -> None:
+        print(
+            json.dumps({**base, "figure": figure, **kw, "peak_mem_gb": round(_peak_bytes(device) / 1e9, 2)}), flush=True
+        )
+
+    def time_left(figure: str) -> bool:
+        if time.monotonic() - t_start < args.max_seconds:
+            return True
+        print(json.dumps({**base, "figure": figure, "skipped": f"past --max-seconds {args.max_seconds:g}"}), flush=True)
+        return False
+
+    fixed = dict(max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30)
+    step_ms: dict[int, float] = {}
+    for batch in (1, 16):
+        if time_left(f"step_b{batch}"):
+            step_ms[batch] = _step_ms(engine, config, device, batch, args.steps)
+            row = {"batch": batch, "ms_per_step": round(step_ms[batch], 2)}
+            if gbps and batch == 1:
+                roof = 1e3 * wbytes / (gbps * 1e9)
+                row |= {"roofline_ms_per_step": round(roof, 2), "pct_of_roofline": round(100 * roof / step_ms[1], 1)}
+            emit(f"step_b{batch}", **row)
+    if time_left("canvas"):
+        params = SamplingParams(max_new_tokens=C, **fixed)
+        with _Clock(device) as c:
+            engine.generate([3 + i % (config.vocab_size - 3) for i in range(32)], params)
+        emit("canvas", steps=args.steps, canvas=C, ms_per_canvas=round(c.ms, 1))
+    if time_left("first_block"):
+        long_prompt = torch.randint(
+            3, config.vocab_size, (args.long_prompt,), generator=torch.Generator().manual_seed(1)
+        )
+        params = SamplingParams(max_new_tokens=C, **fixed)
+        with _Clock(device) as c:
+            next(iter(engine.stream(long_prompt.tolist(), params)))
+        while engine.has_unfinished():
+            engine.step()
+        emit("first_block", prompt_len=args.long_prompt, ms_to_first_block=round(c.ms, 1))
+    prompt = torch.randint(3, config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
+    for conc in [int(c) for c in args.concurrency.split(",")]:
+        if not time_left(f"tok_s_c{conc}"):
+            continue
+        plist = [SamplingParams(max_new_tokens=args.out_len, seed=1 + i, **fixed) for i in range(conc)]
+        with _Clock(device) as c:
+            results = engine.generate_batch([prompt.tolist()] * conc, plist)
+        ntok = sum(len(r.token_ids) for r in results)
+        emit(
+            f"tok_s_c{conc}",
+            concurrency=conc,
+            prompt_len=args.prompt_len,
+            out_len=args.out_len,
+            tok_s=round(1e3 * ntok / c.ms, 1),
+            s_total=round(c.ms / 1e3, 2),
+        )
+    with ops.native_disabled():  # the baseline: the same engine and weights on the torch reference path
+        for batch in (1, 16):
+            if batch in step_ms and time_left(f"baseline_step_b{batch}"):
+                ms = _step_ms(engine, config, device, batch, args.steps, timed=2)
+                emit(
+                    f"baseline_step_b{batch}",
+                    batch=batch,
+                    ms_per_step=round(ms, 2),
+                    speedup_vs_baseline=round(ms / step_ms[batch], 2),
+                )
+    emit("done", total_s=round(time.monotonic() - t_start, 1))
+
+
 def main() -> None:
     from dgserve import DiffusionGemma, Engine, SamplingParams, ops
     from dgserve.tiny import preset
@@ -293,8 +481,8 @@ def main() -> None:
     ap.add_argument("--experts", choices=["bf16", "nvfp4"], default="bf16")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (--figures: 1024)")
+    ap.add_argument("--concurrency", default=None, help="default 1,4 (--figures: 1,16,64)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mem-gbps", type=float, default=None, help="memory bandwidth for the roofline (H100: 3000)")
@@ -302,13 +490,25 @@ def main() -> None:
     ap.add_argument("--step-figures-json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-src", default=None, help="with --step-figures: a python/ dir to measure as before")
     ap.add_argument("--prompt-lens", default="32,1024,4096,8000")
+    ap.add_argument("--figures", action="store_true", help="step, canvas, first block, tok/s, roofline, baseline")
+    ap.add_argument("--out-len", type=int, default=1024, help="with --figures: tokens generated per request")
+    ap.add_argument("--long-prompt", type=int, default=4096, help="with --figures: prompt of the first-block figure")
+    ap.add_argument("--max-seconds", type=float, default=float("inf"), help="with --figures: start nothing after")
     ap.add_argument("--rounds", type=int, default=3, help="with --step-figures: alternating runs per tree")
     args = ap.parse_args()
+    if not args.figures:
+        args.concurrency = args.concurrency or "1,4"
+        args.prompt_len = args.prompt_len or 512
     if args.step_figures_json:
         print(json.dumps(_step_figures(args)))
         return
     if args.step_figures:
         _step_figures_main(args)
+        return
+    if args.figures:
+        args.concurrency = args.concurrency or "1,16,64"  # the figures' own defaults: 1K in, 1, 16, 64 requests
+        args.prompt_len = args.prompt_len or 1024
+        _figures(args)
         return
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -121,3 +121,16 @@ def test_package_runs_without_the_extension():
     engine = Engine(DiffusionGemma(cfg, random_weights(cfg, seed=4), torch.float32))
     res = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=40, max_denoising_steps=6, seed=9, ignore_eos=True))
     assert json.loads(out.stdout.strip().splitlines()[-1]) == res.token_ids
+
+
+def test_arch_of_capability_picks_the_arch_specific_variant_where_the_build_has_one():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import build
+    finally:
+        sys.path.remove(str(ROOT))
+    assert build.arch_of_capability(9, 0) == "sm_90a"  # H100 / H200
+    assert build.arch_of_capability(10, 0) == "sm_100a"
+    assert build.arch_of_capability(8, 0) == "sm_80"
+    assert build.arch_of_capability(8, 9) == "sm_89"
+    assert build.arch_of_capability(12, 0) == "sm_120"
