@@ -15,6 +15,7 @@ the HTTP port off, gRPC gets all. The split is static because grpc core enforces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 from collections import Counter
@@ -58,6 +59,7 @@ class ConnectionPlan:
     total: int
     grpc: int
     http: int
+    raised_from: int = 0  # the soft file limit before start_plan raised it
 
     def describe(self) -> str:
         http = f", HTTP {self.http}" if self.http else ""
@@ -74,22 +76,26 @@ def plan(max_connections: int | None, http_on: bool, nofile: int) -> ConnectionP
 
 
 def start_plan(max_connections: int | None, http_on: bool) -> ConnectionPlan:
-    """Raise the file limit, derive the caps, and log them in one line (a warning when an explicit cap leaves the
-    process less than its reserve: accept() may then fail on descriptors instead of shedding)."""
+    """Raise the file limit and derive the caps (``log_plan`` reports them once the ports are bound, so that a
+    startup that fails prints only its one error line)."""
     before, nofile = raise_nofile_limit()
-    p = plan(max_connections, http_on, nofile)
-    raised = f" (raised from {before})" if nofile > before else ""
-    if p.total > nofile - reserve_fds(nofile):
+    return dataclasses.replace(plan(max_connections, http_on, nofile), raised_from=before)
+
+
+def log_plan(p: ConnectionPlan) -> None:
+    """One line with the caps; a warning when an explicit cap leaves the process less than its reserve (accept()
+    may then fail on descriptors instead of shedding)."""
+    raised = f" (raised from {p.raised_from})" if p.nofile > p.raised_from else ""
+    if p.total > p.nofile - reserve_fds(p.nofile):
         log.warning(
             "connections: %s%s leaves fewer than %d descriptors for the process (lower --max-connections / env "
             "DGSERVE_MAX_CONNECTIONS or raise ulimit -n)",
             p.describe(),
             raised,
-            reserve_fds(nofile),
+            reserve_fds(p.nofile),
         )
     else:
         log.info("connections: %s%s", p.describe(), raised)
-    return p
 
 
 class ConnectionEvents:

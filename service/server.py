@@ -156,6 +156,7 @@ class Server:
         )
         await self.health.set(LIVENESS_NAME, SERVING)
         await self._set_ready(NOT_SERVING)
+        connections.log_plan(plan)
         log.info(
             "listening: gRPC %s:%s%s, HTTP %s",
             cfg.host,
