@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import resource
 import socket
 import string
 import subprocess
@@ -62,6 +61,9 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
         self.proc = subprocess.Popen(
             [
+                # the file limit through a shell's ulimit, not preexec_fn: a Python callback between fork and exec
+                # in a process with gRPC threads (the test runner) can hang or break the child
+                *([] if nofile is None else ["sh", "-c", f'ulimit -n {int(nofile)} && exec "$@"', "sh"]),
                 *SERVER_COMMAND,
                 "--model",
                 str(model_dir),
@@ -79,9 +81,6 @@ class ServerProcess:
             env=env,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=None
-            if nofile is None
-            else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))),
         )
         self.lines: list[str] = []
         self.port = self.http_port = None
