@@ -105,6 +105,19 @@ def long_params(**kw) -> pb.SamplingParams:
     return pb.SamplingParams(**base)
 
 
+def bad_request_field(err) -> str:
+    """The field of a grpc.RpcError's google.rpc BadRequest detail ("" when it has none)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    for d in rpc_status.from_call(err).details:
+        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            msg = error_details_pb2.BadRequest()
+            d.Unpack(msg)
+            return msg.field_violations[0].field
+    return ""
+
+
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
     import time
 

@@ -10,9 +10,7 @@ import time
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
-from service_helpers import ServerThread, base_config, long_params, make_certs, params, wait_until
+from service_helpers import ServerThread, bad_request_field, base_config, long_params, make_certs, params, wait_until
 
 from dgserve.service.logs import JsonFormatter, TextFormatter
 from dgserve.v1 import text_generation_pb2 as pb
@@ -25,15 +23,6 @@ def error_of(call) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as e:
         call()
     return e.value
-
-
-def bad_request_field(err: grpc.RpcError) -> str:
-    for d in rpc_status.from_call(err).details:
-        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            msg = error_details_pb2.BadRequest()
-            d.Unpack(msg)
-            return msg.field_violations[0].field
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------- bounded work

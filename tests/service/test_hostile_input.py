@@ -13,9 +13,7 @@ import time
 import grpc
 import httpx
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
-from service_helpers import params
+from service_helpers import bad_request_field, params
 
 from dgserve.v1 import text_generation_pb2 as pb
 
@@ -55,15 +53,6 @@ def raw_generate(channel, data: bytes, timeout: float = 60) -> grpc.RpcError | N
     except grpc.RpcError as e:
         return e
     return None
-
-
-def bad_request_field(err: grpc.RpcError) -> str:
-    for d in rpc_status.from_call(err).details:
-        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            msg = error_details_pb2.BadRequest()
-            d.Unpack(msg)
-            return msg.field_violations[0].field
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------- invalid Unicode
