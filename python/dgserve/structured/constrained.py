@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dgserve.ops import reference
+from dgserve.structured.grammar import allowed_tokens
 
 if TYPE_CHECKING:
     import llguidance as llg
@@ -47,6 +48,9 @@ class GrammarFailure(ValueError):
 
 
 def grammar_failure(error: BaseException) -> GrammarFailure:
+    """``error`` as a GrammarFailure naming response_format (itself when it is one already)."""
+    if isinstance(error, GrammarFailure):
+        return error
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return GrammarFailure(f"response_format: the grammar failed during generation: {first[:MAX_ERROR_CHARS]}")
 
@@ -69,7 +73,7 @@ class StructuredRow:
 
     def _fail(self, state: BlockState, error: Exception) -> None:
         """The grammar raised: keep the error, end the block (the engine ends the request with ``error``)."""
-        self.error = error if isinstance(error, GrammarFailure) else grammar_failure(error)
+        self.error = grammar_failure(error)
         state.done = True
 
     # ------------------------------------------------------------------ per block
@@ -86,17 +90,19 @@ class StructuredRow:
     def bitmask(self, canvas_length: int) -> torch.Tensor:
         """[C, W] int32 for this step: fixed tokens one-hot, the grammar's mask at f, all allowed beyond (all
         allowed everywhere once the grammar failed: the row's results are then discarded)."""
-        if self.error is not None:
-            return torch.full((canvas_length, self.W), -1, dtype=torch.int32)
-        try:
-            return self._bitmask(canvas_length)
-        except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone
-            self.error = grammar_failure(e)
-            return torch.full((canvas_length, self.W), -1, dtype=torch.int32)
+        if self.error is None:
+            try:
+                return self._bitmask(canvas_length)
+            except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone
+                self.error = grammar_failure(e)
+        return self._all_allowed(canvas_length)
+
+    def _all_allowed(self, canvas_length: int) -> torch.Tensor:
+        return torch.full((canvas_length, self.W), -1, dtype=torch.int32)
 
     def _bitmask(self, canvas_length: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        mask = torch.full((canvas_length, self.W), -1, dtype=torch.int32)
+        mask = self._all_allowed(canvas_length)
         f = len(self.fixed)
         if f:
             ids = torch.tensor(self.fixed)
@@ -209,8 +215,7 @@ def _allows(words: np.ndarray, t: int) -> bool:
 
 def _single_allowed(words: np.ndarray, V: int) -> int | None:
     """The only allowed token in [0, V), or None when there are several (or none)."""
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:V]
-    nz = np.flatnonzero(bits)
+    nz = allowed_tokens(words, V)
     return int(nz[0]) if nz.size == 1 else None
 
 

@@ -146,8 +146,7 @@ class GrammarCompiler:
             raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(m.get_error())}")
         if words is None:
             return  # a forced first token: the output starts
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
-        allowed = set(np.flatnonzero(bits).tolist())
+        allowed = set(allowed_tokens(words, self.vocab_size).tolist())
         if not allowed:
             raise GrammarError(f"response_format: the {fmt.type} admits no output at all (unsatisfiable)")
         if fmt.type != "regex" and allowed <= self.eos_ids:
@@ -159,6 +158,11 @@ class GrammarCompiler:
         if m.is_error():
             raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(m.get_error())}")
         return m
+
+
+def allowed_tokens(words: np.ndarray, V: int) -> np.ndarray:
+    """The token ids in [0, V) that a mask of int32 words (bit t of word t // 32: token t) allows, ascending."""
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:V])
 
 
 def _first_line(msg: str) -> str:
