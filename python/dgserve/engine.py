@@ -42,7 +42,7 @@ from dgserve.config import generation_eos_token_ids
 from dgserve.model import DiffusionGemma
 from dgserve.model_runner import ModelRunner
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
-from dgserve.request import Request, RequestFailedError
+from dgserve.request import Request, RequestFailedError, RequestKey
 from dgserve.sampling_params import SamplingParams
 from dgserve.scheduler import Scheduler, SchedulerConfig
 from dgserve.token_bounds import PromptTooLongError
@@ -138,7 +138,7 @@ class Engine:
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
         self.scheduler = Scheduler(sched)
-        self._finished_ids: OrderedDict[tuple[str | None, str], None] = OrderedDict()  # recently finished keys
+        self._finished_ids: OrderedDict[RequestKey, None] = OrderedDict()  # recently finished keys
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
@@ -361,8 +361,7 @@ class Engine:
                         out.blocks.append((req, self._commit(req)))
                     except Exception:
                         log.exception("request %s: committing its block failed; ending it alone", req.request_id)
-                        self._fail(req, RequestFailedError(f"request {req.request_id}: failed during generation"))
-                        out.failed.append(req)
+                        self._fail(req, RequestFailedError(f"request {req.request_id}: failed during generation"), out)
         self.runner.release_finished()
         return out
 
@@ -372,16 +371,17 @@ class Engine:
         if row is None or row.error is None or req.finished:
             return False
         log.info("request %s ended by its grammar: %s", req.request_id, row.error)
-        self._fail(req, row.error)
-        out.failed.append(req)
+        self._fail(req, row.error, out)
         return True
 
-    def _fail(self, req: Request, error: Exception) -> None:
-        """Finish ``req`` with ``error`` (its slot is freed by ``release_finished``). Under the lock."""
+    def _fail(self, req: Request, error: Exception, out: StepOutput) -> None:
+        """Finish ``req`` with ``error`` and report it in ``out.failed`` (its slot is freed by
+        ``release_finished``). Under the lock."""
         req.error, req.state = error, None
         req.tracker.finish_reason = req.tracker.finish_reason or FINISH_ERROR
         self.scheduler.abort(req.key)
         self._remember_finished(req)
+        out.failed.append(req)
 
     def draft(self, req: Request) -> DraftOutput | None:
         """The request's current block after its latest denoising step, or None between blocks. Call from the
@@ -468,8 +468,7 @@ class Engine:
     def request_prompt_ids(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         """Token ids of a request's prompt, which must fit in the context window with the canvases generated
         after it; ValueError with both numbers (``check_context``) as soon as that is known, with bounded work."""
-        C = self.model.config.canvas_length
-        room = self.max_model_len - -(-max_new_tokens // C) * C
+        room = self.max_model_len - self.canvases(max_new_tokens) * self.model.config.canvas_length
         try:
             ids = self.prompt_ids(prompt, max_tokens=max(room, 0))
         except PromptTooLongError as e:
@@ -478,11 +477,15 @@ class Engine:
         self.check_context(len(ids), max_new_tokens)
         return ids
 
+    def canvases(self, max_new_tokens: int) -> int:
+        """How many canvases (blocks) a request of ``max_new_tokens`` may generate: the ceiling of tokens / C."""
+        return -(-max_new_tokens // self.model.config.canvas_length)
+
     def check_work(self, params: SamplingParams) -> None:
         """ValueError naming the knobs when a request asks for more denoising steps than ``max_request_steps``."""
         limit = self.max_request_steps
         C = self.model.config.canvas_length
-        canvases = -(-params.max_new_tokens // C)
+        canvases = self.canvases(params.max_new_tokens)
         work = params.max_denoising_steps * canvases
         if limit is not None and work > limit:
             raise ValueError(
@@ -494,7 +497,7 @@ class Engine:
     def check_context(self, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> None:
         """ValueError (with both numbers) when the prompt plus the canvases generated do not fit."""
         C = self.model.config.canvas_length
-        n_blocks = -(-max_new_tokens // C)
+        n_blocks = self.canvases(max_new_tokens)
         if prompt_tokens + n_blocks * C > self.max_model_len:
             raise ValueError(
                 f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from dgserve.structured.constrained import StructuredRow
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+RequestKey = tuple[str | None, str]  # (owner, request_id): request ids are a namespace per caller
 
 
 class RequestFailedError(Exception):
@@ -56,7 +57,7 @@ class Request:
     stream: Any = None
 
     @property
-    def key(self) -> tuple[str | None, str]:
+    def key(self) -> RequestKey:
         """(owner, request_id): request ids are a namespace per caller (two callers may use the same id)."""
         return (self.owner, self.request_id)
 

@@ -25,9 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dgserve.request import FINISHED, RUNNING, WAITING, Request
+from dgserve.request import FINISHED, RUNNING, WAITING, Request, RequestKey
 
-Key = tuple[str | None, str]  # Request.key: (owner, request_id)
 DEFAULT_RETRY_AFTER_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 
@@ -89,8 +88,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
         self.clock = clock
-        self._waiting: OrderedDict[Key, Request] = OrderedDict()
-        self._running: OrderedDict[Key, Request] = OrderedDict()
+        self._waiting: OrderedDict[RequestKey, Request] = OrderedDict()
+        self._running: OrderedDict[RequestKey, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
 
     # ------------------------------------------------------------------ state
@@ -103,13 +102,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: RequestKey) -> bool:
         return key in self._waiting or key in self._running
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
 
-    def get(self, key: Key) -> Request | None:
+    def get(self, key: RequestKey) -> Request | None:
         """The request in flight under ``key`` = (owner, request_id)."""
         return self._running.get(key) or self._waiting.get(key)
 
@@ -145,7 +144,7 @@ class Scheduler:
             f"requests, the limit of max_num_seqs {c.max_num_seqs} + max_queue_len {c.max_queue_len}"
         )
 
-    def abort(self, key: Key) -> str | None:
+    def abort(self, key: RequestKey) -> str | None:
         """Remove a request (marked finished): returns "waiting" or "running" (where it was), or None if unknown."""
         for where, table in ((WAITING, self._waiting), (RUNNING, self._running)):
             req = table.pop(key, None)
@@ -154,7 +153,7 @@ class Scheduler:
                 return where
         return None
 
-    def finish(self, key: Key) -> None:
+    def finish(self, key: RequestKey) -> None:
         """A running request completed; its slot is free and its service time feeds the retry estimate."""
         seq = self._running.pop(key, None)
         if seq is not None:
