@@ -336,16 +336,18 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         raise ValueError(f"messages must hold only JSON data ({e})") from e
 
 
-def check_unicode(text: str, field: str) -> None:
+def check_unicode(text: str, field: str, what: str = "") -> None:
     """ValueError naming `field` when `text` holds a lone surrogate (a str can, e.g. from a JSON "\\ud800"
-    escape; it has no UTF-8 form, so a tokenizer, a regex engine or a log line would fail on it)."""
+    escape; it has no UTF-8 form, so a tokenizer, a regex engine or a log line would fail on it). `what` names
+    the text within the field when that is not plain (e.g. "field name")."""
     if text.isascii():
         return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(
-            f"{field}: not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at character {e.start})"
+            f"{field}: {f'{what} is ' if what else ''}not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} "
+            f"at character {e.start})"
         ) from None
 
 

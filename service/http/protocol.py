@@ -33,6 +33,7 @@ from dgserve.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
 from dgserve.structured import ResponseFormat
+from dgserve.tokenizer import check_unicode
 
 from ..errors import clip
 
@@ -164,25 +165,13 @@ def _check_shape(value, text: bool) -> None:
             raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(item, dict):
             for key, child in item.items():
-                if text:
-                    _check_text(key, path, "field name")
+                if text and not key.isascii():  # (the field name is built only for a suspect text)
+                    check_unicode(key, field_name(path), "field name")
                 stack.append((child, depth + 1, (path, key)))
         elif isinstance(item, list):
             stack.extend((child, depth + 1, (path, i)) for i, child in enumerate(item))
-        elif text and isinstance(item, str):
-            _check_text(item, path, "text")
-
-
-def _check_text(s: str, path: tuple, what: str) -> None:
-    if s.isascii():
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{field_name(path)}: {what} is not valid Unicode (lone surrogate U+{ord(s[e.start]):04X} at "
-            f"character {e.start})"
-        ) from None
+        elif text and isinstance(item, str) and not item.isascii():
+            check_unicode(item, field_name(path), "text")
 
 
 def field_name(path: tuple) -> str:
