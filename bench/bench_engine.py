@@ -48,6 +48,17 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _row_head(bench: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """The fields every JSON line of a bench names first: which bench, device, shape, dtype and expert format."""
+    return {
+        "bench": bench,
+        "device": _device_name(device),
+        "shape": args.shape,
+        "dtype": str(dtype)[6:],
+        "experts": args.experts,
+    }
+
+
 def _device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -395,11 +406,7 @@ def _figures(args) -> None:
     gbps = _mem_gbps(args, device)
     wbytes = _weight_bytes(config, dtype, args.experts)
     base = {
-        "bench": "engine-figures",
-        "device": _device_name(device),
-        "shape": args.shape,
-        "dtype": str(dtype)[6:],
-        "experts": args.experts,
+        **_row_head("engine-figures", args, device, dtype),
         "native_ops": ops.active_native_ops(device),
         "weight_gb": round(wbytes / 1e9, 2),
     }
@@ -536,11 +543,7 @@ def main() -> None:
             secs, ntok, steps, ttfb, blocks, _ = _ours(args, config, dtype, device, prompt, params, conc)
             step_s = secs / steps  # steps: denoising steps each request ran (rows advance together)
             row = {
-                "bench": "engine",
-                "device": _device_name(device),
-                "shape": args.shape,
-                "dtype": str(dtype)[6:],
-                "experts": args.experts,
+                **_row_head("engine", args, device, dtype),
                 "steps": label if label == "adaptive" else args.steps,
                 "concurrency": conc,
                 "prompt_len": args.prompt_len,
