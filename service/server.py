@@ -290,8 +290,8 @@ class Server:
             return
         n = engine.cancel_all("drain_timeout")
         log.warning("drain: grace over, %d request(s) cancelled; their streams end with finish reason cancelled", n)
-        waits = [self.state.wait_idle(FLUSH_S)] + ([self._http.wait_idle(FLUSH_S)] if self._http is not None else [])
-        await asyncio.gather(*waits)
+        http = [self._http.wait_idle(FLUSH_S)] if self._http is not None else []
+        await asyncio.gather(self.state.streams.wait_idle(FLUSH_S), *http)
 
     async def _engine_idle(self, end: float) -> None:
         """Until no request is running or waiting in the engine, or the loop's clock passes ``end``."""

@@ -5,7 +5,6 @@ Errors are raised as domain exceptions and mapped to status codes by the call in
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
+from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
 
 
@@ -27,19 +27,7 @@ class ServingState:
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False
     loading_error: str | None = field(default=None)
-    streams: int = 0  # Generate calls in progress (the drain waits for them to send their last event)
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Until no Generate call is in progress (at most ``timeout`` s); True when idle."""
-        try:
-            await asyncio.wait_for(self.idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+    streams: InFlight = field(default_factory=InFlight)  # Generate calls (the drain waits for their last event)
 
     def ready_engine(self) -> AsyncEngine:
         if self.draining:
@@ -79,16 +67,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,
         )
-        self.state.streams += 1
-        self.state.idle.clear()
+        self.state.streams.enter()
         try:
             async for event in stream:
                 yield convert.response(stream.request_id, event)
         finally:  # the call may be over here: use what was read at its start, never the context
             stream.cancel("deadline" if call.expired() else "client_cancelled")
-            self.state.streams -= 1
-            if not self.state.streams:
-                self.state.idle.set()
+            self.state.streams.leave()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         outcome = self.state.ready_engine().abort(request.request_id, owner=_call(context).owner, reason="abort_rpc")

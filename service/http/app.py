@@ -33,6 +33,7 @@ from dgserve.async_engine import Draft, Finished, Started
 from dgserve.outputs import BlockOutput
 
 from .. import errors
+from ..in_flight import InFlight
 from ..logs import request_id_var
 from . import protocol
 from .errors import HttpError, error_body
@@ -54,21 +55,10 @@ class Gate:
         # started over HTTP can be aborted over gRPC only with the same token.
         self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
         self.max_body_bytes = max_body_bytes
-        self.in_flight = 0  # generation requests not yet finished (drain waits for 0)
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.calls = InFlight()  # generation requests not yet finished (the drain waits for them)
 
     def ready(self) -> bool:
         return self.live() and self.state.engine is not None and not self.state.draining
-
-    def enter(self) -> None:
-        self.in_flight += 1
-        self.idle.clear()
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
 
 
 def build_app(gate: Gate) -> FastAPI:
@@ -156,9 +146,9 @@ async def _generate(gate: Gate, request: Request, chat: bool):
     stream = await engine.submit(call.prompt, call.params, rid, drafts=call.drafts, owner=owner)
     out = protocol.Output(stream.request_id, call.model or gate.state.names[0], stream.params.seed, chat)
     headers = {"X-Dgserve-Seed": str(out.seed)}
-    gate.enter()
+    gate.calls.enter()
     if call.stream:
-        return EventStream(_events(stream, out, call), stream.cancel, gate.leave, headers)
+        return EventStream(_events(stream, out, call), stream.cancel, gate.calls.leave, headers)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     try:
         async for event in stream:
@@ -172,7 +162,7 @@ async def _generate(gate: Gate, request: Request, chat: bool):
     finally:
         watcher.cancel()
         stream.cancel("client_cancelled")
-        gate.leave()
+        gate.calls.leave()
 
 
 async def _events(stream, out: protocol.Output, call: protocol.Call) -> AsyncGenerator[bytes, None]:

@@ -79,14 +79,10 @@ class HttpFrontDoor:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation request is in flight (at most ``timeout`` s); True when idle."""
-        if self.gate.idle.is_set():
+        if await self.gate.calls.wait_idle(timeout):
             return True
-        try:
-            await asyncio.wait_for(self.gate.idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            log.warning("drain: %d HTTP request(s) still running after %.1f s", self.gate.in_flight, timeout)
-            return False
+        log.warning("drain: %d HTTP request(s) still running after %.1f s", self.gate.calls.count, timeout)
+        return False
 
     async def stop(self) -> None:
         self._server.should_exit = True
