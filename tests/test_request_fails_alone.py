@@ -148,7 +148,6 @@ def test_output_failure_ends_its_request_alone(engine, monkeypatch):
 
     victim = engine.add(engine.make_request("boom", params(seed=8)))
     other = engine.add(engine.make_request("fine", params(seed=9)))
-    real = victim.tracker.add_block
 
     def broken(canvas):
         raise RuntimeError("secret prompt text")
@@ -157,5 +156,5 @@ def test_output_failure_ends_its_request_alone(engine, monkeypatch):
     while not (victim.finished and other.finished):
         engine.step()
     assert isinstance(victim.error, RequestFailedError) and "secret" not in str(victim.error)
-    assert other.result().finish_reason in ("eos", "length") and real is not None
+    assert other.result().finish_reason in ("eos", "length")
     assert engine.runner.occupants == []
