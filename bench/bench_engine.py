@@ -19,7 +19,7 @@ time of a denoising step (steps with no prefill and no block commit), the time p
 and the bytes allocated by one denoising step (a TorchDispatchMode summing every op output that is not a view
 or an in-place result); per concurrency: tokens/s; and a digest of the tokens, which must be equal.
 
-Weights are random, drawn per tensor from a seed directly on the device (dgserve.tiny.random_tensor), so the
+Weights are random, drawn per tensor from a seed directly on the device (dgserve.model.tiny.random_tensor), so the
 baseline and ours see identical weights without a checkpoint on disk. transformers runs first and is freed
 before ours is built (two bf16 copies of 26B-A4B do not fit an H100). Work is fixed: `--steps` denoising steps
 per block with adaptive stopping off and EOS ignored; one more configuration uses the default adaptive
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from dgserve.checkpoint import expected_shapes, hf_names
+from dgserve.model.checkpoint import expected_shapes, hf_names
 
 
 def _sync(device):
@@ -87,7 +87,7 @@ def _random_packed_experts(config, layer: int, seed: int, device) -> object:
     byte), random E4M3 block scales in [0.5, 2) and a per-expert global scale that gives the decoded weights an
     RMS of about 0.02 (as ``random_weights`` draws the dense ones), then ``nvfp4.pack_experts`` (the native repack
     on CUDA) into the W4A16 kernel layout that ``ops.nvfp4_moe_experts`` runs on."""
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * layer + 1)
@@ -107,8 +107,8 @@ def _random_packed_experts(config, layer: int, seed: int, device) -> object:
 def _weights(config, seed, dtype, device, experts):
     """Random weights on ``device``; with ``experts="nvfp4"`` the experts are real NVFP4 (``_random_packed_experts``
     under ``layers.{i}.experts.packed``), served by the W4A16 kernels on CUDA and by their reference on the CPU."""
-    from dgserve.checkpoint import PACKED
-    from dgserve.tiny import random_tensor, random_weights
+    from dgserve.model.checkpoint import PACKED
+    from dgserve.model.tiny import random_tensor, random_weights
 
     if experts != "nvfp4":
         return random_weights(config, seed, dtype, device)
@@ -268,8 +268,8 @@ def _step_figures(args) -> dict:
     import statistics
 
     from dgserve import DiffusionGemma, Engine, SamplingParams
-    from dgserve.scheduler import SchedulerConfig
-    from dgserve.tiny import preset
+    from dgserve.engine.scheduler import SchedulerConfig
+    from dgserve.model.tiny import preset
 
     torch.manual_seed(0)
     device, dtype = torch.device("cpu"), torch.float32
@@ -392,7 +392,7 @@ def _figures(args) -> None:
     baseline: the same engine and weights with native ops off (the torch reference path). One JSON line per
     figure as it is measured; configurations that would start after --max-seconds are reported as skipped."""
     from dgserve import DiffusionGemma, Engine, SamplingParams, ops
-    from dgserve.tiny import preset
+    from dgserve.model.tiny import preset
 
     t_start = time.monotonic()
     device = torch.device(args.device)
@@ -479,7 +479,7 @@ def _figures(args) -> None:
 
 def main() -> None:
     from dgserve import DiffusionGemma, Engine, SamplingParams, ops
-    from dgserve.tiny import preset
+    from dgserve.model.tiny import preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="mid")

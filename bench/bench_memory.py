@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from dgserve import DiffusionGemma, ops
-from dgserve.checkpoint import expected_shapes
 from dgserve.model import KVCache, RowCache
-from dgserve.tiny import preset
+from dgserve.model.checkpoint import expected_shapes
+from dgserve.model.tiny import preset
 
 
 class LiveBytes(TorchDispatchMode):

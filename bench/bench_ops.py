@@ -235,7 +235,7 @@ def copy_gbps(device: torch.device) -> float:
 
 def nvfp4_layer(gate_up: torch.Tensor, down: torch.Tensor):
     """Quantize bf16 experts with ModelOpt's rules (on their device) and repack → nvfp4.PackedExperts."""
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     inter = gate_up.shape[1] // 2
 

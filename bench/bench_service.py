@@ -133,7 +133,7 @@ def main() -> None:
     import torch
 
     from dgserve import Engine
-    from dgserve.default_model import default_model_path
+    from dgserve.model.default_model import default_model_path
 
     model = args.model or default_model_path()
     counts = [int(x) for x in args.clients.split(",")]

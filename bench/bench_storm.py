@@ -305,7 +305,7 @@ def main() -> int:
     import grpc
     import storm
 
-    from dgserve.default_model import default_model_path
+    from dgserve.model.default_model import default_model_path
 
     model = args.model or default_model_path()
     srv = storm.ServerProcess(

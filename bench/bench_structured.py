@@ -25,7 +25,7 @@ import time
 import torch
 
 from dgserve import Engine, ops
-from dgserve.default_model import SHIPPED, write_tiny_random_model
+from dgserve.model.default_model import SHIPPED, write_tiny_random_model
 from dgserve.structured import ResponseFormat, hooks
 from dgserve.structured.constrained import StructuredRow
 

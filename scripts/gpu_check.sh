@@ -6,7 +6,7 @@
 #   cuda-build    dgserve._C imports and has CUDA; stops the run on failure
 #   pytest-cuda   the cuda tests of CUDA_TESTS in parallel (pytest-xdist); paths named, so collection needs
 #                 only what the GPU image has (tests/test_gpu_check.py rehearses it without the service's packages)
-#   self-check    python -m dgserve.native_check cuda --mode strict
+#   self-check    python -m dgserve.ops.native_check cuda --mode strict
 #   memcheck      compute-sanitizer memcheck over scripts/gpu_kernels.py launch (every kernel once, small
 #                 shapes), PYTORCH_NO_CUDA_MEMORY_CACHING=1 so torch's pool cannot hide an overrun; no leak check
 #   racecheck     the same launches under racecheck
@@ -104,7 +104,7 @@ print(ops.native._C.build_info() if ops.native._C else None); raise SystemExit(p
 while read -r -a args; do
   step pytest-cuda 150 pytest-cuda.txt "$PY" -m pytest "${args[@]}"
 done < <(pytest_commands)
-step self-check 60 checks.txt "$PY" -m dgserve.native_check cuda --mode strict
+step self-check 60 checks.txt "$PY" -m dgserve.ops.native_check cuda --mode strict
 KFILTER=()
 [ -n "$FILTER" ] && KFILTER=(--kernel-name "$FILTER")
 sanitize() {  # sanitize TOOL CAP EXTRA...: scripts/gpu_kernels.py launch under compute-sanitizer --tool TOOL

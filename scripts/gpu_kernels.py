@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from dgserve import nvfp4, ops
+from dgserve import ops
+from dgserve.model import nvfp4
 from dgserve.ops import reference
 
 

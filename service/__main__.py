@@ -19,7 +19,7 @@ import re
 import sys
 import traceback
 
-from dgserve.cache_config import kv_cache_memory
+from dgserve.engine.cache_config import kv_cache_memory
 
 from .config import DTYPES, ServiceConfig
 
@@ -222,9 +222,9 @@ def _convert(field: str, raw: str, parse):
 
 
 def _runtime(config: ServiceConfig) -> dict:
-    """The resolved device, dtype, expert format and native ops (dgserve.runtime), for --dry-run."""
-    from dgserve.default_model import default_model_path
-    from dgserve.runtime import describe, plan_runtime
+    """The resolved device, dtype, expert format and native ops (dgserve.model.runtime), for --dry-run."""
+    from dgserve.model.default_model import default_model_path
+    from dgserve.model.runtime import describe, plan_runtime
 
     try:
         return describe(

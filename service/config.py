@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from dgserve.cache_config import CacheConfig
+from dgserve.engine.cache_config import CacheConfig
 
-DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.runtime)
-NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.native_check
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.model.runtime)
+NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.ops.native_check
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -18,8 +18,8 @@ import torch
 
 import dgserve
 from dgserve import sampling_params as sp
-from dgserve.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started
-from dgserve.engine import ChatPrompt, Prompt
+from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started
+from dgserve.engine.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat

@@ -16,9 +16,9 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from dgserve.async_engine import EngineFaultError, EngineUnavailableError, StreamStalledError
-from dgserve.request import RequestFailedError
-from dgserve.scheduler import DuplicateRequestError, QueueFullError
+from dgserve.engine.async_engine import EngineFaultError, EngineUnavailableError, StreamStalledError
+from dgserve.engine.request import RequestFailedError
+from dgserve.engine.scheduler import DuplicateRequestError, QueueFullError
 
 log = logging.getLogger("dgserve.service")
 DOMAIN = "dgserve.v1"

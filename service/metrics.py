@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from dgserve.async_engine import EngineObserver, Finished
+from dgserve.engine.async_engine import EngineObserver, Finished
 from dgserve.outputs import BlockOutput
 
 log = logging.getLogger("dgserve.metrics")
@@ -143,7 +143,7 @@ def established_on_port(port: int) -> int:
 
 class NativeOpsCollector:
     """dgserve_native_op_disabled{op}: 1 for each native op switched off in this process (a failed start-up
-    self-check or --native-ops off, dgserve.native_check), read at scrape time."""
+    self-check or --native-ops off, dgserve.ops.native_check), read at scrape time."""
 
     def collect(self):
         from dgserve import ops

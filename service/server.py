@@ -32,9 +32,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dgserve.async_engine import AsyncEngine
-from dgserve.engine import Engine
-from dgserve.scheduler import SchedulerConfig
+from dgserve.engine.async_engine import AsyncEngine
+from dgserve.engine.engine import Engine
+from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
@@ -72,7 +72,7 @@ def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
 
 def load_engine(cfg: ServiceConfig) -> Engine:
     """The engine for ``cfg`` (the default model when cfg.model is None)."""
-    from dgserve.default_model import default_model_path
+    from dgserve.model.default_model import default_model_path
 
     path = cfg.model or default_model_path()
     return Engine.from_pretrained(
@@ -324,7 +324,7 @@ class Server:
 
 
 def _model_name(engine: Engine, cfg: ServiceConfig) -> str:
-    from dgserve.default_model import SHIPPED
+    from dgserve.model.default_model import SHIPPED
 
     path = cfg.model
     if path is None:

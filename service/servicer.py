@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dgserve.async_engine import ABORT_CANCELLED, AsyncEngine
+from dgserve.engine.async_engine import ABORT_CANCELLED, AsyncEngine
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 

@@ -96,7 +96,7 @@ class _Block(importlib.abc.MetaPathFinder):      # make `dgserve._C` unimportabl
 sys.meta_path.insert(0, _Block())
 import torch
 from dgserve import DiffusionGemma, Engine, SamplingParams, ops
-from dgserve.tiny import preset, random_weights
+from dgserve.model.tiny import preset, random_weights
 
 assert ops.native._C is None and not ops.native_enabled()
 cfg = preset("tiny")
@@ -113,7 +113,7 @@ def test_package_runs_without_the_extension():
     import torch
 
     from dgserve import DiffusionGemma, Engine, SamplingParams
-    from dgserve.tiny import preset, random_weights
+    from dgserve.model.tiny import preset, random_weights
 
     out = subprocess.run([sys.executable, "-c", _WITHOUT_EXTENSION], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""dgserve.checkpoint: loads transformers-written checkpoints under canonical names with the exact values
+"""dgserve.model.checkpoint: loads transformers-written checkpoints under canonical names with the exact values
 transformers uses (spec §2), writes checkpoints transformers loads, and names the culprit in every error."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model
 
-from dgserve.checkpoint import CheckpointError, expected_shapes, hf_names, load_weights, save_weights
 from dgserve.config import ModelConfig
+from dgserve.model.checkpoint import CheckpointError, expected_shapes, hf_names, load_weights, save_weights
 
 ENC = "model.encoder.language_model."
 DEC = "model.decoder."

@@ -10,9 +10,9 @@ import torch
 
 from dgserve import Engine, SamplingParams
 from dgserve.config import ConfigError
-from dgserve.default_model import train_tokenizer
+from dgserve.model.default_model import train_tokenizer
+from dgserve.model.tiny import make_random_checkpoint
 from dgserve.outputs import OutputTracker
-from dgserve.tiny import make_random_checkpoint
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long.",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dgserve import Engine, SamplingParams
-from dgserve.tiny import make_random_checkpoint
+from dgserve.model.tiny import make_random_checkpoint
 
 pytestmark = pytest.mark.cuda
 
@@ -31,8 +31,8 @@ def _rel_l2(a, b):
 
 def _first_logits(engine, prompts):
     """Decoder logits of step 1 for each prompt (encode, then one denoise of the block's first canvas)."""
+    from dgserve.engine.sampler import BlockState
     from dgserve.model import KVCache, RowCache
-    from dgserve.sampler import BlockState
 
     m = engine.model
     rows = [RowCache() for _ in prompts]
@@ -70,7 +70,7 @@ def test_bf16_cuda_logits_close_alone_and_batched(checkpoint):
 
 
 def test_native_self_check_passes_on_the_device():
-    from dgserve.native_check import run_self_check
+    from dgserve.ops.native_check import run_self_check
 
     report = run_self_check("cuda", mode="strict")
     assert report.failed == [], report.summary()

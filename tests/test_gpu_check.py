@@ -68,7 +68,7 @@ def test_the_gpu_image_blocker_refuses_the_service_packages_only():
         f"import importlib\nfor m in {ABSENT!r}:\n"
         "    try:\n        importlib.import_module(m)\n    except ImportError:\n        continue\n"
         "    raise SystemExit(m + ' was importable')\n"
-        "import torch, numpy, safetensors, grpc, google.protobuf, pytest, dgserve.engine, dgserve.ops\n"
+        "import torch, numpy, safetensors, grpc, google.protobuf, pytest, dgserve.engine.engine, dgserve.ops\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_gpu_image_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -62,7 +62,7 @@ def test_scheduler_is_pure_python():
 
 def test_model_calls_ops_not_native():
     for p in _py_files(PKG / "model"):
-        assert "_C" not in _imports(p), p
+        assert not re.search(r"\b_C\b", _imports(p)), p
 
 
 def test_service_imports_work_when_installed():
@@ -93,9 +93,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dgserve.config",
             "dgserve.sampling_params",
             "dgserve.outputs",
-            "dgserve.tokenizer",
-            "dgserve.token_bounds",
-            "dgserve.cache_config",
+            "dgserve.text",
+            "dgserve.engine.cache_config",
             "dgserve.structured",  # response formats and the grammar compiler (llguidance): data and rules
             "dgserve.v1",
         ),
@@ -104,28 +103,29 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "model",
         (
             "dgserve.model",
-            "dgserve.nvfp4",
-            "dgserve.checkpoint",
-            "dgserve.quantize",
-            "dgserve.tiny",
-            "dgserve.default_model",
-            "dgserve.runtime",
-            "dgserve.native_check",
+            "dgserve.model.nvfp4",
+            "dgserve.model.checkpoint",
+            "dgserve.model.quantize",
+            "dgserve.model.tiny",
+            "dgserve.model.default_model",
+            "dgserve.model.runtime",
+            "dgserve.ops.native_check",
         ),
     ),
     (
         "model_runner",
         (
-            "dgserve.model_runner",
-            "dgserve.sampler",
-            "dgserve.scheduler",  # plans Requests, which carry the sampler's BlockState
-            "dgserve.request",
+            "dgserve.engine",
+            "dgserve.engine.model_runner",
+            "dgserve.engine.sampler",
+            "dgserve.engine.scheduler",  # plans Requests, which carry the sampler's BlockState
+            "dgserve.engine.request",
             "dgserve.structured.constrained",  # the grammar-verified step (sampler hooks)
             "dgserve.structured.hooks",
         ),
     ),
-    ("engine", ("dgserve.engine",)),
-    ("async_engine", ("dgserve.async_engine",)),
+    ("engine", ("dgserve.engine.engine",)),
+    ("async_engine", ("dgserve.engine.async_engine",)),
     ("service", ("dgserve.service",)),
     ("apps", ("dgserve.__main__", "dgserve.client")),
 )
@@ -180,7 +180,7 @@ def test_every_module_has_a_layer():
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    """No back-edge: e.g. ops never import dgserve.nvfp4, the model or the engine; the engine never imports the
+    """No back-edge: e.g. ops never import dgserve.model.nvfp4, the model or the engine; the engine never imports the
     async engine or the service."""
     bad = []
     for module, path in _module_files().items():
@@ -205,18 +205,20 @@ def test_ops_modules_do_not_import_their_package():
     never the package ``dgserve.ops`` itself, which imports every op module (the old ``import dgserve.ops as
     _ops  # partially initialised``)."""
     for module, path in _module_files().items():
-        if module.startswith("dgserve.ops."):
+        if module.startswith("dgserve.ops.") and module != "dgserve.ops.native_check":  # the self-check is the top
             deps = _dgserve_imports(module, path)
             assert "dgserve.ops" not in deps, f"{module} imports the dgserve.ops package (a circle through __init__)"
             assert "partially initialised" not in path.read_text(), module
 
 
 def test_the_layer_check_sees_a_back_edge(tmp_path):
-    """The checker itself: a module of ops importing dgserve.nvfp4 (the old circle), lazily, is found."""
+    """The checker itself: a module of ops importing dgserve.model.nvfp4 (the old circle), lazily, is found."""
     fake = tmp_path / "nvfp4_experts.py"
-    fake.write_text("def f():\n    from .. import nvfp4\n    from . import reference\n")
+    fake.write_text("def f():\n    from ..model import nvfp4\n    from . import reference\n")
     deps = _dgserve_imports("dgserve.ops.nvfp4_experts", fake)
-    assert deps == {"dgserve.nvfp4", "dgserve.ops.reference"} and _layer("dgserve.nvfp4") > _layer("dgserve.ops")
+    assert deps == {"dgserve.model.nvfp4", "dgserve.ops.reference"} and _layer("dgserve.model.nvfp4") > _layer(
+        "dgserve.ops"
+    )
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from dgserve import DiffusionGemma, Engine, SamplingParams
-from dgserve.cache_config import CacheConfig
 from dgserve.config import ConfigError
+from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.model import RowCache
 from dgserve.model.cache import SlotCache
-from dgserve.model_runner import ModelRunner
-from dgserve.scheduler import SchedulerConfig
-from dgserve.tiny import preset, random_weights
+from dgserve.model.tiny import preset, random_weights
 
 
 @pytest.mark.parametrize("chunk, prompt_len", [(5, 29), (16, 40), (3, 7)])

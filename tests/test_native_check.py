@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dgserve import Engine, ops
-from dgserve import native_check as nc
+from dgserve.model.tiny import preset, random_weights
+from dgserve.ops import native_check as nc
 from dgserve.ops import reference
-from dgserve.tiny import preset, random_weights
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +67,7 @@ def test_all_native_ops_pass_on_the_cpu():
 
 
 def test_auto_switches_a_wrong_op_off(wrong_step, caplog):
-    with caplog.at_level(logging.ERROR, logger="dgserve.native_check"):
+    with caplog.at_level(logging.ERROR, logger="dgserve.ops.native_check"):
         report = nc.run_self_check("cpu", "auto")
     assert [r.op for r in report.failed] == ["diffusion_step"]
     assert "canvas" in report.failed[0].detail
@@ -129,7 +129,7 @@ def test_model_info_and_metric_show_the_switched_off_op(wrong_step):
     pytest.importorskip("grpc")
     from prometheus_client import generate_latest
 
-    from dgserve.async_engine import AsyncEngine
+    from dgserve.engine.async_engine import AsyncEngine
     from dgserve.service.metrics import Metrics
     from service import convert
 

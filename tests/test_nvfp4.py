@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from dgserve import DiffusionGemma, nvfp4
-from dgserve.checkpoint import CheckpointError, load_weights, save_weights
+from dgserve import DiffusionGemma
 from dgserve.config import ModelConfig
-from dgserve.quantize import main as quantize_main
-from dgserve.quantize import quantize_checkpoint
+from dgserve.model import nvfp4
+from dgserve.model.checkpoint import CheckpointError, load_weights, save_weights
+from dgserve.model.quantize import main as quantize_main
+from dgserve.model.quantize import quantize_checkpoint
 
 
 def _e4m3_f64(byte: int) -> float:

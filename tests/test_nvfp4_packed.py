@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgserve import DiffusionGemma, Engine, SamplingParams, nvfp4, ops
-from dgserve import checkpoint as ckpt
+from dgserve import DiffusionGemma, Engine, SamplingParams, ops
 from dgserve.config import ModelConfig
-from dgserve.quantize import main as quantize_main
-from dgserve.quantize import quantize_checkpoint
-from dgserve.tiny import make_random_checkpoint
+from dgserve.model import checkpoint as ckpt
+from dgserve.model import nvfp4
+from dgserve.model.quantize import main as quantize_main
+from dgserve.model.quantize import quantize_checkpoint
+from dgserve.model.tiny import make_random_checkpoint
 
 
 @pytest.fixture(scope="module")

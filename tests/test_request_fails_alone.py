@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.default_model import write_tiny_random_model
+from dgserve.model.default_model import write_tiny_random_model
 from dgserve.structured import ResponseFormat
 from dgserve.structured.constrained import GrammarFailure
 from dgserve.structured.schema_check import MAX_SCHEMA_DEPTH, check_productive
@@ -144,7 +144,7 @@ def test_a_grammar_failing_in_the_step_ends_its_request_alone(engine):
 def test_output_failure_ends_its_request_alone(engine, monkeypatch):
     """Per-request work after the batched step (here: decoding its block) that raises ends that request with a
     generic RequestFailedError, never its content; the neighbour completes."""
-    from dgserve.request import RequestFailedError
+    from dgserve.engine.request import RequestFailedError
 
     victim = engine.add(engine.make_request("boom", params(seed=8)))
     other = engine.add(engine.make_request("fine", params(seed=9)))

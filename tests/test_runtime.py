@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from dgserve import Engine, runtime
-from dgserve.checkpoint import expected_shapes
+from dgserve import Engine
 from dgserve.config import ConfigError
-from dgserve.tiny import make_random_checkpoint, preset
+from dgserve.model import runtime
+from dgserve.model.checkpoint import expected_shapes
+from dgserve.model.tiny import make_random_checkpoint, preset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_the_26b_checkpoint_in_fp32_does_not_fit_an_h100_but_bf16_does():
 def test_cpu_plan(tiny):
     plan = runtime.plan_runtime(tiny, "cpu", "auto")
     assert (plan.device, plan.dtype, plan.expert_format, plan.problem) == ("cpu", "float32", "dense float32", None)
-    n = sum(t.numel() for t in __import__("dgserve.tiny", fromlist=["x"]).random_weights(preset("tiny")).values())
+    n = sum(t.numel() for t in __import__("dgserve.model.tiny", fromlist=["x"]).random_weights(preset("tiny")).values())
     assert plan.weight_bytes == 4 * n
 
 

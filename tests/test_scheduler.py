@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from dgserve.request import Request
-from dgserve.scheduler import DuplicateRequestError, QueueFullError, Scheduler, SchedulerConfig
+from dgserve.engine.request import Request
+from dgserve.engine.scheduler import DuplicateRequestError, QueueFullError, Scheduler, SchedulerConfig
 
 
 class Clock:

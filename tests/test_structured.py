@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.default_model import SHIPPED, write_tiny_random_model
+from dgserve.model.default_model import SHIPPED, write_tiny_random_model
 from dgserve.structured import ResponseFormat
 from dgserve.structured.grammar import NUMBER_LIMIT, GrammarCompiler, bound_numbers
 
@@ -195,7 +195,7 @@ def test_bad_formats_name_response_format(engine, kw, problem):
 
 
 def test_no_tokenizer_and_ignore_eos_are_rejected(tmp_path):
-    from dgserve.tiny import make_random_checkpoint
+    from dgserve.model.tiny import make_random_checkpoint
 
     bare = Engine.from_pretrained(make_random_checkpoint(tmp_path / "bare", "tiny", seed=1))
     with pytest.raises(ValueError, match="response_format: structured output needs a tokenizer"):

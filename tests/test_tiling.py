@@ -10,9 +10,9 @@ import pathlib
 import torch
 
 from dgserve import DiffusionGemma, SamplingParams
+from dgserve.engine.sampler import BlockState, Sampler, StepKnobs
 from dgserve.model import KVCache, RowCache
-from dgserve.sampler import BlockState, Sampler, StepKnobs
-from dgserve.tiny import preset, random_weights
+from dgserve.model.tiny import preset, random_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

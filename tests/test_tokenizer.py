@@ -1,4 +1,4 @@
-"""dgserve.tokenizer: encode/decode, special tokens, chat templates (fallback, checkpoint, sandbox), streaming.
+"""dgserve.text.tokenizer: encode/decode, special tokens, chat templates (fallback, checkpoint, sandbox), streaming.
 
 The tokenizer is a tiny byte-level BPE trained here on inline text, saved as tokenizer.json (with and without a
 tokenizer_config.json), so the tests need no download.
@@ -13,7 +13,7 @@ import random
 import pytest
 
 from dgserve.outputs import OutputTracker
-from dgserve.tokenizer import IncrementalDecoder, Tokenizer
+from dgserve.text.tokenizer import IncrementalDecoder, Tokenizer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
 
@@ -60,7 +60,7 @@ def tokenizer_json(tmp_path_factory) -> pathlib.Path:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from dgserve.default_model import add_bos_post_processor
+    from dgserve.model.default_model import add_bos_post_processor
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -544,7 +544,7 @@ def test_no_byte_bound_where_text_can_vanish(tokenizer_json):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, normalizers, pre_tokenizers
 
-    from dgserve.token_bounds import max_token_bytes
+    from dgserve.text.token_bounds import max_token_bytes
 
     split = HFTokenizer.from_file(str(tokenizer_json))
     split.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -579,7 +579,7 @@ def test_huge_text_is_rejected_by_its_length_without_tokenizing(tok, monkeypatch
 def test_long_text_without_byte_bound_is_counted_in_bounded_chunks(tok, monkeypatch):
     """With no byte bound (here: forced), a text over the limit is counted chunk by chunk and rejected after the
     first chunks: the tokenizer never sees it whole."""
-    from dgserve.token_bounds import COUNT_CHUNK_CHARS
+    from dgserve.text.token_bounds import COUNT_CHUNK_CHARS
 
     calls = []
     monkeypatch.setattr(tok, "_tok", _Spy(tok._tok, calls))

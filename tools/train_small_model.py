@@ -166,7 +166,7 @@ def build_corpus(work: pathlib.Path, seed: int, source: str = "kjv") -> dict:
 def train_tokenizer(work: pathlib.Path, corpus: dict, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dgserve.default_model import add_bos_post_processor
+    from dgserve.model.default_model import add_bos_post_processor
 
     path = work / "tokenizer.json"
     if path.exists():

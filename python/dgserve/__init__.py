@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Engine": "dgserve.engine",
+    "Engine": "dgserve.engine.engine",
     "DiffusionGemma": "dgserve.model",
     "BlockOutput": "dgserve.outputs",
     "BlockStats": "dgserve.outputs",
     "GenerationResult": "dgserve.outputs",
     "SamplingParams": "dgserve.sampling_params",
-    "Tokenizer": "dgserve.tokenizer",
+    "Tokenizer": "dgserve.text.tokenizer",
 }
 __all__ = ["BlockOutput", "BlockStats", "DiffusionGemma", "Engine", "GenerationResult", "SamplingParams", "Tokenizer"]
 assert __all__ == sorted(_EXPORTS)

@@ -8,7 +8,7 @@
 
 ``generate`` prints each block's text as it arrives on stdout and one progress line per block on stderr
 (``--json``: one JSON line per event instead). Without ``--model`` the local mode uses the default model
-(``dgserve.default_model.default_model_path``).
+(``dgserve.model.default_model.default_model_path``).
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
     import torch
 
     from dgserve import Engine
-    from dgserve.default_model import default_model_path
-    from dgserve.engine import ChatPrompt, Prompt
+    from dgserve.engine.engine import ChatPrompt, Prompt
+    from dgserve.model.default_model import default_model_path
 
     engine = Engine.from_pretrained(
         args.model or default_model_path(), device=args.device, dtype=getattr(torch, args.dtype)
@@ -199,11 +199,11 @@ def _info(args) -> int:
 
 
 def _make_random(args) -> int:
-    from dgserve.tiny import make_random_checkpoint
+    from dgserve.model.tiny import make_random_checkpoint
 
     path = make_random_checkpoint(args.path, args.preset, args.seed)
     if args.tokenizer:
-        from dgserve.default_model import train_tokenizer
+        from dgserve.model.default_model import train_tokenizer
 
         train_tokenizer(300).save(f"{path}/tokenizer.json")
     print(path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dgserve.tokenizer import IncrementalDecoder
+from dgserve.text.tokenizer import IncrementalDecoder
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "eos", "length", "stop", "cancelled"
 FINISH_ERROR = "error"  # the request failed alone (Request.error); never reported as a finish reason

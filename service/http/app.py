@@ -29,7 +29,7 @@ from prometheus_client import Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dgserve.async_engine import Draft, Finished, Started
+from dgserve.engine.async_engine import Draft, Finished, Started
 from dgserve.outputs import BlockOutput
 
 from .. import errors

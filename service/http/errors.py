@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 
-from dgserve.scheduler import QueueFullError
+from dgserve.engine.scheduler import QueueFullError
 
 from .. import errors
 

@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-from dgserve.async_engine import Draft, DraftSpec, Finished
-from dgserve.engine import ChatPrompt, Prompt
+from dgserve.engine.async_engine import Draft, DraftSpec, Finished
+from dgserve.engine.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
 from dgserve.structured import ResponseFormat
-from dgserve.tokenizer import check_unicode
+from dgserve.text.tokenizer import check_unicode
 
 from ..errors import clip
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dgserve import nvfp4
+from dgserve.model import nvfp4
 
 E2M1_F64 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

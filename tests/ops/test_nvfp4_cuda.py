@@ -16,7 +16,8 @@ import nvfp4_cases as cases
 import pytest
 import torch
 
-from dgserve import nvfp4, ops
+from dgserve import ops
+from dgserve.model import nvfp4
 
 pytestmark = pytest.mark.cuda
 

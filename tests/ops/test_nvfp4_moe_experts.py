@@ -23,7 +23,8 @@ import nvfp4_cases as cases
 import pytest
 import torch
 
-from dgserve import nvfp4, ops
+from dgserve import ops
+from dgserve.model import nvfp4
 from dgserve.ops import reference
 
 

@@ -7,7 +7,7 @@ import pytest
 from service_helpers import ServerThread, base_config
 
 from dgserve import Engine
-from dgserve.default_model import write_tiny_random_model
+from dgserve.model.default_model import write_tiny_random_model
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 

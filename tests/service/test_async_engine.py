@@ -9,9 +9,9 @@ import time
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.async_engine import AsyncEngine, DraftSpec, EngineObserver, Finished, StreamStalledError
+from dgserve.engine.async_engine import AsyncEngine, DraftSpec, EngineObserver, Finished, StreamStalledError
+from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.outputs import BlockOutput
-from dgserve.scheduler import SchedulerConfig
 
 
 class Counting(EngineObserver):

@@ -217,7 +217,7 @@ def test_big_bodies_do_not_stall_small_calls(server, channel, stub, http):
 
 def test_tokenizer_refuses_lone_surrogates_naming_the_field(model_dir):
     """The library's own check, for callers that do not come through a door (which refuses them first)."""
-    from dgserve.tokenizer import Tokenizer
+    from dgserve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"^prompt: not valid Unicode \(lone surrogate U\+D800 at character 1\)"):

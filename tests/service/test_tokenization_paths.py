@@ -19,8 +19,8 @@ import pytest
 import tokenizers
 from service_helpers import ServerThread, base_config, params
 
-from dgserve.default_model import SHIPPED
-from dgserve.tokenizer import Tokenizer
+from dgserve.model.default_model import SHIPPED
+from dgserve.text.tokenizer import Tokenizer
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from dgserve import ops
-from dgserve.checkpoint import load_weights
 from dgserve.config import ModelConfig
+from dgserve.model.checkpoint import load_weights
 
 from .batched import decode_batched
 from .cache import KVCache, KVStore, RowCache

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dgserve import nvfp4, ops
+from dgserve import ops
 from dgserve.config import ModelConfig
+from dgserve.model import nvfp4
 
 
 @dataclass
 class LayerWeights:
-    """Weights of layer i, canonical names of ``dgserve.checkpoint`` without the ``layers.{i}.`` prefix."""
+    """Weights of layer i, canonical names of ``dgserve.model.checkpoint`` without the ``layers.{i}.`` prefix."""
 
     input_layernorm: torch.Tensor
     q_proj: torch.Tensor  # [nh·hd, H]

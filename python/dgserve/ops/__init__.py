@@ -25,7 +25,7 @@ Native paths (``python build.py`` builds ``_C``; contracts in ``csrc/ops/<op>.h`
 
 ``native_disabled()`` forces the reference path (tests); ``native_enabled()`` says whether native
 dispatch is on. ``switch_off_native(op, reason)`` turns one op's native path off for the process (the start-up
-self-check, ``dgserve.native_check``, does it for an op that disagrees with its reference); ``active_native_ops``
+self-check, ``dgserve.ops.native_check``, does it for an op that disagrees with its reference); ``active_native_ops``
 lists what runs natively on a device.
 """
 

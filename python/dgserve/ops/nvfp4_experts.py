@@ -87,7 +87,7 @@ def nvfp4_moe_experts(
 ) -> torch.Tensor:
     """Grouped W4A16 expert MLP with the fp32 combine → [T, H] in x's dtype; see reference.nvfp4_moe_experts.
 
-    x [T, H] (bf16 on CUDA); experts: ``dgserve.nvfp4.pack_experts`` output on x's device; weights [T, K] fp32;
+    x [T, H] (bf16 on CUDA); experts: ``dgserve.model.nvfp4.pack_experts`` output on x's device; weights [T, K] fp32;
     ids [T, K] int64 in [0, E). out[t] = rnd(Σ_k y[t·K + k]) in slot order, y from ``nvfp4_format.expert_outputs``.
     """
     T, K = ids.shape

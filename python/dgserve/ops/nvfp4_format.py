@@ -9,8 +9,8 @@ with Kp = K rounded up to a multiple of 16 (zero padding, dropped after decoding
 Dequantization, in ModelOpt's order: ``w[n, k] = e2m1(code) × (f32(weight_scale[n, k // 16]) × weight_scale_2)``
 with the bracket in fp32; checkpoints in a lower dtype round once at the end.
 
-This module is the ops layer's: it imports torch only (never ``dgserve.nvfp4``, the model, or the engine).
-``dgserve.nvfp4`` re-exports it next to what loading needs on top (the quantizer, checkpoint names,
+This module is the ops layer's: it imports torch only (never ``dgserve.model.nvfp4``, the model, or the engine).
+``dgserve.model.nvfp4`` re-exports it next to what loading needs on top (the quantizer, checkpoint names,
 ``pack_experts``).
 """
 

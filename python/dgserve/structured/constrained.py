@@ -37,7 +37,7 @@ from dgserve.structured.grammar import allowed_tokens
 if TYPE_CHECKING:
     import llguidance as llg
 
-    from dgserve.sampler import BlockState
+    from dgserve.engine.sampler import BlockState
 
 Propose = Callable[[int, np.ndarray], "int | None"]
 MAX_ERROR_CHARS = 300  # the grammar engine's messages carry its state dump: the first line, this long at most
@@ -227,7 +227,7 @@ def masked_argmax(scores: torch.Tensor, words: np.ndarray, V: int) -> int:
 
 def position_gumbel(seed: int, block: int, step: int, position: int, V: int) -> torch.Tensor:
     """The contract's Gumbel noise [V] fp32 of one canvas position (spec §7.5; the reference formula)."""
-    from dgserve.sampler import to_signed64
+    from dgserve.engine.sampler import to_signed64
 
     k0, k1 = reference.seed_key(torch.tensor(to_signed64(seed)))
     n4 = (V + 3) // 4

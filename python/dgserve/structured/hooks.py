@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dgserve.sampler import BlockState
+    from dgserve.engine.sampler import BlockState
 
 
 def step_bitmask(states: list[BlockState], canvas_length: int, vocab_size: int) -> torch.Tensor | None:

@@ -13,8 +13,8 @@ import zlib
 
 import torch
 
-from dgserve.checkpoint import expected_shapes, save_weights
 from dgserve.config import FULL, SLIDING, ModelConfig
+from dgserve.model.checkpoint import expected_shapes, save_weights
 
 _BASE = ModelConfig(
     vocab_size=300,
@@ -100,7 +100,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 def random_weights(
     config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Canonical-name weights (see ``dgserve.checkpoint.expected_shapes``) drawn from ``seed``.
+    """Canonical-name weights (see ``dgserve.model.checkpoint.expected_shapes``) drawn from ``seed``.
 
     Each tensor has its own generator seeded by (seed, name), and is drawn directly on ``device``, so one
     tensor can be regenerated alone (``random_tensor``) and no CPU copy of a large model is ever made.

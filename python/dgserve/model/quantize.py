@@ -1,11 +1,11 @@
 """Quantize a bf16/fp32 DiffusionGemma checkpoint's routed experts to ModelOpt NVFP4.
 
-    python -m dgserve.quantize SRC DST [--dtype bfloat16] [--shard-size-gb 4]
+    python -m dgserve.model.quantize SRC DST [--dtype bfloat16] [--shard-size-gb 4]
 
 Writes DST in the layout NVIDIA's ModelOpt exports (spec §2.4, kernels.md §3.1): every routed expert projection
 becomes ``model.decoder.layers.{i}.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2,
 input_scale}``; everything else (attention, dense MLP, router, norms, embeddings, self-conditioning, vision)
-stays in ``--dtype``. Rounding rules are ModelOpt's (see ``dgserve.nvfp4.quantize``). There is no activation
+stays in ``--dtype``. Rounding rules are ModelOpt's (see ``dgserve.model.nvfp4.quantize``). There is no activation
 calibration: ``input_scale`` is written as 1.0 and only matters to W4A4 kernels, which dgserve does not use.
 ``hf_quant_config.json`` and ``config.json``'s ``quantization_config`` describe the export; tokenizer and
 generation files are copied. Tensors are read one at a time and written in shards, so memory stays near one
@@ -24,9 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dgserve import nvfp4
-from dgserve.checkpoint import DECODER, INDEX_FILE, QUANT_FILE, SINGLE_FILE, _plan, _scan, hf_names
 from dgserve.config import ModelConfig
+from dgserve.model import nvfp4
+from dgserve.model.checkpoint import DECODER, INDEX_FILE, QUANT_FILE, SINGLE_FILE, _plan, _scan, hf_names
 
 EXCLUDE = [
     "lm_head",
@@ -40,7 +40,7 @@ EXCLUDE = [
     "*norm*",
     "*layer_scalar*",
 ]
-PRODUCER = {"name": "dgserve.quantize", "version": "0.1.0"}
+PRODUCER = {"name": "dgserve.model.quantize", "version": "0.1.0"}
 COPIED = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -147,7 +147,7 @@ def _write_metadata(src: pathlib.Path, dst: pathlib.Path, dtype: torch.dtype) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dgserve.quantize", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dgserve.model.quantize", description=__doc__.split("\n\n")[0])
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument(

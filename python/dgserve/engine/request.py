@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dgserve.engine.sampler import BlockState
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
-    from dgserve.sampler import BlockState
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
 

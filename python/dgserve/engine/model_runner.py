@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from dgserve.cache_config import CacheConfig
 from dgserve.config import ConfigError
+from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.request import Request
+from dgserve.engine.sampler import BlockState, Sampler, StepKnobs, to_signed64
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
-from dgserve.request import Request
-from dgserve.sampler import BlockState, Sampler, StepKnobs, to_signed64
 
 
 def free_memory(device: torch.device) -> int:

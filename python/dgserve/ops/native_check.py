@@ -27,7 +27,7 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-log = logging.getLogger("dgserve.native_check")
+log = logging.getLogger("dgserve.ops.native_check")
 
 MODES = ("auto", "off", "strict")
 
@@ -214,7 +214,7 @@ def check_moe_experts(device) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _nvfp4_cpu(H=64, I=32, E=4):
     """(PackedExperts fields, ModelOpt tensors) of E random experts, on the CPU, built once."""
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     g = _gen(12)
 
@@ -234,7 +234,7 @@ def _nvfp4_experts(device):
 
 
 def check_nvfp4_repack(device) -> str | None:
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     _, (gate, _, _) = _nvfp4_experts("cpu")
     w, s = gate[0].to(device), gate[1].to(device)
@@ -243,7 +243,7 @@ def check_nvfp4_repack(device) -> str | None:
 
 
 def check_nvfp4_moe_experts(device) -> str | None:
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     fields, _ = _nvfp4_experts(device)
     packed = nvfp4.PackedExperts(*fields)
@@ -348,10 +348,10 @@ def forget_reports() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dgserve.native_check [DEVICE] [--mode auto|strict]``: run the self-check, print the report."""
+    """``python -m dgserve.ops.native_check [DEVICE] [--mode auto|strict]``: run the self-check, print the report."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m dgserve.native_check", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m dgserve.ops.native_check", description=main.__doc__)
     p.add_argument("device", nargs="?", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mode", choices=("auto", "strict"), default="strict")
     args = p.parse_args(argv)

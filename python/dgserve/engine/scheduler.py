@@ -14,7 +14,7 @@ Each ``schedule()`` call plans one engine iteration:
 ``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
 with a retry delay estimated from recent service times) or when the caller has a request with that id in flight
 (``DuplicateRequestError``). Requests are keyed by ``Request.key``, (owner, request_id): ids are per caller.
-The scheduler holds ``Request`` objects (dgserve.request), the engine's own, and has no lock: the engine calls it
+The scheduler holds ``Request`` objects (dgserve.engine.request), the engine's own, and has no lock: the engine calls it
 under its one lock.
 """
 
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dgserve.request import FINISHED, RUNNING, WAITING, Request, RequestKey
+from dgserve.engine.request import FINISHED, RUNNING, WAITING, Request, RequestKey
 
 DEFAULT_RETRY_AFTER_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0

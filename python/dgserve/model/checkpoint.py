@@ -26,8 +26,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import nvfp4
-from .config import FULL, TINY_VISION_CONFIG, ModelConfig
+from dgserve.config import FULL, TINY_VISION_CONFIG, ModelConfig
+from dgserve.model import nvfp4
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."

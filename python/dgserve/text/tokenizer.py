@@ -29,7 +29,7 @@ import jinja2.sandbox
 import jinja2.utils
 import tokenizers
 
-from dgserve.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
+from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
 log = logging.getLogger("dgserve")
 

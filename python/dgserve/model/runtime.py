@@ -59,7 +59,7 @@ def resolve_dtype(device: str, dtype: str | torch.dtype | None) -> tuple[str, st
 
 
 def _headers(path: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
-    from dgserve.checkpoint import _is_vision, _scan
+    from dgserve.model.checkpoint import _is_vision, _scan
 
     try:
         return {n: (s.dtype, s.shape) for n, s in _scan(path).items() if not _is_vision(n)}
@@ -68,7 +68,7 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]] | Non
 
 
 def has_nvfp4_experts(path: str | os.PathLike[str]) -> bool:
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     headers = _headers(pathlib.Path(path))
     return headers is not None and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
@@ -77,7 +77,7 @@ def has_nvfp4_experts(path: str | os.PathLike[str]) -> bool:
 def estimate_weight_bytes(headers: dict[str, tuple[str, tuple[int, ...]]], dtype: str, packed_nvfp4: bool) -> int:
     """Bytes of the weights once loaded: floating tensors in ``dtype``; NVFP4 experts as stored when packed (codes,
     scales, fp32 globals), else dequantized to ``dtype`` (two weights per code byte)."""
-    from dgserve import nvfp4
+    from dgserve.model import nvfp4
 
     size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     total = 0

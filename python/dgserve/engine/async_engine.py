@@ -16,10 +16,10 @@ blocks it committed; the others carry on. An exception out of the step itself is
 in-flight stream with ``EngineFaultError`` and stops the engine. Neither message carries another request's content:
 the fault is named by its type only (the server log has the rest).
 
-The request is the engine's ``Request`` (dgserve.request), minted once by ``Engine.make_request``; the stream hangs
-on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently finished ids
-live in the engine, under its one lock. The service talks to this facade only (``model_info``, ``tokenize``,
-``default_params``, ``max_num_seqs``), never to the engine behind it.
+The request is the engine's ``Request`` (dgserve.engine.request), minted once by ``Engine.make_request``; the
+stream hangs on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently
+finished ids live in the engine, under its one lock. The service talks to this facade only (``model_info``,
+``tokenize``, ``default_params``, ``max_num_seqs``), never to the engine behind it.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dgserve.engine import DraftOutput, Engine, Prompt, StepOutput, check_request_id
+from dgserve.engine.engine import DraftOutput, Engine, Prompt, StepOutput, check_request_id
+from dgserve.engine.request import Request
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
-from dgserve.request import Request
 from dgserve.sampling_params import SamplingParams
 
-log = logging.getLogger("dgserve.engine")
+log = logging.getLogger("dgserve.engine.engine")
 
 # What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, admit time),
 # ("block", stream, (BlockOutput, GenerationResult | None)), ("draft", stream, Draft) or ("failed", stream, error).

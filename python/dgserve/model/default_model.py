@@ -1,7 +1,7 @@
 """The model served when none is named: the small trained model shipped in the package, else a tiny random one.
 
 ``default_model_path()`` returns ``python/dgserve/models/small/`` when it holds a ``config.json``. Otherwise it
-writes (once per machine, reused afterwards) a tiny random checkpoint (``dgserve.tiny``'s ``tiny`` preset) with a
+writes (once per machine, reused afterwards) a tiny random checkpoint (``dgserve.model.tiny``'s ``tiny`` preset) with a
 byte-level BPE tokenizer trained on a few sentences (which transformers' ``AutoTokenizer`` loads too and encodes
 as dgserve does), and logs a warning: its output is random tokens, useful only
 to exercise the service end to end.
@@ -18,7 +18,7 @@ import tempfile
 
 log = logging.getLogger("dgserve")
 
-SHIPPED = pathlib.Path(__file__).resolve().parent / "models" / "small"
+SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "models" / "small"
 RANDOM_DIR_NAME = "dgserve-tiny-random-v2"  # v2: tokenizer.json prepends <bos>; tokenizer_config.json
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]  # ids 0, 1, 2 = the tiny preset's pad, eos, bos
 # transformers' generic fast tokenizer (without a class, AutoTokenizer picks GemmaTokenizer from config.json,
@@ -51,7 +51,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
 
 def write_tiny_random_model(path: str | os.PathLike, seed: int = 0) -> str:
     """A tiny random checkpoint + byte-level BPE tokenizer at ``path`` (written to a sibling, then renamed)."""
-    from dgserve.tiny import make_random_checkpoint
+    from dgserve.model.tiny import make_random_checkpoint
 
     final = pathlib.Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ call, and finished blocks are committed (their tokens are encoded before the nex
 the noise is keyed per request, the model does fixed-shape work per row, and prefill chunk boundaries depend on
 the prompt alone (DESIGN Decisions 3).
 
-One request is one ``Request`` object (dgserve.request), minted here once (id, seed, validated prompt ids), queued
-and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
+One request is one ``Request`` object (dgserve.engine.request), minted here once (id, seed, validated prompt ids),
+queued and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
 caller in each ``StepOutput``: ``step`` is schedule → run → commit.
 
 A request fails alone: what is its own (its grammar, its output decoding) may fail mid-generation; ``step`` then
@@ -37,25 +37,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dgserve.cache_config import CacheConfig
 from dgserve.config import generation_eos_token_ids
+from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.request import Request, RequestFailedError, RequestKey
+from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
-from dgserve.model_runner import ModelRunner
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
-from dgserve.request import Request, RequestFailedError, RequestKey
 from dgserve.sampling_params import SamplingParams
-from dgserve.scheduler import Scheduler, SchedulerConfig
-from dgserve.token_bounds import PromptTooLongError
+from dgserve.text.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
-    from dgserve.runtime import RuntimePlan
+    from dgserve.model.runtime import RuntimePlan
     from dgserve.structured.constrained import StructuredRow
     from dgserve.structured.grammar import GrammarCompiler
-    from dgserve.tokenizer import Tokenizer
+    from dgserve.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
 REMEMBER_FINISHED = 10_000  # finished ids kept for Abort's "already finished" answer
-log = logging.getLogger("dgserve.engine")
+log = logging.getLogger("dgserve.engine.engine")
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,11 @@ class Engine:
         cache_config: CacheConfig | None = None,
         max_request_steps: int | None = None,
     ):
-        from dgserve.native_check import run_self_check
+        from dgserve.ops.native_check import run_self_check
 
         self.model = model
         self.native_ops_mode = native_ops
-        # the self-check of the native ops (dgserve.native_check): on CUDA, or whenever asked for (strict/off);
+        # the self-check of the native ops (dgserve.ops.native_check): on CUDA, or whenever asked for (strict/off);
         # strict raises NativeOpsError here, before the engine serves anything
         self.native_report = (
             run_self_check(model.device, native_ops) if native_ops != "auto" or model.device.type == "cuda" else None
@@ -155,10 +155,10 @@ class Engine:
         ids (a default outside the knob's bounds: ConfigError naming the field and the file, before the model
         loads); kwargs go to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops).
 
-        dtype None or "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.runtime``). A dtype whose weights do
+        dtype None or "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.model.runtime``). A dtype whose weights do
         not fit the GPU raises ConfigError before anything is loaded."""
-        from dgserve.runtime import check_plan, plan_runtime
-        from dgserve.tokenizer import Tokenizer
+        from dgserve.model.runtime import check_plan, plan_runtime
+        from dgserve.text.tokenizer import Tokenizer
 
         defaults = SamplingParams.from_generation_config(path)
         eos = generation_eos_token_ids(path)

@@ -1,0 +1,1 @@
+"""The engine layer: requests in, committed blocks out."""
