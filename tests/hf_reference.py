@@ -20,8 +20,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as gen
 
-from dgserve.engine.sampler import to_signed64
 from dgserve.ops import reference
+from dgserve.sampling_params import to_signed64
 
 # What another implementation may differ by, per decision of a denoising step (the bounds the margins are
 # measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):

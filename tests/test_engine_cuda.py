@@ -31,7 +31,7 @@ def _rel_l2(a, b):
 
 def _first_logits(engine, prompts):
     """Decoder logits of step 1 for each prompt (encode, then one denoise of the block's first canvas)."""
-    from dgserve.engine.sampler import BlockState
+    from dgserve.engine.block import BlockState
     from dgserve.model import KVCache, RowCache
 
     m = engine.model
@@ -39,8 +39,7 @@ def _first_logits(engine, prompts):
     for p, row in zip(prompts, rows, strict=True):
         m.encode_row(torch.tensor(p, device=m.device), row)
     states = [
-        BlockState.start(i + 1, 0, _params(i + 1), m.config.canvas_length, m.config.vocab_size, m.device)
-        for i in range(len(prompts))
+        BlockState.start(i + 1, 0, m.config.canvas_length, m.config.vocab_size, m.device) for i in range(len(prompts))
     ]
     return m.denoise(KVCache(rows), torch.stack([s.canvas for s in states])).cpu()
 

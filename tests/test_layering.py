@@ -29,14 +29,6 @@ def test_no_grpc_in_package_except_stubs_and_client():
         assert "grpc" not in _imports(p), f"{rel} imports grpc"
 
 
-def test_only_ops_imports_native_extension():
-    for p in _py_files(PKG):
-        rel = p.relative_to(PKG)
-        if rel.parts[0] == "ops":
-            continue
-        assert not re.search(r"(dgserve\._C|from dgserve import _C|from \. import _C|import _C)", _imports(p)), rel
-
-
 def test_only_bindings_include_torch_or_pybind():
     csrc = ROOT / "csrc"
     for p in list(csrc.rglob("*.h")) + list(csrc.rglob("*.cpp")) + list(csrc.rglob("*.cu")) + list(csrc.rglob("*.cuh")):
@@ -54,15 +46,16 @@ def test_environment_read_only_in_service_main():
             assert "os.environ" not in p.read_text() and "getenv" not in p.read_text(), p
 
 
-def test_scheduler_is_pure_python():
-    sched = PKG / "scheduler.py"
-    if sched.exists():
-        assert "torch" not in _imports(sched)
-
-
-def test_model_calls_ops_not_native():
-    for p in _py_files(PKG / "model"):
-        assert not re.search(r"\b_C\b", _imports(p)), p
+def test_scheduler_and_request_are_pure_python():
+    """The scheduler plans Requests without torch: neither module imports it (type-only imports aside)."""
+    for name in ("scheduler.py", "request.py"):
+        path = PKG / "engine" / name
+        assert path.exists(), path
+        runtime_imports = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in runtime_imports for a in n.names} | {
+            n.module or "" for n in runtime_imports if isinstance(n, ast.ImportFrom)
+        }
+        assert not any(x.split(".")[0] == "torch" for x in names), path
 
 
 def test_service_imports_work_when_installed():
@@ -80,54 +73,79 @@ def test_http_front_door_speaks_no_grpc():
 
 
 # ------------------------------------------------------------------------------------------------------ layers
-# A request walks service → async_engine → engine ↔ scheduler → model_runner → model → ops (issue 17). Every
-# dgserve module has a layer; it may import its own layer and those below, never one above (lazy imports inside
-# functions and TYPE_CHECKING imports count too). "core" is plain data and rules (configuration, knobs, outputs,
-# tokenizer, queues) that the layers above ops share; the ops import nothing outside dgserve.ops.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("ops", ("dgserve.ops", "dgserve._C")),
+# A request walks service → engine (async engine → engine ↔ scheduler → model runner → sampler) → model → ops
+# (docs/architecture.md). Folders are layers, and each layer is ordered inside too: a module may import modules of
+# its own tier and of the tiers and layers below, never above (lazy imports inside functions and TYPE_CHECKING
+# imports count). "core" is the plain data and rules the layers above ops share (configuration, sampling params,
+# outputs, text, structured output, the gRPC stubs). A name is a module exactly; "X.*" is every module under X
+# that no exact name or longer pattern claims.
+LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
+    (
+        "ops",
+        (
+            ("dgserve._C", "dgserve.ops.native", "dgserve.ops.reference", "dgserve.ops.nvfp4_format"),
+            ("dgserve.ops.*",),  # one module per op
+            ("dgserve.ops",),  # the op surface: re-exports
+            ("dgserve.ops.native_check",),  # the start-up self-check of every native op
+        ),
+    ),
     (
         "core",
         (
-            "dgserve",  # the package face: imports nothing at import time (PEP 562)
-            "dgserve.config",
-            "dgserve.sampling_params",
-            "dgserve.outputs",
-            "dgserve.text",
-            "dgserve.engine.cache_config",
-            "dgserve.structured",  # response formats and the grammar compiler (llguidance): data and rules
-            "dgserve.v1",
+            (
+                "dgserve",  # the package face: imports nothing at import time (PEP 562)
+                "dgserve.config",
+                "dgserve.v1",
+                "dgserve.v1.*",
+                "dgserve.text.token_bounds",
+                "dgserve.structured.schema_check",
+            ),
+            ("dgserve.text", "dgserve.text.tokenizer", "dgserve.structured.response_format"),
+            ("dgserve.sampling_params", "dgserve.outputs", "dgserve.structured", "dgserve.structured.grammar"),
+            ("dgserve.structured.constrained",),  # the grammar-verified step the sampler calls
         ),
     ),
     (
         "model",
         (
-            "dgserve.model",
-            "dgserve.model.nvfp4",
-            "dgserve.model.checkpoint",
-            "dgserve.model.quantize",
-            "dgserve.model.tiny",
-            "dgserve.model.default_model",
-            "dgserve.model.runtime",
-            "dgserve.ops.native_check",
+            ("dgserve.model.nvfp4", "dgserve.model.cache"),
+            ("dgserve.model.checkpoint", "dgserve.model.layers"),
+            ("dgserve.model.batched",),
+            ("dgserve.model.diffusion_gemma", "dgserve.model.quantize", "dgserve.model.runtime", "dgserve.model.tiny"),
+            ("dgserve.model", "dgserve.model.default_model"),
         ),
     ),
     (
-        "model_runner",
+        "engine",
         (
-            "dgserve.engine",
-            "dgserve.engine.model_runner",
-            "dgserve.engine.sampler",
-            "dgserve.engine.scheduler",  # plans Requests, which carry the sampler's BlockState
-            "dgserve.engine.request",
-            "dgserve.structured.constrained",  # the grammar-verified step (sampler hooks)
-            "dgserve.structured.hooks",
+            ("dgserve.engine.block", "dgserve.engine.cache_config"),
+            ("dgserve.engine.request",),  # the one per-request record
+            ("dgserve.engine.scheduler", "dgserve.engine.sampler"),
+            ("dgserve.engine.model_runner",),
+            ("dgserve.engine.engine",),
+            ("dgserve.engine.async_engine",),
+            ("dgserve.engine",),
         ),
     ),
-    ("engine", ("dgserve.engine.engine",)),
-    ("async_engine", ("dgserve.engine.async_engine",)),
-    ("service", ("dgserve.service",)),
-    ("apps", ("dgserve.__main__", "dgserve.client")),
+    (
+        "service",
+        (
+            (
+                "dgserve.service.logs",
+                "dgserve.service.connections",
+                "dgserve.service.in_flight",
+                "dgserve.service.config",
+                "dgserve.service.errors",
+            ),
+            ("dgserve.service.events", "dgserve.service.metrics", "dgserve.service.interceptors"),
+            ("dgserve.service.convert", "dgserve.service.http.*"),  # the two doors: encoders
+            ("dgserve.service.servicer", "dgserve.service.http.app"),
+            ("dgserve.service.http.front_door", "dgserve.service.http"),
+            ("dgserve.service.server",),
+            ("dgserve.service.__main__", "dgserve.service"),
+        ),
+    ),
+    ("apps", (("dgserve.client",), ("dgserve.__main__",))),
 )
 
 
@@ -143,14 +161,22 @@ def _module_files() -> dict[str, pathlib.Path]:
     return out
 
 
-def _layer(module: str) -> int | None:
-    """Index in LAYERS of the longest matching prefix; None for a module no layer names."""
-    best, rank = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, rank = len(prefix), i
-    return rank
+def _rank(module: str) -> tuple[int, int] | None:
+    """(layer, tier) of a module: an exact name first, else the longest "X.*" pattern; None when none matches."""
+    best: tuple[int, int] | None = None
+    best_len = -1
+    for li, (_, tiers) in enumerate(LAYERS):
+        for ti, names in enumerate(tiers):
+            for name in names:
+                if name == module:
+                    return (li, ti)
+                if name.endswith(".*") and module.startswith(name[:-1]) and len(name) > best_len:
+                    best, best_len = (li, ti), len(name)
+    return best
+
+
+def _describe(rank: tuple[int, int]) -> str:
+    return f"{LAYERS[rank[0]][0]} tier {rank[1]}"
 
 
 def _dgserve_imports(module: str, path: pathlib.Path) -> set[str]:
@@ -174,51 +200,155 @@ def _dgserve_imports(module: str, path: pathlib.Path) -> set[str]:
     return found - {module}
 
 
+def _graph() -> dict[str, set[str]]:
+    files = _module_files()
+    return {m: _dgserve_imports(m, p) for m, p in files.items()}
+
+
 def test_every_module_has_a_layer():
-    unplaced = [m for m in _module_files() if _layer(m) is None]
+    unplaced = [m for m in _module_files() if _rank(m) is None]
     assert not unplaced, f"add these modules to LAYERS in tests/test_layering.py: {unplaced}"
 
 
-def test_no_module_imports_a_layer_above_its_own():
-    """No back-edge: e.g. ops never import dgserve.model.nvfp4, the model or the engine; the engine never imports the
-    async engine or the service."""
+def test_no_module_imports_above_its_own_tier():
+    """No back-edge between layers or inside one: e.g. ops never import the model; the scheduler never imports the
+    model runner; the engine never imports the async engine; servicer and HTTP app never import the server."""
     bad = []
-    for module, path in _module_files().items():
-        own = _layer(module)
-        for dep in _dgserve_imports(module, path):
-            rank = _layer(dep)
+    for module, deps in _graph().items():
+        own = _rank(module)
+        for dep in deps:
+            rank = _rank(dep)
             if own is not None and rank is not None and rank > own:
-                bad.append(f"{module} ({LAYERS[own][0]}) imports {dep} ({LAYERS[rank][0]})")
+                bad.append(f"{module} ({_describe(own)}) imports {dep} ({_describe(rank)})")
     assert not bad, "\n".join(bad)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself): Tarjan."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or round a ring (lazy and type-only imports count)."""
+    assert _circles(_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_ops_import_only_ops():
     """The ops layer is the bottom: its modules import nothing of dgserve outside dgserve.ops (and _C)."""
-    for module, path in _module_files().items():
-        if _layer(module) == 0:
-            outside = {d for d in _dgserve_imports(module, path) if _layer(d) != 0}
+    for module, deps in _graph().items():
+        rank = _rank(module)
+        if rank is not None and rank[0] == 0:
+            outside = {d for d in deps if (_rank(d) or (-1,))[0] != 0}
             assert not outside, f"{module} imports {outside}"
 
 
-def test_ops_modules_do_not_import_their_package():
-    """No circle inside the ops layer either: an op module imports its siblings (native, norm, reference, ...),
-    never the package ``dgserve.ops`` itself, which imports every op module (the old ``import dgserve.ops as
-    _ops  # partially initialised``)."""
-    for module, path in _module_files().items():
-        if module.startswith("dgserve.ops.") and module != "dgserve.ops.native_check":  # the self-check is the top
-            deps = _dgserve_imports(module, path)
-            assert "dgserve.ops" not in deps, f"{module} imports the dgserve.ops package (a circle through __init__)"
-            assert "partially initialised" not in path.read_text(), module
-
-
 def test_the_layer_check_sees_a_back_edge(tmp_path):
-    """The checker itself: a module of ops importing dgserve.model.nvfp4 (the old circle), lazily, is found."""
-    fake = tmp_path / "nvfp4_experts.py"
+    """The checker itself: an op module importing the model lazily, and the scheduler importing the model runner,
+    are found."""
+    fake = tmp_path / "moe_experts.py"
     fake.write_text("def f():\n    from ..model import nvfp4\n    from . import reference\n")
-    deps = _dgserve_imports("dgserve.ops.nvfp4_experts", fake)
-    assert deps == {"dgserve.model.nvfp4", "dgserve.ops.reference"} and _layer("dgserve.model.nvfp4") > _layer(
-        "dgserve.ops"
+    deps = _dgserve_imports("dgserve.ops.moe_experts", fake)
+    assert deps == {"dgserve.model.nvfp4", "dgserve.ops.reference"}
+    assert _rank("dgserve.model.nvfp4") > _rank("dgserve.ops.moe_experts")  # type: ignore[operator]
+    assert _rank("dgserve.engine.model_runner") > _rank("dgserve.engine.scheduler")  # type: ignore[operator]
+    assert _rank("dgserve.ops.native_check") > _rank("dgserve.ops") > _rank("dgserve.ops.moe_route")  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------------------------------- the native extension
+def _native_uses(path: pathlib.Path) -> list[str]:
+    """Every use of the extension ``_C`` in a file, in any form: an import, an attribute (``x._C``), a name, or a
+    string naming it (``import_module("dgserve._C")``, ``getattr(m, "_C")``); docstrings and comments aside."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    native = re.compile(r"(^|\.)_C($|\.)")
+    uses = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.alias) and (native.search(node.name) or node.name == "_C"):
+            uses.append(f"{path}:{line}: import {node.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and native.search(node.module):
+            uses.append(f"{path}:{line}: from {node.module}")
+        elif isinstance(node, ast.Attribute) and node.attr == "_C":
+            uses.append(f"{path}:{line}: ._C")
+        elif isinstance(node, ast.Name) and node.id == "_C":
+            uses.append(f"{path}:{line}: _C")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and native.search(node.value)
+        ):
+            uses.append(f"{path}:{line}: {node.value!r}")
+    return uses
+
+
+def test_native_extension_used_only_in_ops():
+    """Only dgserve.ops touches ``_C``; the model, the engine, the service, bench/, scripts/ and tools/ call ops."""
+    bases = (PKG, ROOT / "service", ROOT / "bench", ROOT / "scripts", ROOT / "tools")
+    uses = [
+        u
+        for base in bases
+        for p in (_py_files(base) if base.exists() else [])
+        if not p.is_relative_to(PKG / "ops")
+        for u in _native_uses(p)
+    ]
+    assert not uses, "\n".join(uses)
+
+
+def test_the_native_check_sees_every_form(tmp_path):
+    fake = tmp_path / "sneaky.py"
+    fake.write_text(
+        '''"""Mentions dgserve._C in a docstring only."""
+import importlib
+import dgserve._C
+from dgserve import _C
+from dgserve._C import rms_norm
+x = importlib.import_module("dgserve._C")
+y = getattr(ops.native, "_C")
+z = ops.native._C.rms_norm
+'''
     )
+    assert len(_native_uses(fake)) == 6
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -108,3 +108,28 @@ def test_runner_knobs_are_rows_of_slot_tables():
     assert rows == slice(0, 2)
     assert runner.knobs.rows(rows).seed.data_ptr() == runner.knobs.seed.data_ptr()
     assert isinstance(runner._rows([1, 0]), torch.Tensor)
+
+
+def test_one_record_steps_left_goes_down_once_per_step(tiny_checkpoint):
+    """The Request holds the block's progress: each engine step lowers steps_left by exactly one (the runner's one
+    decrement), the runner's slot table gets k from the request before the step, and a committed block starts the
+    next one at N again with the next block index."""
+    eng = Engine.from_pretrained(tiny_checkpoint("base"))
+    N = 5
+    # stability over more steps than a block has: adaptive stopping never fires, every block runs its N steps
+    C = eng.model.config.canvas_length
+    params = SamplingParams(max_new_tokens=2 * C, max_denoising_steps=N, stability_threshold=N, seed=3, ignore_eos=True)
+    req = eng.add(eng.make_request([5, 6, 7], params))
+    seen = []
+    while not req.finished:
+        out = eng.step()
+        if req in out.stepped:
+            slot = req.slot if req.slot is not None else 0
+            used = int(eng.runner.knobs.steps_left[slot]) if req.slot is not None else None
+            seen.append((req.block_index if req.block is not None else req.block_index - 1, req.steps_left, used))
+    # block 0: k = 5, 4, 3, 2, 1 used; steps_left after each step 4 .. 0; the block commits at k = 1
+    assert [s[1] for s in seen[:N]] == [4, 3, 2, 1, 0]
+    assert [s[2] for s in seen[: N - 1]] == [5, 4, 3, 2]
+    assert [s[0] for s in seen] == [0] * N + [1] * N
+    assert [b.stats.denoising_steps for b in req.blocks] == [N, N]
+    assert req.seed == 3 and req.params.seed == 3

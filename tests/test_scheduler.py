@@ -40,7 +40,7 @@ class Ids:
 
     def add(self, rid: str, prompt_len: int, deadline: float | None = None) -> None:
         with self.lock:
-            self.s.add(Request(rid, [0] * prompt_len, None, 0, None, deadline=deadline))  # type: ignore[arg-type]
+            self.s.add(Request(rid, [0] * prompt_len, None, None, deadline=deadline))  # type: ignore[arg-type]
 
     def schedule(self) -> Plan:
         with self.lock:
@@ -267,10 +267,10 @@ def test_capacity_message_states_running_waiting_and_limits_exactly():
 def test_request_ids_are_a_namespace_per_owner():
     """Two callers may use the same id; one caller's duplicate is still refused; each owner aborts its own."""
     s = Scheduler(SchedulerConfig(max_num_seqs=4))
-    a, b = (Request("same", [0], None, 0, None, owner=o) for o in ("alice", "bob"))  # type: ignore[arg-type]
+    a, b = (Request("same", [0], None, None, owner=o) for o in ("alice", "bob"))  # type: ignore[arg-type]
     s.add(a)
     s.add(b)
     with pytest.raises(DuplicateRequestError):
-        s.add(Request("same", [0], None, 0, None, owner="alice"))  # type: ignore[arg-type]
+        s.add(Request("same", [0], None, None, owner="alice"))  # type: ignore[arg-type]
     assert s.get(("alice", "same")) is a and s.get(("bob", "same")) is b and s.get((None, "same")) is None
     assert s.abort(("bob", "same")) == "waiting" and s.get(("alice", "same")) is a and len(s) == 1

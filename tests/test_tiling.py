@@ -10,7 +10,9 @@ import pathlib
 import torch
 
 from dgserve import DiffusionGemma, SamplingParams
-from dgserve.engine.sampler import BlockState, Sampler, StepKnobs
+from dgserve.engine.block import BlockState
+from dgserve.engine.request import Request
+from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import KVCache, RowCache
 from dgserve.model.tiny import preset, random_weights
 
@@ -78,16 +80,28 @@ def test_batched_self_conditioning_in_tiles_matches_untiled():
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)  # only GEMM row counts differ
 
 
+def _requests(V: int, C: int) -> list[Request]:
+    """Five requests with started blocks (seed 100 + i, block i), as the model runner leaves them."""
+    reqs = []
+    for i in range(5):
+        params = SamplingParams(max_denoising_steps=6, seed=100 + i)
+        block = BlockState.start(100 + i, i, C, V, torch.device("cpu"))
+        reqs.append(Request(f"r{i}", [0], params, None, block_index=i, steps_left=6, block=block))  # type: ignore[arg-type]
+    return reqs
+
+
 def test_sampler_in_tiles_equals_one_call():
     V, C = 300, 16
-    params = [SamplingParams(max_denoising_steps=6, seed=s) for s in range(5)]
-    states = [BlockState.start(100 + i, i, p, C, V, torch.device("cpu")) for i, p in enumerate(params)]
+    reqs = _requests(V, C)
     logits = 4 * torch.randn(5, C, V, generator=torch.Generator().manual_seed(3))
-    whole, tiled = copy.deepcopy(states), copy.deepcopy(states)
-    knobs = StepKnobs.of(states)
+    whole, tiled = copy.deepcopy(reqs), copy.deepcopy(reqs)
+    knobs = StepKnobs.of(reqs)
     Sampler(torch.float32).step(whole, logits, knobs)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
         Sampler(torch.float32).step(tiled[rows], logits[rows], knobs.rows(rows))
     for x, y in zip(whole, tiled, strict=True):
-        assert torch.equal(x.canvas, y.canvas) and torch.equal(x.argmax, y.argmax)
-        assert torch.equal(x.self_cond, y.self_cond) and x.mean_entropy == y.mean_entropy and x.done == y.done
+        assert x.block is not None and y.block is not None
+        assert torch.equal(x.block.canvas, y.block.canvas) and torch.equal(x.block.argmax, y.block.argmax)
+        assert torch.equal(x.block.self_cond, y.block.self_cond)
+        assert x.mean_entropy == y.mean_entropy and x.block_done == y.block_done
+        assert x.steps_left == 6  # the sampler reads k; the model runner decrements it

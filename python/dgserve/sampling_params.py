@@ -308,3 +308,8 @@ def _describe(name: str, k: Knob) -> str:
 SamplingParams.__doc__ = (
     (SamplingParams.__doc__ or "").rstrip() + "\n\n" + "\n".join(_describe(n, k) for n, k in KNOBS.items())
 )
+
+
+def to_signed64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (torch has no uint64 arithmetic): how the noise ops take it."""
+    return seed - (1 << 64) if seed >= (1 << 63) else seed

@@ -108,7 +108,7 @@ def test_long_prompt_does_not_stall_running_streams(model_dir):
         alive = streaming in eng.scheduler
         before = huge.prefilled
         out = eng.step()
-        assert not alive or streaming in [r.request_id for r in out.decoded]
+        assert not alive or streaming in [r.request_id for r in out.stepped]
         assert huge.prefilled - before <= 128
         blocks += [b for r, b in out.blocks if r.request_id == streaming]
     assert [t for b in blocks for t in b.token_ids] == alone.token_ids

@@ -25,7 +25,6 @@ finished ids live in the engine, under its one lock. The service talks to this f
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -35,13 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgserve.engine.engine import DraftOutput, Engine, Prompt, StepOutput, check_request_id
-from dgserve.engine.request import Request
+from dgserve.engine.request import DraftSpec, Request
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams
 
 log = logging.getLogger("dgserve.engine.engine")
 
-# What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, admit time),
+# What the engine thread hands the loop after a step: ("step", None, seconds), ("started", stream, None),
 # ("block", stream, (BlockOutput, GenerationResult | None)), ("draft", stream, Draft) or ("failed", stream, error).
 _Event = tuple[str, "RequestStream | None", Any]
 
@@ -58,12 +57,6 @@ class EngineFaultError(Exception):
 
 class StreamStalledError(Exception):
     """The reader took nothing for too long while committed blocks waited; the request was aborted."""
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    every_n_steps: int = 1
-    include_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,24 +98,28 @@ class EngineObserver:
 
 
 class RequestStream:
-    """Events of one request, in order (async iterator). Lives on the event loop."""
+    """The event queue of one request, in order (async iterator); everything else about the request is on its
+    ``Request`` (``request``). Lives on the event loop."""
 
-    def __init__(self, engine: AsyncEngine, request: Request, drafts: DraftSpec | None):
+    def __init__(self, engine: AsyncEngine, request: Request):
         self.request = request
-        self.request_id, self.prompt_tokens, self.drafts = request.request_id, request.prompt_len, drafts
-        self.params = dataclasses.replace(request.params, seed=request.seed)  # the seed in use, reported
-        self.owner = request.owner
         self._engine = engine
         self._events: deque = deque()
         self._draft: Draft | None = None
         self._wake = asyncio.Event()
         self._error: Exception | None = None
         self.done = False  # the last event (Finished or an error) has been pushed
-        self.arrival = time.monotonic()
-        self.admitted_at: float | None = None
-        self.first_block_at: float | None = None
-        self.last_read = self.arrival
+        self.last_read = time.monotonic()
         self.reading = False  # the reader is awaiting the next event (so it is not stalled)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's params, with the seed in use."""
+        return self.request.params
 
     def __aiter__(self):
         return self
@@ -314,13 +311,15 @@ class AsyncEngine:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-        make = lambda: self.engine.make_request(prompt, params, request_id, deadline=deadline, owner=owner)  # noqa: E731
+        make = lambda: self.engine.make_request(  # noqa: E731
+            prompt, params, request_id, deadline=deadline, owner=owner, drafts=drafts
+        )
         structured = params is not None and params.response_format is not None
         if isinstance(prompt, (list, tuple)) and not structured:
             req = make()
         else:  # tokenization and grammar compilation (make_request) run in a worker thread, never on the event loop
             req = await asyncio.get_running_loop().run_in_executor(None, make)
-        stream = req.stream = RequestStream(self, req, drafts)
+        stream = req.stream = RequestStream(self, req)
         self.engine.add(req)
         self._wake.set()
         return stream
@@ -355,22 +354,15 @@ class AsyncEngine:
         self.observer.on_abort(reason)
         stream = req.stream
         if notify and stream is not None:
-            stream._push(self._finished(stream, FINISH_CANCELLED, 0, 0, 0))
+            stream._push(self._finished(req, FINISH_CANCELLED, 0, 0, 0))
 
     @staticmethod
-    def _finished(stream: RequestStream, reason: str, completion: int, blocks: int, steps: int) -> Finished:
+    def _finished(req: Request, reason: str, completion: int, blocks: int, steps: int) -> Finished:
         now = time.monotonic()
-        admitted = stream.admitted_at if stream.admitted_at is not None else now
-        first = stream.first_block_at - stream.arrival if stream.first_block_at is not None else float("nan")
+        admitted = req.admitted_at if req.admitted_at is not None else now
+        first = req.first_block_at - req.arrival if req.first_block_at is not None else float("nan")
         return Finished(
-            reason,
-            stream.prompt_tokens,
-            completion,
-            blocks,
-            steps,
-            admitted - stream.arrival,
-            first,
-            now - stream.arrival,
+            reason, req.prompt_len, completion, blocks, steps, admitted - req.arrival, first, now - req.arrival
         )
 
     # ---------------------------------------------------------------- engine thread
@@ -397,17 +389,16 @@ class AsyncEngine:
         t0 = time.monotonic()
         out: StepOutput = self.engine.step()
         batch: list[_Event] = [("step", None, time.monotonic() - t0)]
-        batch.extend(("started", r.stream, t0) for r in out.admitted if r.stream is not None)
+        batch.extend(("started", r.stream, None) for r in out.admitted if r.stream is not None)
         for req, block in out.blocks:
             if req.stream is not None:
                 batch.append(("block", req.stream, (block, req.result() if block.finish_reason is not None else None)))
         batch.extend(("failed", r.stream, r.error) for r in out.failed if r.stream is not None)
-        for req in out.decoded:
-            stream = req.stream
-            if stream is not None and stream.drafts is not None:
-                draft = self._make_draft(req, stream.drafts)
+        for req in out.stepped:
+            if req.stream is not None and req.drafts is not None:
+                draft = self._make_draft(req, req.drafts)
                 if draft is not None:
-                    batch.append(("draft", stream, draft))
+                    batch.append(("draft", req.stream, draft))
         return batch
 
     def _make_draft(self, req: Request, spec: DraftSpec) -> Draft | None:
@@ -428,7 +419,7 @@ class AsyncEngine:
             elif stream.done:
                 continue  # aborted, cancelled or failed meanwhile
             elif kind == "started":
-                self._on_started(stream, payload)
+                self._on_started(stream)
             elif kind == "failed":
                 self.observer.on_abort("request_error")
                 stream._fail(payload)
@@ -439,24 +430,24 @@ class AsyncEngine:
                 block, result = payload
                 self._on_block(stream, block, result, now)
 
-    def _on_started(self, stream: RequestStream, t_admit: float) -> None:
-        stream.admitted_at = t_admit
-        queue = t_admit - stream.arrival
+    def _on_started(self, stream: RequestStream) -> None:
+        req = stream.request
+        admitted = req.admitted_at if req.admitted_at is not None else time.monotonic()
+        queue = admitted - req.arrival
         self.observer.on_started(queue)
-        stream._push(Started(stream.request_id, stream.request.seed, stream.prompt_tokens, stream.params, queue))
+        stream._push(Started(req.request_id, req.seed, req.prompt_len, req.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
-        if stream.admitted_at is None:  # expired in the queue: never started
-            stream.admitted_at = now
-        first = stream.first_block_at is None and block.stats.denoising_steps > 0
+        req = stream.request
+        first = req.first_block_at is None and block.stats.denoising_steps > 0
         if first:
-            stream.first_block_at = now
+            req.first_block_at = now
         if block.stats.denoising_steps > 0:
             stream._push(block)
-            self.observer.on_block(block, first, now - stream.arrival)
+            self.observer.on_block(block, first, now - req.arrival)
         if result is not None:
             fin = self._finished(
-                stream, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
+                req, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
             )
             stream._push(fin)
             self.observer.on_finished(fin)

@@ -1,4 +1,4 @@
-"""The generation engine: requests in, committed blocks out (spec §4, DESIGN Contracts).
+"""The generation engine: requests in, committed blocks out (docs/generation.md, docs/architecture.md).
 
 ``Engine.step()`` is one iteration of continuous batching, planned by the ``Scheduler``: waiting requests are
 admitted into free running slots, prompt prefill advances by fixed-size chunks (so one long prompt cannot stall
@@ -6,7 +6,7 @@ the others), every running canvas whose prompt is encoded advances one denoising
 call, and finished blocks are committed (their tokens are encoded before the next block starts). ``generate``,
 ``generate_batch`` and ``stream`` are loops over it. A request's tokens never depend on what it is batched with:
 the noise is keyed per request, the model does fixed-shape work per row, and prefill chunk boundaries depend on
-the prompt alone (DESIGN Decisions 3).
+the prompt alone (docs/exactness.md).
 
 One request is one ``Request`` object (dgserve.engine.request), minted here once (id, seed, validated prompt ids),
 queued and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
@@ -40,7 +40,7 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
-from dgserve.engine.request import Request, RequestFailedError, RequestKey
+from dgserve.engine.request import DraftSpec, Request, RequestFailedError, RequestKey
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
@@ -83,12 +83,12 @@ class DraftOutput:
 @dataclass
 class StepOutput:
     """What one ``Engine.step`` did: requests admitted into slots, blocks committed (and an empty "cancelled"
-    block for each queued request whose deadline passed), the requests that took a denoising step, and those that
-    failed alone (their ``error`` is set; they are finished and their slots freed)."""
+    block for each queued request whose deadline passed), the requests that took a denoising step (``stepped``), and
+    those that failed alone (their ``error`` is set; they are finished and their slots freed)."""
 
     admitted: list[Request] = field(default_factory=list)
     blocks: list[tuple[Request, BlockOutput]] = field(default_factory=list)
-    decoded: list[Request] = field(default_factory=list)
+    stepped: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
 
 
@@ -251,22 +251,24 @@ class Engine:
         *,
         deadline: float | None = None,
         owner: str | None = None,
+        drafts: DraftSpec | None = None,
     ) -> Request:
         """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
         the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
         field. ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any
-        model work (its last block: finish_reason "cancelled"). ``owner``: who may abort it (``abort``)."""
+        model work (its last block: finish_reason "cancelled"). ``owner``: who may abort it (``abort``). ``drafts``:
+        the previews the caller wants (the async engine streams them)."""
         params = params or self.default_params()
         if request_id is not None:
             check_request_id(request_id)
         self.check_work(params)
         prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
+            params = dataclasses.replace(params, seed=secrets.randbits(64))
         tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
-        req = Request(rid, prompt_ids, params, seed, tracker, deadline=deadline, owner=owner)
-        req.structured = self._structured_row(params)
-        return req
+        grammar = self._structured_row(params)
+        return Request(rid, prompt_ids, params, tracker, deadline=deadline, owner=owner, grammar=grammar, drafts=drafts)
 
     def add(self, req: Request) -> Request:
         """Queue a request made by ``make_request``. Raises ``DuplicateRequestError`` (a ValueError) for an id in
@@ -340,7 +342,7 @@ class Engine:
         for req, start, end in plan.prefill:
             self.runner.prefill(req, req.prompt_ids[start:end])
         for r in plan.decode:
-            if r.state is None:
+            if r.block is None:
                 self.runner.start_block(r)
         with self._lock:  # a grammar that failed before the block's first step: that request ends here
             active = [r for r in plan.decode if not self._failed_alone(r, out)]
@@ -350,13 +352,13 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.run(active)
         dt = time.perf_counter() - t0
-        out.decoded = active
+        out.stepped = active
         with self._lock:
             for req in active:
                 req.denoise_seconds += dt
                 if req.finished or self._failed_alone(req, out):
                     continue
-                if req.state is not None and req.state.done:
+                if req.block is not None and req.block_done:
                     try:
                         out.blocks.append((req, self._commit(req)))
                     except Exception:
@@ -367,17 +369,17 @@ class Engine:
 
     def _failed_alone(self, req: Request, out: StepOutput) -> bool:
         """End ``req`` when its own state failed (its grammar); True when it did. Under the lock."""
-        row = req.structured
-        if row is None or row.error is None or req.finished:
+        grammar = req.grammar
+        if grammar is None or grammar.error is None or req.finished:
             return False
-        log.info("request %s ended by its grammar: %s", req.request_id, row.error)
-        self._fail(req, row.error, out)
+        log.info("request %s ended by its grammar: %s", req.request_id, grammar.error)
+        self._fail(req, grammar.error, out)
         return True
 
     def _fail(self, req: Request, error: Exception, out: StepOutput) -> None:
         """Finish ``req`` with ``error`` and report it in ``out.failed`` (its slot is freed by
         ``release_finished``). Under the lock."""
-        req.error, req.state = error, None
+        req.error, req.block = error, None
         req.tracker.finish_reason = req.tracker.finish_reason or FINISH_ERROR
         self.scheduler.abort(req.key)
         self._remember_finished(req)
@@ -386,23 +388,21 @@ class Engine:
     def draft(self, req: Request) -> DraftOutput | None:
         """The request's current block after its latest denoising step, or None between blocks. Call from the
         thread that runs ``step``."""
-        s = req.state
-        if s is None or s.argmax is None or s.done:
+        b = req.block
+        if b is None or b.argmax is None or req.block_done:
             return None
-        return DraftOutput(s.block, s.steps_run, s.argmax.tolist(), s.mean_entropy)
+        return DraftOutput(req.block_index, req.steps_run, b.argmax.tolist(), req.mean_entropy)
 
     def _commit(self, req: Request) -> BlockOutput:
-        s = req.state
-        if s is None or s.argmax is None:
+        b, steps = req.block, req.steps_run
+        if b is None or b.argmax is None or steps == 0:
             raise RuntimeError(f"request {req.request_id!r}: commit before its block ran a step")
-        canvas = s.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
+        canvas = b.argmax.tolist()  # the committed block is the ARGMAX canvas of the last step run
         toks, text = req.tracker.add_block(canvas)
-        stats = BlockStats(
-            s.steps_run, len(toks) / s.steps_run, s.mean_entropy, req.encode_seconds, req.denoise_seconds
-        )
+        stats = BlockStats(steps, len(toks) / steps, req.mean_entropy, req.encode_seconds, req.denoise_seconds)
         block = BlockOutput(req.block_index, toks, text, stats, req.tracker.finish_reason)
         req.blocks.append(block)
-        req.state, req.block_index, req.pending = None, req.block_index + 1, canvas
+        req.block, req.block_index, req.pending = None, req.block_index + 1, canvas
         if block.finish_reason is not None:
             self.scheduler.finish(req.key)
             self._remember_finished(req)

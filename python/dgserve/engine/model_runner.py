@@ -4,13 +4,14 @@ The runner owns every device tensor that lives longer than one pass:
 
 * a ``SlotCache`` preallocated for ``num_slots`` requests (model/cache.py: full layers sized by the slot's context
   budget, sliding layers as mirrored rings), written in place by the encoder and read as views by the decoder;
-* per-slot knob tables ([S] tensors: seed, t_min, t_max, N, β, τ; block index and remaining steps), written once
-  when a request is admitted (block and k: once per block, and k decremented in place each step);
+* per-slot knob tables ([S] tensors: seed, t_min, t_max, N, β, τ; block index and steps left), written from the
+  ``Request`` (the one per-request record): the request's constants once at admission, the block index and k
+  before each step. The runner owns the one decrement of a request's steps left, after each step;
 * the slot assignment, dense: running requests occupy slots 0..n−1. When one leaves, the last slot's cache and
   knobs are moved into the hole once, so a batch of the first B slots is a slice of every table, not a gather.
 
-``run(states)`` is one denoising step for a list of requests: the decoder (per canvas on CPU, fixed shapes, bitwise
-batch invariant: DESIGN Decision 3; batched over the slots in place on accelerators, ``model/batched.py``), the LM
+``run(reqs)`` is one denoising step for a list of requests: the decoder (per canvas on CPU, fixed shapes, bitwise
+batch invariant: docs/exactness.md; batched over the slots in place on accelerators, ``model/batched.py``), the LM
 head a tile of canvases at a time, and the sampler. The batched path has static shapes per (B, length bucket) and
 no allocation proportional to the context; capturing it in CUDA graphs is the GPU issues' work.
 
@@ -26,12 +27,14 @@ import time
 import torch
 
 from dgserve.config import ConfigError
+from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.request import Request
-from dgserve.engine.sampler import BlockState, Sampler, StepKnobs, to_signed64
+from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
+from dgserve.sampling_params import to_signed64
 
 
 def free_memory(device: torch.device) -> int:
@@ -94,11 +97,11 @@ class ModelRunner:
         i64 = torch.int64
         self.knobs = StepKnobs(
             seed=table(i64),
-            block=table(i64),
-            remaining=table(i64),
+            block_index=table(i64),
+            steps_left=table(i64),
             t_min=table(torch.float64),
             t_max=table(torch.float64),
-            max_steps=table(i64),
+            max_denoising_steps=table(i64),
             entropy_bound=table(torch.float32),
             confidence=table(torch.float32),
         )
@@ -116,13 +119,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ slots
 
     def admit(self, req: Request) -> None:
-        """Give a request the next free slot and write its knob rows (the only time they are built)."""
+        """Give a request the next free slot and write its constant knob rows (seed, schedule, bounds) from it."""
         s = len(self.occupants)
         if s >= self.num_slots:
             raise RuntimeError(f"model runner: no free slot for {req.request_id!r} ({self.num_slots} slots)")
         p, k = req.params, self.knobs
         k.seed[s], k.t_min[s], k.t_max[s] = to_signed64(req.seed), p.t_min, p.t_max
-        k.max_steps[s], k.entropy_bound[s], k.confidence[s] = (
+        k.max_denoising_steps[s], k.entropy_bound[s], k.confidence[s] = (
             p.max_denoising_steps,
             p.entropy_bound,
             p.confidence_threshold,
@@ -166,36 +169,35 @@ class ModelRunner:
         req.encode_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
-    def start_block(self, req: Request) -> BlockState:
-        """Encode the previous block if one is pending, then a fresh noise canvas and the block's knob rows."""
+    def start_block(self, req: Request) -> None:
+        """Encode the previous block if one is pending, then start block ``req.block_index``: a fresh noise canvas,
+        N steps left, and the grammar's forced prefix when the request has one."""
         assert req.slot is not None, "a block for a request without a slot"
         if req.pending is not None:
             req.encode_seconds = 0.0
             self.prefill(req, req.pending)
         req.denoise_seconds, req.pending = 0.0, None
-        cfg, s = self.model.config, req.slot
-        self.knobs.block[s], self.knobs.remaining[s] = req.block_index, req.params.max_denoising_steps
-        req.state = BlockState.start(
-            req.seed, req.block_index, req.params, cfg.canvas_length, cfg.vocab_size, self.model.device
-        )
-        if req.structured is not None:  # structured output: the grammar rides on the block (sampler hooks)
-            req.state.structured = req.structured
-            req.structured.start_block(req.state)
-        return req.state
+        cfg = self.model.config
+        req.block = BlockState.start(req.seed, req.block_index, cfg.canvas_length, cfg.vocab_size, self.model.device)
+        req.steps_left, req.block_done, req.mean_entropy = req.params.max_denoising_steps, False, float("nan")
+        if req.grammar is not None:  # structured output: commit what the grammar forces before the first step
+            req.grammar.start_block(req.block.canvas)
 
     @torch.inference_mode()
     def run(self, reqs: list[Request]) -> None:
-        """One denoising step for ``reqs`` (each with a started block): decoder, LM head in tiles, sampler."""
-        states: list[BlockState] = []
+        """One denoising step for ``reqs`` (each with a started block): decoder, LM head in tiles, sampler; then
+        each request's steps left goes down by one (here only)."""
+        blocks: list[BlockState] = []
         slots: list[int] = []
         for r in reqs:
-            assert r.state is not None and r.slot is not None, "run() needs running requests with started blocks"
-            states.append(r.state)
+            assert r.block is not None and r.slot is not None, "run() needs running requests with started blocks"
+            blocks.append(r.block)
             slots.append(r.slot)
         rows = self._rows(slots)
+        self._write_step_rows(reqs, rows)
         knobs = self.knobs.rows(rows)
-        canvas = torch.stack([s.canvas for s in states])
-        sc = [s.self_cond for s in states]
+        canvas = torch.stack([b.canvas for b in blocks])
+        sc = [b.self_cond for b in blocks]
         if self.model.batch_rows and len(reqs) > 1 and isinstance(rows, slice):
             hidden = decode_slots(
                 self.model,
@@ -206,15 +208,22 @@ class ModelRunner:
                 sc,
                 [None] * len(sc),
             )
-        else:  # per canvas: fixed shapes (CPU, Decision 3), or a batch that is not a prefix of the slots
+        else:  # per canvas: fixed shapes (CPU: docs/exactness.md), or a batch that is not a prefix of the slots
             hidden = torch.stack(
                 [self.model.decode_row_hidden(self.cache.view(s), canvas[b], sc[b], None) for b, s in enumerate(slots)]
             )
-        for s in states:  # consumed: free the previous step's [C, V] inputs before the new ones are made
-            s.self_cond = None
+        for b in blocks:  # consumed: free the previous step's [C, V] inputs before the new ones are made
+            b.self_cond = None
         for tile, logits in self.model.logits_tiles(hidden):  # LM head + sampler a tile of canvases at a time
-            self.sampler.step(states[tile], logits, knobs.rows(tile))
-        self.knobs.remaining[rows] -= 1
+            self.sampler.step(reqs[tile], logits, knobs.rows(tile))
+        for r in reqs:
+            r.steps_left -= 1
+
+    def _write_step_rows(self, reqs: list[Request], rows: slice | torch.Tensor) -> None:
+        """The moving knobs of this step (block index, k) into the slot tables, from the requests: one copy."""
+        moving = torch.tensor([[r.block_index, r.steps_left] for r in reqs], dtype=torch.int64)
+        moving = moving.to(self.model.device, non_blocking=True)
+        self.knobs.block_index[rows], self.knobs.steps_left[rows] = moving[:, 0], moving[:, 1]
 
     def _rows(self, slots: list[int]) -> slice | torch.Tensor:
         """The knob rows of ``slots``: a slice when they are the first B slots in order (no copy), else an index."""

@@ -1,7 +1,11 @@
-"""One request from admission to its last block (nano-vllm's ``Sequence``): the single object that passes through
-every layer. The engine mints it once (id, seed, validated prompt ids), the scheduler queues and plans it, the
-model runner gives it a cache slot and knob tensors, the sampler advances its block, and the async engine streams
-it (``stream``: its event queue, opaque here). Pure Python: the scheduler imports it and imports no torch.
+"""One request from admission to its last block (nano-vllm's ``Sequence``): the one per-request record.
+
+Every layer reads and writes the same ``Request``: the engine mints it (id, validated prompt ids, params with the
+seed in use), the scheduler queues and plans it, the model runner gives it a cache slot and writes its knob rows
+from it, the sampler advances its block, the engine commits the block, and the async engine hangs its event queue
+on it (``stream``). Each fact is held once, here: the seed (``params.seed``), the block index, the steps left in
+the block, the grammar state. ``BlockState`` holds only the current block's tensors. Pure Python (the scheduler
+imports this module and no torch).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dgserve.engine.sampler import BlockState
+    from dgserve.engine.block import BlockState
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
@@ -25,41 +29,63 @@ class RequestFailedError(Exception):
     (it names the request, never its content); the server log has the cause."""
 
 
+@dataclass(frozen=True)
+class DraftSpec:
+    """Previews of the block being denoised: every ``every_n_steps`` steps, with its text when ``include_text``."""
+
+    every_n_steps: int = 1
+    include_text: bool = False
+
+
 @dataclass(eq=False)
 class Request:
-    """State of one request; fields are grouped by the layer that writes them (all under the engine's lock or on
-    the engine thread, see ``Engine``)."""
+    """State of one request; fields are grouped by the layer that writes them (under the engine's lock or on the
+    engine thread, see ``Engine``; the async engine's fields on its event loop).
+
+    ``params`` carry the seed in use (drawn once at admission when the caller gave none): ``seed`` reads it.
+    """
 
     request_id: str
     prompt_ids: list[int]  # validated once, at admission (``Engine.make_request``)
-    params: SamplingParams
-    seed: int  # the one in use (drawn once when params.seed is None)
-    tracker: OutputTracker
+    params: SamplingParams  # params.seed is set: the one seed of the request
+    tracker: OutputTracker  # the output rules: tokens and text so far, finish reason
     deadline: float | None = None  # time.monotonic() after which a still-waiting request is dropped
     owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
+    grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
+    drafts: DraftSpec | None = None  # previews wanted by the caller
+    # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING
-    # scheduler
     prefilled: int = 0  # prompt tokens planned for encoding so far
     admitted_at: float | None = None
     # model runner
     slot: int | None = None  # its KV cache slot while running
-    # engine: the block being generated and what was committed
     pending: list[int] | None = None  # committed tokens to encode before the next block
+    encode_seconds: float = 0.0  # the encoder pass before the current block
+    # the current block: its index, its denoising progress (the runner owns the one decrement) and its tensors
     block_index: int = 0
-    state: BlockState | None = None
-    structured: StructuredRow | None = None  # grammar state when params.response_format is set
-    encode_seconds: float = 0.0
+    steps_left: int = 0  # k of the next step: N, N-1, ..., 1
+    block: BlockState | None = None
+    block_done: bool = False  # the sampler stopped the block (stable and confident, or k reached 1)
+    mean_entropy: float = float("nan")  # at the last step run
     denoise_seconds: float = 0.0
+    # engine: what was committed
     blocks: list[BlockOutput] = field(default_factory=list)
     error: Exception | None = None  # set when the request failed alone (``Engine.step``); ``result`` raises it
     # async engine
-    stream: Any = None
+    stream: Any = None  # its event queue (``RequestStream``)
+    first_block_at: float | None = None
 
     @property
     def key(self) -> RequestKey:
         """(owner, request_id): request ids are a namespace per caller (two callers may use the same id)."""
         return (self.owner, self.request_id)
+
+    @property
+    def seed(self) -> int:
+        seed = self.params.seed
+        assert seed is not None, "Engine.make_request sets the seed in use"
+        return seed
 
     @property
     def prompt_len(self) -> int:
@@ -72,6 +98,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == FINISHED
+
+    @property
+    def steps_run(self) -> int:
+        """Denoising steps run in the current block."""
+        return self.params.max_denoising_steps - self.steps_left if self.block is not None else 0
 
     def result(self) -> GenerationResult:
         from dgserve.outputs import GenerationResult

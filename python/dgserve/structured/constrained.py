@@ -1,4 +1,4 @@
-"""The constrained diffusion step (docs/structured-output.md, "spec §11"): grammar-verified acceptance.
+"""The constrained diffusion step (docs/structured-output.md): grammar-verified acceptance.
 
 A ``StructuredRow`` is one request's grammar state across its blocks: an llguidance matcher at the end of the
 committed text, and the current block's verified prefix ``fixed`` (canvas positions 0..f-1). Per denoising step:
@@ -8,9 +8,9 @@ committed text, and the current block's verified prefix ``fixed`` (canvas positi
 2. ``after_step`` walks from f: tokens the grammar forces are committed without a model decision (jump-forward);
    otherwise the proposal (the op's sample where the entropy rule accepted it) is committed if the grammar
    admits it. At the first position that is neither, the walk stops; a proposal the grammar rejected is re-drawn
-   there from the masked scores with the same seeded Gumbel noise (spec §7.5 counters), so the next step's input
-   is admissible; the other positions keep the op's canvas (sample or renoise).
-3. When the block stops (adaptive stopping or k = 0) with positions unverified, ``finish`` fills them by a
+   there from the masked scores with the same seeded Gumbel noise (docs/seeded-noise.md), so the next step's
+   input is admissible; the other positions keep the op's canvas (sample or renoise).
+3. When the block stops (adaptive stopping or its last step) with positions unverified, ``finish`` fills them by a
    sequential masked-argmax walk over the last step's processed logits: no extra forward. The committed block is
    then a grammar-accepted prefix; EOS is allowed only where the grammar may end, and ends the request.
 
@@ -18,7 +18,7 @@ Every decision depends on the row's own logits, seed and matcher: batch invarian
 
 Failures are the request's own: whatever the grammar engine raises inside a row's hook (a parser limit hit by a
 grammar that only blows up mid-document, a state that admits no token) is caught here and kept as ``error``, a
-``GrammarFailure`` naming response_format. The row's block is then marked done and the engine ends that request
+``GrammarFailure`` naming response_format. The sampler then ends the row's block and the engine ends that request
 alone with the error; no exception from a request's grammar crosses the batched step.
 """
 
@@ -32,12 +32,11 @@ import numpy as np
 import torch
 
 from dgserve.ops import reference
+from dgserve.sampling_params import to_signed64
 from dgserve.structured.grammar import allowed_tokens
 
 if TYPE_CHECKING:
     import llguidance as llg
-
-    from dgserve.engine.sampler import BlockState
 
 Propose = Callable[[int, np.ndarray], "int | None"]
 MAX_ERROR_CHARS = 300  # the grammar engine's messages carry its state dump: the first line, this long at most
@@ -71,21 +70,17 @@ class StructuredRow:
         self.matcher_seconds = 0.0
         self.error: GrammarFailure | None = None  # set once the grammar failed; the request then ends with it
 
-    def _fail(self, state: BlockState, error: Exception) -> None:
-        """The grammar raised: keep the error, end the block (the engine ends the request with ``error``)."""
-        self.error = grammar_failure(error)
-        state.done = True
-
     # ------------------------------------------------------------------ per block
 
-    def start_block(self, state: BlockState) -> None:
-        """A new block: commit what the grammar forces before any forward (e.g. ``{"name":"``)."""
+    def start_block(self, canvas: torch.Tensor) -> None:
+        """A new block (canvas [C] int64, written in place): commit what the grammar forces before any forward
+        (e.g. ``{"name":"``). A grammar that fails sets ``error``."""
         self.fixed = []
         try:
-            self._walk(state.canvas.shape[0], lambda j, w: None)
-            self._write_prefix(state.canvas)
+            self._walk(canvas.shape[0], lambda j, w: None)
+            self._write_prefix(canvas)
         except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone (see the module doc)
-            self._fail(state, e)
+            self.error = grammar_failure(e)
 
     def bitmask(self, canvas_length: int) -> torch.Tensor:
         """[C, W] int32 for this step: fixed tokens one-hot, the grammar's mask at f, all allowed beyond (all
@@ -114,53 +109,68 @@ class StructuredRow:
         return mask
 
     def after_step(
-        self, state: BlockState, accepted: torch.Tensor, processed: torch.Tensor, seed: int, step: int
-    ) -> None:
-        """Verify the op's proposals (state.canvas, accepted [C] bool, processed [C, V] fp32) for step k = step;
-        finish the block when it is full, ended, or the sampler stopped it (state.done). A grammar that fails
-        (now or in this step's ``bitmask``) ends the block with ``error`` set."""
+        self,
+        canvas: torch.Tensor,
+        accepted: torch.Tensor,
+        processed: torch.Tensor,
+        seed: int,
+        block_index: int,
+        step: int,
+        stopped: bool,
+    ) -> torch.Tensor | None:
+        """Verify the op's proposals (canvas [C] int64, fixed in place; accepted [C] bool; processed [C, V] fp32)
+        of step k = ``step``. Returns the completed block [C] int64 when the block is full, ended, or the sampler
+        stopped it (``stopped``), else None. A grammar that fails (now or in this step's ``bitmask``) sets
+        ``error`` and returns None: the request then ends with it."""
         if self.error is not None:
-            state.done = True
-            return
+            return None
         try:
-            self._after_step(state, accepted, processed, seed, step)
+            return self._after_step(canvas, accepted, processed, seed, block_index, step, stopped)
         except Exception as e:  # noqa: BLE001 - the request's own grammar: it fails alone
-            self._fail(state, e)
+            self.error = grammar_failure(e)
+            return None
 
     def _after_step(
-        self, state: BlockState, accepted: torch.Tensor, processed: torch.Tensor, seed: int, step: int
-    ) -> None:
+        self,
+        canvas: torch.Tensor,
+        accepted: torch.Tensor,
+        processed: torch.Tensor,
+        seed: int,
+        block_index: int,
+        step: int,
+        stopped: bool,
+    ) -> torch.Tensor | None:
         t0 = time.perf_counter()
-        C = state.canvas.shape[0]
-        canvas = state.canvas.tolist()
+        C = canvas.shape[0]
+        proposals = canvas.tolist()
         ok = accepted.tolist()
         before = len(self.fixed)
-        stop, words = self._walk(C, lambda j, w: canvas[j] if ok[j] else None)
+        stop, words = self._walk(C, lambda j, w: proposals[j] if ok[j] else None)
         self.accepted += len(self.fixed) - before
         if stop is not None and words is not None and ok[stop]:  # the grammar rejected an accepted proposal
-            g = position_gumbel(seed, state.block, step, stop, self.V).to(processed.device)
-            state.canvas[stop] = masked_argmax(processed[stop] + g, words, self.V)
+            g = position_gumbel(seed, block_index, step, stop, self.V).to(processed.device)
+            canvas[stop] = masked_argmax(processed[stop] + g, words, self.V)
             self.redrawn += 1
-        self._write_prefix(state.canvas)
-        if state.done or self.ended or len(self.fixed) == C:
-            self.finish(state, processed)
+        self._write_prefix(canvas)
+        block = None
+        if stopped or self.ended or len(self.fixed) == C:
+            block = self.finish(C, processed, block_index)
         self.matcher_seconds += time.perf_counter() - t0
+        return block
 
-    def finish(self, state: BlockState, processed: torch.Tensor) -> None:
-        """Complete the block: masked argmax walk over the last processed logits [C, V]; state.argmax := block."""
-        C = state.canvas.shape[0]
+    def finish(self, C: int, processed: torch.Tensor, block_index: int) -> torch.Tensor:
+        """Complete the block of C positions: a masked argmax walk over the last processed logits [C, V]; returns
+        the block [C] int64 (a grammar-accepted prefix, padded after EOS)."""
         before = len(self.fixed)
         self._walk(C, lambda j, w: masked_argmax(processed[j], w, self.V))
         self.finished += len(self.fixed) - before
         if len(self.fixed) < C and not self.ended:
             raise GrammarFailure(
-                f"response_format: the grammar allows no token at position {len(self.fixed)} of block {state.block}"
+                f"response_format: the grammar allows no token at position {len(self.fixed)} of block {block_index}"
             )
         pad = next(t for t in self.fixed if t in self.eos_ids) if self.ended else 0
         block = self.fixed + [pad] * (C - len(self.fixed))  # after EOS: cut by the output rules
-        state.argmax = torch.tensor(block, dtype=torch.int64, device=state.canvas.device)
-        state.canvas = state.argmax.clone()
-        state.done = True
+        return torch.tensor(block, dtype=torch.int64, device=processed.device)
 
     # ------------------------------------------------------------------ the walk
 
@@ -226,9 +236,7 @@ def masked_argmax(scores: torch.Tensor, words: np.ndarray, V: int) -> int:
 
 
 def position_gumbel(seed: int, block: int, step: int, position: int, V: int) -> torch.Tensor:
-    """The contract's Gumbel noise [V] fp32 of one canvas position (spec §7.5; the reference formula)."""
-    from dgserve.engine.sampler import to_signed64
-
+    """The contract's Gumbel noise [V] fp32 of one canvas position (docs/seeded-noise.md; the reference formula)."""
     k0, k1 = reference.seed_key(torch.tensor(to_signed64(seed)))
     n4 = (V + 3) // 4
     q = torch.arange(n4, dtype=torch.int64)
