@@ -65,7 +65,7 @@ CUDA_ARCHES = [
 PTX_ARCH = "compute_80"
 # --check-cuda fails when a kernel spills more than this to local memory (ptxas -v), and lists smaller spills.
 # A few bytes are tolerated: the NT=2 NVFP4 GEMMs, capped at 128 registers for 2 CTAs/SM, spill 4-16 B (as
-# they did before issue 20); the class of bug this catches is accept_kernel's former 5.4 KB spill.
+# they always have); the class of bug this catches is accept_kernel's former 5.4 KB spill.
 SPILL_BUDGET_BYTES = 64
 
 

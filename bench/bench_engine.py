@@ -12,7 +12,7 @@ the HBM roofline (H100 3350 GB/s, H200 4800 GB/s unless --mem-gbps), and as base
 with native ops off. With ``--experts nvfp4`` the experts are real NVFP4 built on the device (random codes and
 scales, no dense copy) and run through the W4A16 kernels; on the CPU through their reference.
 
-``--step-figures`` (issue 17) measures the engine itself, before and after in one run: with ``--baseline-src`` (a
+``--step-figures`` measures the engine itself, before and after in one run: with ``--baseline-src`` (a
 ``python/`` directory of another checkout, e.g. ``git archive main python``) the same measurement runs in a
 subprocess with that tree on PYTHONPATH, and both are printed with their ratios. Per prompt length: the median
 time of a denoising step (steps with no prefill and no block commit), the time per step including prefill,
@@ -493,7 +493,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mem-gbps", type=float, default=None, help="memory bandwidth for the roofline (H100: 3000)")
-    ap.add_argument("--step-figures", action="store_true", help="issue 17: step time, bytes per step, tok/s")
+    ap.add_argument("--step-figures", action="store_true", help="the engine itself: step time, bytes per step, tok/s")
     ap.add_argument("--step-figures-json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-src", default=None, help="with --step-figures: a python/ dir to measure as before")
     ap.add_argument("--prompt-lens", default="32,1024,4096,8000")

@@ -1,4 +1,4 @@
-"""Modern English prose for the small DiffusionGemma (issue 16 item 3): documentation shipped in Debian packages.
+"""Modern English prose for the small DiffusionGemma: documentation shipped in Debian packages.
 
 Sources (install with `apt-get install -y --no-install-recommends python3.11-doc debian-reference-en git-doc`):
 

@@ -1,4 +1,4 @@
-// Seeded noise shared by the CPU and CUDA paths (spec §7): Philox4x32-10, the contract's float32 log, and
+// Seeded noise shared by the CPU and CUDA paths (docs/seeded-noise.md): Philox4x32-10, the contract's float32 log, and
 // the Gumbel transform. Everything here is __host__ __device__ (DG_HD), has no library calls and no
 // data-dependent branches, so g++ and nvcc produce the same bits.
 //
@@ -52,7 +52,7 @@ DG_HD float dg_fmaf(float a, float b, float c) {
 #endif
 }
 
-// ---- Philox4x32-10 (spec §7.1; Salmon et al. SC'11, as in Random123/cuRAND, raw counters) ---------------
+// ---- Philox4x32-10 (docs/seeded-noise.md; Salmon et al. SC'11, as in Random123/cuRAND, raw counters) ------
 
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
 constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
@@ -96,18 +96,19 @@ DG_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, 
   return Philox4{{c0, c1, c2, c3}};
 }
 
-// The request's 64-bit seed (an int64 that may be negative, two's complement) -> key words (spec §7.3).
+// The request's 64-bit seed (an int64 that may be negative, two's complement) -> key words
+// (docs/seeded-noise.md, "Key").
 DG_HD uint32_t seed_key0(int64_t seed) { return (uint32_t)((uint64_t)seed & 0xFFFFFFFFu); }
 DG_HD uint32_t seed_key1(int64_t seed) { return (uint32_t)((uint64_t)seed >> 32); }
 
-// Canvas noise (spec §7.4): counter (p, 0, b, 2s), token = out[0] mod V.
+// Canvas noise (docs/seeded-noise.md, "Canvas noise"): counter (p, 0, b, 2s), token = out[0] mod V.
 DG_HD int64_t canvas_token(int64_t seed, int64_t block, int64_t step, int64_t pos, int64_t vocab) {
   const Philox4 o =
       philox4x32_10((uint32_t)pos, 0u, (uint32_t)block, (uint32_t)(2 * step), seed_key0(seed), seed_key1(seed));
   return (int64_t)(o.v[0] % (uint64_t)vocab);
 }
 
-// ---- dg_logf: the contract's float32 natural log (spec §7.6) --------------------------------------------
+// ---- dg_logf: the contract's float32 natural log (docs/seeded-noise.md, "dg_logf") ----------------------
 //
 // Accuracy (measured exhaustively against the double-precision log by csrc/tools/dg_logf_accuracy.cpp,
 // `python build.py --logf-accuracy`): over every positive finite float (2,139,095,039 inputs, subnormals
@@ -166,7 +167,7 @@ DG_HD float dg_logf(float a) {
   return r;
 }
 
-// ---- Gumbel noise (spec §7.5) -----------------------------------------------------------------------------
+// ---- Gumbel noise (docs/seeded-noise.md, "Gumbel noise") -------------------------------------------------
 
 // Uniform in (0, 1) from one Philox word: u = ((r >> 9) + 0.5) * 2^-23, exact, 2^-24 <= u <= 1 - 2^-24.
 DG_HD float uniform_from_bits(uint32_t r) {

@@ -1,4 +1,5 @@
-// canvas_noise: the contract's uniform canvas tokens (spec §7.4), the contract of ops.reference.canvas_noise.
+// canvas_noise: the contract's uniform canvas tokens (docs/seeded-noise.md, "Canvas noise"), the contract of
+// ops.reference.canvas_noise.
 //
 //   seeds, blocks, steps: [batch] int64 (per row; a seed is any int64, read as two's-complement 64 bits)
 //   out:                  [batch, canvas_length] int64, contiguous

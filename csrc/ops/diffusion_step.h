@@ -1,5 +1,5 @@
-// diffusion_step: one denoising step of the sampler for `batch` canvas rows (spec §4.1-§4.4, §7.4-§7.5),
-// the contract of ops.reference.diffusion_step.
+// diffusion_step: one denoising step of the sampler for `batch` canvas rows (docs/generation.md, "Denoising
+// loop"; the noise: docs/seeded-noise.md), the contract of ops.reference.diffusion_step.
 //
 // Inputs
 //   logits:        [batch, canvas_length, vocab_size] fp32 | bf16, element (b, c, v) at
@@ -22,9 +22,9 @@
 //                  e_v = exp(y_v - m) (fp32, common/entropy.h), m = max_v y_v: the entropy of
 //                  softmax(processed) with the sums in double, rounded once; measured within 0.5 ulp of the
 //                  float64 entropy, while the reference's fp32 formula is off by up to ~3e-5 (tests/ops)
-//   accepted:      [B, C] bool (uint8 0/1) = entropy-bound acceptance (§4.4): stable ascending sort of H (ties
-//                  by position, NaN last), running sum in double with each prefix rounded to fp32, keep where
-//                  f32(cum - H) <= entropy_bound[b]
+//   accepted:      [B, C] bool (uint8 0/1) = entropy-bound acceptance (docs/generation.md): stable ascending
+//                  sort of H (ties by position, NaN last), running sum in double with each prefix rounded to
+//                  fp32, keep where f32(cum - H) <= entropy_bound[b]
 //   mean_entropy:  [B] fp32        = sum_c H / C, the sum in torch's CPU order (common/torch_sum.h with
 //                  sum_lanes), i.e. bit-identical to entropy.mean(-1) on the CPU
 //

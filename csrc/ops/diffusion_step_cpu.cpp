@@ -166,7 +166,7 @@ void positions(const DiffusionStepParams& p) {
   }
 }
 
-// Phase 2 for canvas b: acceptance (§4.4), renoise (§7.4), mean entropy.
+// Phase 2 for canvas b: acceptance (docs/generation.md), renoise (docs/seeded-noise.md), mean entropy.
 void accept_canvas(const DiffusionStepParams& p, int64_t b, std::vector<int64_t>& order) {
   const int64_t C = p.canvas_length;
   const float* h = p.entropy + b * C;

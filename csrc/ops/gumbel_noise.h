@@ -1,4 +1,4 @@
-// gumbel_noise: the contract's Gumbel noise (spec §7.5), the noise ops.diffusion_step adds to the processed
+// gumbel_noise: the contract's Gumbel noise (docs/seeded-noise.md), the noise ops.diffusion_step adds to the processed
 // logits, as a tensor (for tests and for seeded parity harnesses).
 //
 //   seeds, blocks, steps: [batch] int64 (steps = the remaining-steps counter k >= 1)
@@ -7,7 +7,7 @@
 //   with gumbel(r) = -dg_logf(-dg_logf(((r >> 9) + 0.5) * 2^-23))   (common/philox.h)
 //
 // Bit-identical on CPU and GPU and to the noise inside diffusion_step; differs from the torch reference
-// (torch.log) by <= 2 ulp (spec §7.6). Counter ranges as in canvas_noise.h.
+// (torch.log) by <= 2 ulp (docs/seeded-noise.md, "dg_logf"). Counter ranges as in canvas_noise.h.
 #pragma once
 
 #include "canvas_noise.h"  // NoiseParams

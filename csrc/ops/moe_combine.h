@@ -1,5 +1,5 @@
 // moe_combine: the deterministic sum of each token's top_k expert outputs (the contract of
-// ops.reference.moe_combine, spec §3.4's fp32 combine).
+// ops.reference.moe_combine; the fp32 combine of docs/generation.md, "Feed-forward (dense MLP and MoE)").
 //
 //   y:       [tokens, top_k, hidden] fp32, contiguous (row p = t * top_k + k is pair p's expert output)
 //   weights: [tokens, top_k] fp32, or nullptr when y already carries the routing weights (the CUDA GEMM2

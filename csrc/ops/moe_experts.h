@@ -1,4 +1,5 @@
-// moe_experts: the grouped expert GEMMs over pairs grouped by moe_align (spec §3.4; kernels.md §9.1, §9.4).
+// moe_experts: the grouped expert GEMMs over pairs grouped by moe_align (docs/kernels.md, "MoE dispatch" and
+// "Grouped expert GEMMs (Hopper design)").
 //
 // Inputs
 //   x:            [tokens, hidden] bf16 | fp32 (md), contiguous

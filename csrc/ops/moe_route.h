@@ -1,4 +1,5 @@
-// moe_route: the routing half of ops.reference.moe_route (spec §3.4), fused after the router projection.
+// moe_route: the routing half of ops.reference.moe_route (docs/generation.md, "Feed-forward (dense MLP and
+// MoE)"), fused after the router projection.
 //
 //   scores:           [tokens, experts] fp32 | bf16, element (t, e) at scores[t * scores_row_stride + e]:
 //                     the router logits z·Wrᵀ (from_logits = true) or their fp32 softmax (from_logits = false,

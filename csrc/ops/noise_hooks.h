@@ -1,6 +1,6 @@
 // Test hooks over the shared noise routines of common/philox.h (not ops: bound as _C.philox4x32_10,
-// _C.dg_logf and _C.gumbel so tests can check the C++ Philox against spec §7.2 and dg_logf / the Gumbel
-// transform against correctly rounded values).
+// _C.dg_logf and _C.gumbel so tests can check the C++ Philox against the known answers of docs/seeded-noise.md
+// and dg_logf / the Gumbel transform against correctly rounded values).
 //
 //   philox_hook:  ctr [n, 4] int64 (uint32 values), key [n, 2] int64 (uint32 values) -> out [n, 4] int64
 //   dg_logf_hook: x [n] fp32 -> out [n] fp32 = dg_logf(x)

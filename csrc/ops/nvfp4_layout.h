@@ -1,6 +1,6 @@
-// The NVFP4 kernel layout (kernels.md §9.2-§9.3), shared by the repack, the decode hook, the CPU GEMMs and the
-// CUDA kernels: every index and bit trick lives here once, __host__ __device__, so the CPU tests exercise the
-// exact code the GPU runs (except the bf16x2 multiply, which is exact either way).
+// The NVFP4 kernel layout (docs/kernels.md, "NVFP4 kernel layout"), shared by the repack, the decode hook, the
+// CPU GEMMs and the CUDA kernels: every index and bit trick lives here once, __host__ __device__, so the CPU tests
+// exercise the exact code the GPU runs (except the bf16x2 multiply, which is exact either way).
 //
 // A weight matrix W [N, Kp] (N % 16 == 0; Kp = K rounded up to 16; ModelOpt codes, element 2j in the low nibble
 // of byte j) becomes, per expert, with RT = N / 16 row tiles and KC = ceil(Kp / 64) K-chunks:
@@ -19,10 +19,11 @@
 // 16i + r = gate row 8i + r, packed row 16i + 8 + r = up row 8i + r (r < 8). In the m16n8 accumulator a lane then
 // holds gate(8i + g) in c0/c1 and up(8i + g) in c2/c3 for the same two tokens (no shuffles for the activation).
 //
-// Exact decode (kernels.md §9.3): pair(q) = (q & 0x80008000) | ((q & 0x70007000) >> 6) turns the top nibble of
-// each half-word into a bf16 equal to E2M1 · 2^-126 (code 1 → the subnormal 2^-127). A scale code c (0..142)
-// decodes to the bf16 with bits (c << 4) + 0x7680, equal to s · 2^119. Their product, E2M1 · s · 2^-7, is a
-// normal bf16 and exact (≤ 6 significant bits); the kernels multiply the fp32 accumulator by gs · 2^7 at the end.
+// Exact decode (docs/kernels.md, "Exact in-register decode"): pair(q) = (q & 0x80008000) | ((q & 0x70007000) >> 6)
+// turns the top nibble of each half-word into a bf16 equal to E2M1 · 2^-126 (code 1 → the subnormal 2^-127). A
+// scale code c (0..142) decodes to the bf16 with bits (c << 4) + 0x7680, equal to s · 2^119. Their product,
+// E2M1 · s · 2^-7, is a normal bf16 and exact (≤ 6 significant bits); the kernels multiply the fp32 accumulator by
+// gs · 2^7 at the end.
 #pragma once
 
 #include <math.h>

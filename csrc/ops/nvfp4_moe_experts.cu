@@ -1,6 +1,6 @@
 // nvfp4_moe_experts on the GPU: Marlin-style W4A16 grouped GEMMs with the weights as the MMA A operand ("swap-AB":
 // output features are M, an expert's tokens are N), exact in-register FP4→bf16 decode (nvfp4_layout.h),
-// mma.sync.m16n8k16 bf16 with fp32 accumulation. Contract in nvfp4_moe_experts.h; design in kernels.md §9.4.
+// mma.sync.m16n8k16 bf16 with fp32 accumulation. Contract in nvfp4_moe_experts.h; design in docs/kernels.md.
 //
 // Grid (static, graph-capturable): (row slabs of 128 rows × chunk splits Z, experts). A CTA whose expert has no
 // slots in its chunks exits at once; otherwise it takes the expert's token chunks (NT·8 tokens each) z, z + Z,

@@ -1,4 +1,4 @@
-// nvfp4_moe_experts: the grouped W4A16 expert MLP on repacked NVFP4 weights (kernels.md §9.4), per pair.
+// nvfp4_moe_experts: the grouped W4A16 expert MLP on repacked NVFP4 weights (docs/kernels.md), per pair.
 //
 //   x        [T, H] bf16 (CPU also fp32), row t at x + t·x_row_stride; H = hidden (K of GEMM1)
 //   w13, s13 GEMM1 operand [E, 2I/16, KC1, 128] uint32 / [E, 2I/16, KC1, 64] uint8 (gate/up interleaved by 8,

@@ -1,4 +1,5 @@
-// rms_norm: RMSNorm over the last dim, the contract of ops.reference.rms_norm (spec §3.1).
+// rms_norm: RMSNorm over the last dim, the contract of ops.reference.rms_norm (docs/generation.md, "Primitives
+// and rounding").
 //
 //   x:      [rows, dim] fp32 | bf16, element (r, k) at x[r * x_row_stride + k] (row stride in elements)
 //   weight: [dim] fp32, or nullptr for the scale-free variant (the caller converts a bf16 weight to fp32,
@@ -9,8 +10,8 @@
 // CPU: bit-identical to the reference on the same CPU. sum(a*a) is summed in torch's CPU `sum` order
 // (common/torch_sum.h; sum_lanes = torch's Vectorized<float>::size(), 8 or 16), then divided by dim
 // (torch's CPU mean is sum / n), + eps, then 1 / sqrt (torch's pow(t, -0.5) is rsqrt = 1 / sqrt on CPU).
-// CUDA: same formula, block-wide tree sum: NOT bit-identical to torch (CUDA or CPU); ops.rms_norm does not
-// dispatch CUDA tensors to it by default.
+// CUDA: same formula, block-wide tree sum: NOT bit-identical to torch (CUDA or CPU); ops.rms_norm uses it for
+// CUDA tensors, and the start-up self-check (ops/native_check.py) holds it to its tolerance.
 #pragma once
 
 #include <stdint.h>

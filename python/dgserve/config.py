@@ -1,4 +1,5 @@
-"""Model and generation configuration read from a Hugging Face checkpoint directory (spec §1).
+"""Model and generation configuration read from a Hugging Face checkpoint directory (docs/generation.md,
+"Configuration").
 
 `ModelConfig` is the text model as dgserve runs it: one head geometry per layer type (sliding / full), no
 vision, every value resolved the way transformers 5.23 resolves it; frozen and validated on construction, a bad
@@ -21,7 +22,7 @@ FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 ACTIVATION = "gelu_pytorch_tanh"
 
-# transformers 5.23 DiffusionGemmaTextConfig defaults for the keys dgserve reads (spec §1.2).
+# transformers 5.23 DiffusionGemmaTextConfig defaults for the keys dgserve reads (docs/generation.md, "Configuration").
 _TEXT_DEFAULTS: dict[str, Any] = dict(
     vocab_size=262_144,
     hidden_size=2304,
@@ -211,7 +212,7 @@ def _per_layer_overrides(plc: Any, n_layers: int) -> dict[int, dict[str, Any]]:
 
 
 def _head_geometry(text: dict[str, Any], types: tuple[str, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((sliding head_dim, kv heads), (full head_dim, kv heads)), resolved per spec §1.2.
+    """((sliding head_dim, kv heads), (full head_dim, kv heads)), resolved as docs/generation.md, "Configuration" says.
 
     per_layer_config, when present, overrides head_dim / num_key_value_heads per layer and the init-only
     global_head_dim / num_global_key_value_heads are ignored; otherwise full layers take those two
@@ -244,7 +245,7 @@ def _head_geometry(text: dict[str, Any], types: tuple[str, ...]) -> tuple[tuple[
 
 
 def _rope(text: dict[str, Any]) -> tuple[float, float, float]:
-    """(theta_sliding, theta_full, partial_rotary_factor_full) from rope_parameters (spec §1.2, §3.2)."""
+    """(theta_sliding, theta_full, partial_rotary_factor_full) from rope_parameters (docs/generation.md, "RoPE")."""
     where = f"{_T}.rope_parameters"
     rp = text.get("rope_parameters")
     rp = _DEFAULT_ROPE if rp is None else rp
@@ -312,8 +313,9 @@ def _json_name(field: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The DiffusionGemma text model (spec §0–§1). Symbols: V vocab, H hidden, D dense MLP width, E experts,
-    K top-k, I expert width, L layers, nh query heads, W sliding window, C canvas length.
+    """The DiffusionGemma text model (docs/generation.md, "Notation" and "Configuration"). Symbols: V vocab,
+    H hidden, D dense MLP width, E experts, K top-k, I expert width, L layers, nh query heads, W sliding window,
+    C canvas length.
 
     `layer_types[i]` is "sliding_attention" or "full_attention"; the last layer is always full. Sliding layers
     have `sliding_head_dim` / `sliding_num_kv_heads`, full layers `full_head_dim` / `full_num_kv_heads` (K = V

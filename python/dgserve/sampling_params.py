@@ -99,7 +99,7 @@ def knob(default: Any, kind: type, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is generated (spec §4; defaults are transformers' generate() defaults).
+    """How one request is generated (docs/generation.md; defaults are transformers' generate() defaults).
 
     Construction validates every knob against its ``Knob`` (the `knob=` metadata below) and raises ``KnobError``
     (a ValueError naming the field and the bound). Floats are stored as float, ``stop`` as a tuple.
@@ -172,7 +172,7 @@ class SamplingParams:
         hi=SEED_LIMIT - 1,
         nullable=True,
         note="unset: random, reported in Started",
-        doc="64-bit noise seed (spec §7); None draws a random one, reported in the result",
+        doc="64-bit noise seed (docs/seeded-noise.md); None draws a random one, reported in the result",
     )
     ignore_eos: bool = knob(False, bool, doc="keep generating past EOS tokens")
     stop: tuple[str, ...] = knob(
@@ -205,8 +205,8 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> SamplingParams:
-        """The checkpoint's defaults (spec §1.3): a generation_config.json dict, or a checkpoint directory (its
-        generation_config.json; absent → the defaults above) or the file itself.
+        """The checkpoint's defaults (docs/generation.md, "Configuration"): a generation_config.json dict, or a
+        checkpoint directory (its generation_config.json; absent → the defaults above) or the file itself.
 
         Each knob with a ``config_key`` takes the value there; absent or null keeps the default, other keys are
         ignored. ``sampler_config._cls_name`` must be EntropyBoundSamplerConfig (or absent). A value a request

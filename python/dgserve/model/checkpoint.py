@@ -1,15 +1,15 @@
-"""Safetensors checkpoints in Hugging Face DiffusionGemma layout (spec §2).
+"""Safetensors checkpoints in Hugging Face DiffusionGemma layout (docs/generation.md, "Checkpoint tensors").
 
 Canonical names drop the HF prefix: `embed_tokens.weight`, `norm.weight`, `self_conditioning.*`,
 `layers.{i}.*` (the decoder's copy of every shared weight plus its `layer_scalar`), `layers.{i}.encoder_layer_scalar`
 (the encoder's own, untied buffer) and `lm_head.weight` only when it is stored and differs from the embedding.
 Shared weights may be stored under `model.decoder.` or `model.encoder.language_model.` (decoder preferred);
 vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-expert `experts.{e}.{gate,up,down}_proj`
-with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`) are either dequantized exactly into the fused
-expert layout at load (spec §2.4), or, with ``nvfp4_packed=True`` (the default on CUDA), stacked per layer and
-repacked on the device into the W4A16 kernel layout (`layers.{i}.experts.packed`, an ``nvfp4.PackedExperts``)
-that ``ops.nvfp4_moe_experts`` runs on: no dequantized copy is ever made. Either way a layer's expert tensors
-are read with one open per shard, not one per matrix.
+with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`; docs/kernels.md, "NVFP4 checkpoints") are either
+dequantized exactly into the fused expert layout at load, or, with ``nvfp4_packed=True`` (the default on CUDA),
+stacked per layer and repacked on the device into the W4A16 kernel layout (`layers.{i}.experts.packed`, an
+``nvfp4.PackedExperts``) that ``ops.nvfp4_moe_experts`` runs on: no dequantized copy is ever made. Either way a
+layer's expert tensors are read with one open per shard, not one per matrix.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CheckpointError(ValueError):
 
 
 def _layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape for layer i (spec §2.1)."""
+    """Canonical name -> shape for layer i (docs/generation.md, "Checkpoint tensors")."""
     H, D, E, I = config.hidden_size, config.intermediate_size, config.num_experts, config.moe_intermediate_size
     nh, hd, nkv = config.num_attention_heads, config.head_dim(i), config.num_kv_heads(i)
     shapes = {
@@ -333,7 +333,7 @@ def load_weights(
         else:
             weights.update(_dequantize_layer(layer, (gate, up, down), config, dtype, device))
     if LM_HEAD in weights and torch.equal(weights[LM_HEAD], weights["embed_tokens.weight"]):
-        del weights[LM_HEAD]  # stored but identical: tied, as transformers does (spec §2.2)
+        del weights[LM_HEAD]  # stored but identical: tied, as transformers does (docs/generation.md)
     return weights
 
 

@@ -1,8 +1,8 @@
-"""One DiffusionGemma layer, written as functions over a single row of tokens (spec §3.2-§3.4).
+"""One DiffusionGemma layer, written as functions over a single row of tokens (docs/generation.md, "The model").
 
 A row is one request: x [T, H] in the model dtype ``md``. Working per row keeps every GEMM's
-shape independent of the batch, which is what makes results batch-invariant on CPU (DESIGN Decision 3).
-All rounding points follow the spec; the comments name them.
+shape independent of the batch, which is what makes results batch-invariant on CPU (docs/exactness.md,
+"Batch invariance"). The rounding points are those of docs/generation.md; the comments name them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LayerWeights:
     post_feedforward_layernorm_2: torch.Tensor
     post_feedforward_layernorm: torch.Tensor
     layer_scalar: torch.Tensor  # [1] decoder pass
-    encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: spec §2.2)
+    encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: docs/generation.md)
     experts_packed: nvfp4.PackedExperts | None = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
 
     @classmethod
@@ -79,7 +79,7 @@ class LayerWeights:
 
 
 # ------------------------------------------------------------------------------------------------
-# RoPE (spec §3.2)
+# RoPE (docs/generation.md, "RoPE")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -112,7 +112,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ------------------------------------------------------------------------------------------------
-# Attention (spec §3.3)
+# Attention (docs/generation.md, "Attention")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -156,7 +156,7 @@ def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps:
 
 
 # ------------------------------------------------------------------------------------------------
-# Feed-forward: dense MLP + MoE branch (spec §3.4)
+# Feed-forward: dense MLP + MoE branch (docs/generation.md, "Feed-forward (dense MLP and MoE)")
 # ------------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """NVFP4 (NVIDIA ModelOpt) weights: the format, a ModelOpt-faithful quantizer, per-expert checkpoint names, and
 the load-time packing of a layer's experts.
 
-The format itself (exact decode, the W4A16 kernel layout, the experts' torch reference; spec §2.4, kernels.md §2)
+The format itself (exact decode, the W4A16 kernel layout, the experts' torch reference; docs/kernels.md, "NVFP4 format")
 lives in the ops layer, ``dgserve.ops.nvfp4_format``, because the ops need it; it is re-exported here so loading
 code has one name for everything NVFP4. The dependency runs one way: this module imports ``dgserve.ops``, never
 the reverse (tests/test_layering.py).

@@ -1,4 +1,4 @@
-"""Where and how a checkpoint is served: device, dtype, expert format and native ops (issue 20, item 1).
+"""Where and how a checkpoint is served: device, dtype, expert format and native ops.
 
 Safe defaults: ``dtype="auto"`` is bfloat16 on CUDA and float32 on the CPU. float32 on a GPU is allowed only when
 the weights fit (estimated from the safetensors headers, before anything is loaded): otherwise ``plan_runtime``

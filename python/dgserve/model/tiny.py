@@ -1,8 +1,8 @@
 """Random DiffusionGemma checkpoints the package can make itself (demo, benchmarks, tests).
 
-``PRESETS`` are named shapes: ``tiny`` is spec §1.4's test model, ``mid`` a CPU benchmark size.
-Weights are drawn like transformers' init (normal, std 0.02) except that norms, router scales and layer
-scalars are perturbed around 1 so every parameter matters (spec §1.4).
+``PRESETS`` are named shapes: ``tiny`` is the parity tests' model (docs/exactness.md, "Test models"), ``mid`` a
+CPU benchmark size. Weights are drawn like transformers' init (normal, std 0.02) except that norms, router scales
+and layer scalars are perturbed around 1 so every parameter matters.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ PRESETS: dict[str, ModelConfig] = {
         canvas_length=64,
         max_position_embeddings=8192,
     ),
-    # the real DiffusionGemma 26B-A4B shape (spec §0): 5 × (5 sliding + 1 full), 128 experts top-8
+    # the real DiffusionGemma 26B-A4B shape (docs/generation.md, "Notation"): 5 × (5 sliding + 1 full), 128
+    # experts top-8
     "26b-a4b": dataclasses.replace(
         _BASE,
         vocab_size=262_144,

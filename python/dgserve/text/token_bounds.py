@@ -1,5 +1,5 @@
-"""How many tokens a text can have, bounded without tokenizing it whole (issue 19: a 15 MB prompt took 9.5 s and
-1.6 GB to tokenize before its length was checked).
+"""How many tokens a text can have, bounded without tokenizing it whole (without it, a 15 MB prompt took 9.5 s
+and 1.6 GB to tokenize before its length was checked).
 
 `max_token_bytes(tokenizer)`: the most input bytes one token of a `tokenizers.Tokenizer` can cover, so a text of
 B bytes has at least B / max_token_bytes tokens; None for pipelines with no such bound. `chunks` cuts a long text

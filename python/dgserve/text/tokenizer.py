@@ -1,4 +1,4 @@
-"""Tokenizer and chat template for DiffusionGemma checkpoints (DESIGN.md Decision 9, spec §9).
+"""Tokenizer and chat template for DiffusionGemma checkpoints (docs/architecture.md, "Chat template").
 
 `Tokenizer` wraps a Hugging Face `tokenizers` tokenizer read from a checkpoint's `tokenizer.json`, plus the special
 tokens and chat template of `tokenizer_config.json` / `chat_template.jinja`. A checkpoint's own chat template is
@@ -374,7 +374,7 @@ def message_text(content) -> str:
 
 
 def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: bool, enable_thinking: bool) -> str:
-    """The built-in Gemma 4 turn format (spec §9), for validated messages.
+    """The built-in Gemma 4 turn format (docs/architecture.md, "Chat template"), for validated messages.
 
     `{bos}` then one `<|turn>{role}\\n{text}<turn|>\\n` per message, role "assistant" written "model"; text is
     used verbatim (not stripped). The generation prompt is `<|turn>model\\n`, followed by an empty thought channel
