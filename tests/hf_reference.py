@@ -1,12 +1,14 @@
-"""transformers' generate() with the dgserve seeded-noise contract patched in (DESIGN Decision 5).
+"""transformers' generate() with the dgserve seeded-noise contract patched in (docs/exactness.md, "Seeded parity with
+transformers").
 
 Three swaps, nothing else changed: the sampler's canvas init and renoise return contract noise
-(spec §7.4); a last logits processor records the processed logits; and ``torch.multinomial`` returns
-``argmax(recorded processed fp32 + Gumbel)`` with the contract's Gumbel noise (spec §7.5).
-Batch size 1 (per-request semantics, spec §4.5).
+(docs/seeded-noise.md, "Canvas noise"); a last logits processor records the processed logits; and ``torch.multinomial``
+returns
+``argmax(recorded processed fp32 + Gumbel)`` with the contract's Gumbel noise (docs/seeded-noise.md, "Gumbel noise").
+Batch size 1 (per-request semantics, docs/exactness.md, "Seeded parity with transformers").
 
 `hf_generate` also measures how far every decision of the run is from a tie (`Margins`): a fixture whose tokens
-are compared exactly with another implementation must not sit on a near-tie (DESIGN Decision 2, spec §6.5).
+are compared exactly with another implementation must not sit on a near-tie (docs/exactness.md, "Near-ties").
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from dgserve.sampling_params import to_signed64
 
 # What another implementation may differ by, per decision of a denoising step (the bounds the margins are
 # measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):
-# 1e-5 leaves 10x headroom (the contract's bar is 1e-4, spec §6.5). The Gumbel noise of the native op and the
-# torch reference differ by <= 2 ulp of max(|g|, 1) (spec §7.6). Entropy sums and means: spec §6.5 says the
+# 1e-5 leaves 10x headroom (the contract's bar is 1e-4, docs/exactness.md, "Near-ties"). The Gumbel noise of the native
+# op and the
+# torch reference differ by <= 2 ulp of max(|g|, 1) (docs/seeded-noise.md, "dg_logf"). Entropy sums and means:
+# docs/exactness.md, "Near-ties" says the
 # acceptance and stop decisions may differ where cum - H is within ~1e-6 relative of beta, or mean(H) within ~1e-6
 # of tau (the entropies are fp32 reductions whose rounding is the machine's).
 LOGIT_TOL = 1e-5
@@ -194,7 +198,7 @@ def hf_generate(
 
     prompt = torch.tensor([list(prompt_ids)])
 
-    def temperature(k):  # spec §4.2: t at remaining-steps counter k
+    def temperature(k):  # docs/generation.md, "Temperature schedule": t at remaining-steps counter k
         return t_min + (t_max - t_min) * (k / steps)
 
     with (

@@ -1,5 +1,6 @@
 """dgserve.model.checkpoint: loads transformers-written checkpoints under canonical names with the exact values
-transformers uses (spec §2), writes checkpoints transformers loads, and names the culprit in every error."""
+transformers uses (docs/generation.md, "Checkpoint tensors"), writes checkpoints transformers loads, and names the
+culprit in every error."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_names_shapes_and_values_match_transformers(tiny_checkpoint, hf_model_lo
     ref = hf_reference(hf_model_loader(path))
     assert {k: tuple(v.shape) for k, v in ref.items()} == expected_shapes(cfg)
     assert_same(ours, ref)
-    for i in range(cfg.num_hidden_layers):  # both scalar sets are real and distinct (spec §2.2)
+    # both scalar sets are real and distinct (docs/generation.md, "Checkpoint tensors")
+    for i in range(cfg.num_hidden_layers):
         assert not torch.equal(ours[f"layers.{i}.layer_scalar"], ours[f"layers.{i}.encoder_layer_scalar"])
     assert "lm_head.weight" not in ours
     assert all(f"layers.{i}.self_attn.v_proj.weight" in ours for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i))

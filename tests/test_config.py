@@ -1,5 +1,7 @@
-"""dgserve.config: ModelConfig resolves config.json exactly as transformers 5.23 does (spec §1), rejects what
-dgserve cannot run with a message naming the field, and generation_config.json's defaults follow spec §1.3
+"""dgserve.config: ModelConfig resolves config.json exactly as transformers 5.23 does (docs/generation.md,
+"Configuration"), rejects what
+dgserve cannot run with a message naming the field, and generation_config.json's defaults follow docs/generation.md,
+"Configuration"
 (read into SamplingParams, the one table of knobs)."""
 
 from __future__ import annotations

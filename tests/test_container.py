@@ -1,4 +1,4 @@
-"""The container, checked without a Docker engine: the Dockerfile (hadolint, and the contract of issue 8: CUDA
+"""The container, checked without a Docker engine: the Dockerfile (hadolint, and its contract: CUDA
 devel builder running build.py + the CPU tests, slim runtime, non-root, ports, health check, model volume),
 docker/entrypoint.sh (environment, flags, --dry-run), docker/check_wheel.py, .dockerignore, the Kubernetes
 manifests in deploy/kubernetes/ and docs/deployment.md."""

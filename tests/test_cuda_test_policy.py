@@ -1,4 +1,4 @@
-"""The `cuda` test policy (issue 20, item 4): a `cuda` test skips on a machine without a CUDA device and FAILS on
+"""The `cuda` test policy: a `cuda` test skips on a machine without a CUDA device and FAILS on
 one whose dgserve._C cannot run the CUDA kernels (missing, or built CPU-only because torch was a CPU build or
 nvcc was missing), instead of running the torch reference on the device and passing."""
 

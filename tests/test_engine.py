@@ -246,8 +246,9 @@ def test_bf16_engine_matches_transformers_eager(tiny_checkpoint, hf_model_loader
     for seed in range(3):
         margins = Margins()
         ref, _ = hf_generate(hf, [4, 5, 6, 7], seed, max_new_tokens=32, steps=6, margins=margins)
-        # equal logits leave the noise (native vs torch log, <= 2 ulp, spec §7.6) and the fp32 entropies as what
-        # may differ: the fixture must stay clear of those near-ties (DESIGN Decision 2). Argmax ties are exact in
+        # equal logits leave the noise (native vs torch log, <= 2 ulp, docs/seeded-noise.md, "dg_logf") and the fp32
+        # entropies as what
+        # may differ: the fixture must stay clear of those near-ties (docs/exactness.md). Argmax ties are exact in
         # bf16 (coarse logits) and both sides break them to the lowest index, so they are not checked here.
         assert min(margins.sample, margins.accept, margins.stop) > 1, f"seed {seed}: near-tie {margins}"
         res = eng.generate([4, 5, 6, 7], SamplingParams(max_new_tokens=32, max_denoising_steps=6, seed=seed))

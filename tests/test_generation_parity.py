@@ -1,7 +1,9 @@
 """Seeded generation parity: our Engine vs transformers' generate() with the noise contract patched in
-(DESIGN Decision 5, tests/hf_reference.py). fp32 checkpoints, tokens compared exactly (DESIGN Decision 2).
+(docs/exactness.md, "Seeded parity with transformers", tests/hf_reference.py). fp32 checkpoints, tokens compared exactly
+(docs/exactness.md).
 
-Exact tokens hold only away from near-ties (spec §6.5, §7.6): every run also measures, on transformers' side, how
+Exact tokens hold only away from near-ties (docs/exactness.md, "Near-ties"): every run also measures, on transformers'
+side, how
 far each decision (Gumbel race at accepted positions, committed argmax, entropy-bound acceptance, stop test) is
 from a tie, and the test asserts it is beyond what the implementations may differ by (hf_reference.Margins). A
 fixture that lands on a near-tie fails on that assertion, not by a flaky token mismatch on some machine."""
@@ -59,7 +61,7 @@ def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
         pad_id=None if ignore_eos else 0,
         margins=margins,
     )
-    # the fixture must stay clear of near-ties, or exact tokens are not promised (DESIGN Decision 2, spec §6.5)
+    # the fixture must stay clear of near-ties, or exact tokens are not promised (docs/exactness.md, "Near-ties")
     assert margins.worst() > 1, f"seed {seed} case {case} prompt {prompt}: near-tie {margins}"
     params = SamplingParams(
         max_new_tokens=max_new,

@@ -1,4 +1,4 @@
-"""Safe runtime defaults (issue 20, item 1): bf16 on CUDA unless asked otherwise, fp32 on a GPU only when it fits
+"""Safe runtime defaults: bf16 on CUDA unless asked otherwise, fp32 on a GPU only when it fits
 (a ConfigError before loading otherwise), and the resolved device / dtype / expert format / native ops shown by
 --dry-run and the engine."""
 

@@ -13,7 +13,8 @@ from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, Knob, KnobError, Sampli
 
 
 def test_the_table_covers_the_contract_fields():
-    """DESIGN Contracts: the ten fields, in order, all knobs; the scalars are all but stop. The one field after
+    """docs/architecture.md, "Public API": the ten fields, in order, all knobs; the scalars are all but stop. The one
+    field after
     them, response_format (structured output), is not a knob: it has no bounds table."""
     assert [f.name for f in dataclasses.fields(SamplingParams)] == [*KNOBS, "response_format"]
     assert list(KNOBS) == [

@@ -1,7 +1,8 @@
-"""The small trained model shipped in the package (issue 8 part 1, DESIGN.md Decision 10).
+"""The small trained model shipped in the package (its card: python/dgserve/models/small/README.md).
 
 It must load in dgserve and in transformers 5.23.0 (no missing or unexpected keys), generate the same tokens in both
-for the same seed under the noise contract (fp32, DESIGN Decision 5), fit in 25 MB, and produce text.
+for the same seed under the noise contract (fp32, docs/exactness.md, "Seeded parity with transformers"), fit in 25 MB,
+and produce text.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def test_tokenizer_round_trips_and_chat_template():
 
 def test_tokenizer_json_adds_one_bos_like_the_config_says():
     """tokenizer.json's post-processor prepends <bos> (`<bos> $A`) and tokenizer_config.json says add_bos_token, so
-    `tokenizers` and dgserve agree on plain text (issue 16: one tokenization of a checkpoint); the training documents
+    `tokenizers` and dgserve agree on plain text (one tokenization of a checkpoint); the training documents
     were `<bos>...<eos>` the same way."""
     from tokenizers import Tokenizer as RawTokenizer
 
@@ -126,7 +127,8 @@ def test_tokenizer_json_adds_one_bos_like_the_config_says():
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_engine_matches_transformers_generate(hf_small, engine, seed):
-    """Same tokens as transformers' generate() under the seeded noise contract (fp32, DESIGN Decision 5)."""
+    """Same tokens as transformers' generate() under the seeded noise contract (fp32; docs/exactness.md, "Seeded
+    parity with transformers")."""
     hf = hf_small[0]
     prompt = engine.tokenizer.encode("This function returns a new object, and the caller", add_special_tokens=True)
     steps, max_new = 12, 32
@@ -144,7 +146,7 @@ def test_engine_matches_transformers_generate(hf_small, engine, seed):
         pad_id=0,
         margins=margins,
     )
-    # exact tokens are promised only away from near-ties (DESIGN Decision 2, spec §6.5): the fixture must be
+    # exact tokens are promised only away from near-ties (docs/exactness.md, "Near-ties"): the fixture must be
     assert margins.worst() > 1, f"seed {seed}: the fixture sits on a near-tie {margins}"
     params = SamplingParams(
         max_new_tokens=max_new, max_denoising_steps=steps, t_min=0.4, t_max=0.8, entropy_bound=0.5, seed=seed

@@ -523,7 +523,7 @@ def test_output_tracker_windowed_text_equals_full_decode(tok, stop):
         assert counting.longest <= 2 * max(sizes) + 2 * IncrementalDecoder.MAX_HOLD
 
 
-# ---------------------------------------------------------------------- bounded work (issue 19)
+# ---------------------------------------------------------------------- bounded work
 
 
 def test_max_token_bytes_bounds_every_token(tok, tokenizer_json):

@@ -1,4 +1,4 @@
-"""The installed server, tried as a new user would (issue 15): build the wheel, install it WITHOUT -e into a fresh
+"""The installed server, tried as a new user would: build the wheel, install it WITHOUT -e into a fresh
 venv, and from a directory outside the source tree run ``dgserve serve`` on the shipped small model until gRPC
 health says SERVING; then the official ``openai`` client streams a chat completion and ``dgserve generate
 --server`` streams blocks from the same process, and SIGTERM ends it with status 0.

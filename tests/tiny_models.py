@@ -1,12 +1,13 @@
-"""Tiny random DiffusionGemma models built with transformers (the parity reference, spec §1.4)."""
+"""Tiny random DiffusionGemma models built with transformers: the parity reference (docs/exactness.md, "Test
+models")."""
 
 from __future__ import annotations
 
 import torch
 
-# name -> kwargs overriding the spec §1.4 tiny config
+# name -> kwargs overriding the tiny config (docs/exactness.md, "Test models")
 TINY_VARIANTS: dict[str, dict] = {
-    # spec §1.4: C=16 > W=8, two sliding layers and one full layer, 4 experts top-2
+    # docs/exactness.md, "Test models": C=16 > W=8, two sliding layers and one full layer, 4 experts top-2
     "base": {},
     # every layer full (k_eq_v everywhere), more experts, top-1
     "full": dict(layer_types=["full_attention", "full_attention"], num_hidden_layers=2, num_experts=5, top_k_experts=1),
@@ -67,7 +68,8 @@ def tiny_config(canvas_length: int = 16, **overrides):
 
 
 def make_tiny_hf_model(variant: str = "base", seed: int = 0):
-    """A random transformers model whose norms, scales and layer scalars are non-trivial (spec §1.4)."""
+    """A random transformers model whose norms, scales and layer scalars are non-trivial (docs/exactness.md, "Test
+    models")."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     kw = dict(TINY_VARIANTS[variant])
