@@ -1,4 +1,4 @@
-"""The LM head, self-conditioning and sampler in tiles of canvases (issue 20, item 5): the step's [B, C, V]
+"""The LM head, self-conditioning and sampler in tiles of canvases: the step's [B, C, V]
 temporaries are bounded by a tile, and tiling changes no result the engine returns."""
 
 from __future__ import annotations
