@@ -1,13 +1,13 @@
 """Peak memory of one denoising step at the 26B vocabulary, without the memory: the model runs on the `meta`
 device and a TorchDispatchMode adds up the bytes of every live storage (freed when its storage is freed), so
-the peak is exact for torch allocations and costs nothing (issue 20, item 5).
+the peak is exact for torch allocations and costs nothing.
 
     python bench/bench_memory.py [--canvases 16] [--vocab 262144] [--dtype bfloat16] [--rows batched|per-row]
                                  [--tile N]
 
 One step = Engine.step's work: the decoder pass with self-conditioning on every row (self-conditioning softmax),
 then per tile of canvases the LM head + softcap and the sampler (ops.diffusion_step, then each row's
-self-conditioning input kept in the model dtype). `--tile 16` is the untiled engine; the engine before issue 20
+self-conditioning input kept in the model dtype). `--tile 16` is the untiled engine; the engine before tiling
 (full [B, C, V] logits from denoise, one sampler call, logits softcapped out of place) measured 15.04 GB (bf16) and
 17.19 GB (fp32) batched, 8.59 GB per-row. Hidden sizes are small (the [canvases × 256 × vocab] tensors dominate at
 this vocabulary); the MoE branch is replaced by zeros (its memory does not scale with the vocabulary, and its
@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from dgserve import DiffusionGemma, ops
-from dgserve.model import KVCache, RowCache
 from dgserve.model.checkpoint import expected_shapes
 from dgserve.model.tiny import preset
 
@@ -121,15 +120,13 @@ def _measure(args, cfg, dtype) -> dict:
         model = DiffusionGemma(cfg, weights, dtype, "meta", batch_rows=args.rows == "batched")
         if args.tile is not None:
             model.canvas_tile = args.tile
-        rows = [RowCache() for _ in range(B)]
-        for row in rows:
-            model.encode_row(torch.zeros(16, dtype=torch.int64, device="meta"), row)
+        cache = model.prefill(torch.zeros(B, 16, dtype=torch.int64, device="meta"))
         canvas = torch.zeros(B, C, dtype=torch.int64, device="meta")
         self_cond = [torch.zeros(C, V, dtype=dtype, device="meta") for _ in range(B)]  # the previous step's
         base = mem.current
         mem.reset_peak()
         # Engine.step: the decoder to hidden states, then LM head + sampler per tile of canvases
-        hidden = model.denoise_hidden(KVCache(rows), canvas, self_cond_logits=self_cond)
+        hidden = model.denoise_hidden(cache, canvas, self_cond_logits=self_cond)
         peak_denoise = mem.peak
         self_cond = None  # consumed (Engine.step drops them here too)
         new_self_cond = []

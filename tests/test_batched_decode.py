@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dgserve import DiffusionGemma, Engine, SamplingParams
-from dgserve.model import KVCache
+from dgserve.model import SlotCache
 
 
 def test_batched_decode_matches_per_row(tiny_checkpoint):
@@ -16,13 +16,13 @@ def test_batched_decode_matches_per_row(tiny_checkpoint):
     C, V = per_row.config.canvas_length, per_row.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, V, (1, n), generator=g) for n in (3, 11, 29)]  # caches of different lengths
-    cache = KVCache([per_row.prefill(p).rows[0] for p in prompts])
+    cache = SlotCache.stack([per_row.prefill(p) for p in prompts])
     canvas = torch.randint(0, V, (3, C), generator=g)
     sc = [None, torch.randn(C, V, generator=g), torch.randn(C, V, generator=g)]  # mixed first / later steps
     a = per_row.denoise(cache, canvas, self_cond_logits=sc)
     b = batched.denoise(cache, canvas, self_cond_logits=sc)
     assert (a - b).abs().max().item() <= 1e-5
-    assert batched.denoise(KVCache([cache.rows[0]]), canvas[:1]).shape == (1, C, V)
+    assert batched.denoise(batched.prefill(prompts[0]), canvas[:1]).shape == (1, C, V)
 
 
 def test_batched_engine_tokens_match_per_row(tiny_checkpoint):

@@ -1,5 +1,5 @@
-"""The engine end to end on a CUDA device (issue 20, item 4): the tiny random model in fp32 and bf16, one request
-alone and several batched. fp32 tokens equal the CPU engine's (DESIGN Decision 2; fixtures avoid near-ties); bf16
+"""The engine end to end on a CUDA device: the tiny random model in fp32 and bf16, one request
+alone and several batched. fp32 tokens equal the CPU engine's (docs/exactness.md; fixtures avoid near-ties); bf16
 is compared through its logits (a near-tie may flip a bf16 token), and the native self-check must pass on the
 device. `cuda`: skipped without a device, failed when dgserve._C lacks CUDA (tests/conftest.py)."""
 
@@ -32,16 +32,14 @@ def _rel_l2(a, b):
 def _first_logits(engine, prompts):
     """Decoder logits of step 1 for each prompt (encode, then one denoise of the block's first canvas)."""
     from dgserve.engine.block import BlockState
-    from dgserve.model import KVCache, RowCache
+    from dgserve.model import SlotCache
 
     m = engine.model
-    rows = [RowCache() for _ in prompts]
-    for p, row in zip(prompts, rows, strict=True):
-        m.encode_row(torch.tensor(p, device=m.device), row)
+    cache = SlotCache.stack([m.prefill(torch.tensor(p, device=m.device)) for p in prompts])
     states = [
         BlockState.start(i + 1, 0, m.config.canvas_length, m.config.vocab_size, m.device) for i in range(len(prompts))
     ]
-    return m.denoise(KVCache(rows), torch.stack([s.canvas for s in states])).cpu()
+    return m.denoise(cache, torch.stack([s.canvas for s in states])).cpu()
 
 
 def test_fp32_cuda_tokens_equal_cpu_alone_and_batched(checkpoint):

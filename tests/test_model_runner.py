@@ -1,6 +1,5 @@
-"""ModelRunner and its slot cache: in-place writes read back as views give the same bits as the row cache's
-concatenations (prompt chunks that wrap the sliding rings, committed blocks, denoising scratch); dense slot
-packing keeps requests exact; the KV cache budget decides the slots and rejects a request that can never fit."""
+"""ModelRunner and its slot cache (the layout's bitwise checks: tests/test_kv_cache.py): dense slot packing keeps
+requests exact; the KV cache budget decides the slots and rejects a request that can never fit."""
 
 from __future__ import annotations
 
@@ -12,33 +11,8 @@ from dgserve.config import ConfigError
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.scheduler import SchedulerConfig
-from dgserve.model import RowCache
 from dgserve.model.cache import SlotCache
 from dgserve.model.tiny import preset, random_weights
-
-
-@pytest.mark.parametrize("chunk, prompt_len", [(5, 29), (16, 40), (3, 7)])
-def test_slot_views_equal_row_cache_bitwise(chunk, prompt_len):
-    """Encoder chunks and decoder steps over a slot (ring wrap-arounds included) give exactly the bits of the
-    old layout: the keys are the same, in the same order, only read in place."""
-    cfg = preset("tiny")
-    m = DiffusionGemma(cfg, random_weights(cfg, 1), torch.float32)
-    C, V = cfg.canvas_length, cfg.vocab_size
-    g = torch.Generator().manual_seed(chunk)
-    prompt = torch.randint(0, V, (prompt_len,), generator=g)
-    row, slots = RowCache(), SlotCache(cfg, 3, 256, max(chunk, C), torch.float32, torch.device("cpu"))
-    slot = slots.view(2)
-    for s in range(0, prompt_len, chunk):
-        m.encode_row(prompt[s : s + chunk], row)
-        m.encode_row(prompt[s : s + chunk], slot)
-    for _ in range(5):  # > R / C blocks: the ring wraps several times
-        canvas = torch.randint(0, V, (C,), generator=g)
-        sc = torch.randn(C, V, generator=g)
-        for _ in range(2):  # two steps of one block: the scratch written by the first is overwritten
-            assert torch.equal(m.decode_row(row, canvas, sc, None), m.decode_row(slot, canvas, sc, None))
-        m.encode_row(canvas, row)
-        m.encode_row(canvas, slot)
-    assert row.length == slot.length == prompt_len + 5 * C
 
 
 def test_packing_keeps_tokens_exact(tiny_checkpoint):

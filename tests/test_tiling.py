@@ -13,7 +13,7 @@ from dgserve import DiffusionGemma, SamplingParams
 from dgserve.engine.block import BlockState
 from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
-from dgserve.model import KVCache, RowCache
+from dgserve.model import SlotCache
 from dgserve.model.tiny import preset, random_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,23 +46,21 @@ def _model(batch_rows, tile):
     return m
 
 
-def _rows(m, B):
-    rows = [RowCache() for _ in range(B)]
-    for b, row in enumerate(rows):
-        m.encode_row(torch.arange(3, 8 + b), row)
-    return rows
+def _rows(m, B) -> SlotCache:
+    """B rows of different lengths (5 + b positions)."""
+    return SlotCache.stack([m.prefill(torch.arange(3, 8 + b)) for b in range(B)])
 
 
 def test_logits_tiles_cover_every_row_and_denoise_is_unchanged_per_row():
     m = _model(False, 1)
     B, C = 5, m.config.canvas_length
-    rows = _rows(m, B)
+    cache = _rows(m, B)
     canvas = torch.randint(0, m.config.vocab_size, (B, C), generator=torch.Generator().manual_seed(1))
     sc = [torch.randn(C, m.config.vocab_size) for _ in range(B)]
-    logits = m.denoise(KVCache(rows), canvas, self_cond_logits=sc)
-    want = torch.stack([m.decode_row(r, canvas[b], sc[b], None) for b, r in enumerate(rows)])
+    logits = m.denoise(cache, canvas, self_cond_logits=sc)
+    want = torch.stack([m.decode_row(cache.view(b), canvas[b], sc[b], None) for b in range(B)])
     assert torch.equal(logits, want)  # CPU: one canvas per tile, bit for bit
-    hidden = m.denoise_hidden(KVCache(rows), canvas, self_cond_logits=sc)
+    hidden = m.denoise_hidden(cache, canvas, self_cond_logits=sc)
     m.canvas_tile = 2
     tiles = list(m.logits_tiles(hidden))
     assert [t[0] for t in tiles] == [slice(0, 2), slice(2, 4), slice(4, 5)]
@@ -75,8 +73,8 @@ def test_batched_self_conditioning_in_tiles_matches_untiled():
     C, V = a.config.canvas_length, a.config.vocab_size
     canvas = torch.randint(0, V, (B, C), generator=torch.Generator().manual_seed(2))
     sc = [torch.randn(C, V) for _ in range(B)]
-    la = a.denoise(KVCache(_rows(a, B)), canvas, self_cond_logits=sc)
-    lb = b.denoise(KVCache(_rows(b, B)), canvas, self_cond_logits=sc)
+    la = a.denoise(_rows(a, B), canvas, self_cond_logits=sc)
+    lb = b.denoise(_rows(b, B), canvas, self_cond_logits=sc)
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)  # only GEMM row counts differ
 
 

@@ -1,6 +1,6 @@
 """The DiffusionGemma model: weights, encoder pass, decoder pass, KV cache."""
 
-from .cache import KVCache, RowCache
+from .cache import SlotCache, SlotView
 from .diffusion_gemma import DiffusionGemma
 
-__all__ = ["DiffusionGemma", "KVCache", "RowCache"]
+__all__ = ["DiffusionGemma", "SlotCache", "SlotView"]

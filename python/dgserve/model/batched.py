@@ -1,8 +1,9 @@
-"""The decoder pass over several rows at once, for accelerators (DESIGN Decision 3: on CPU rows run one by one).
+"""The decoder pass over several rows at once, for accelerators (on CPU rows run one by one: docs/exactness.md).
 
 Rows are the first B slots of a ``SlotCache`` (the ModelRunner packs running requests densely into slots
-0..n−1), read in place: each layer's canvas K/V are scattered into the slots' scratch positions, and attention
-runs over a fixed-shape view of the buffers with a per-row mask:
+0..n−1; the public ``denoise`` passes all the slots of its cache), read in place: each layer's canvas K/V are
+scattered into the slots' scratch positions, and attention runs over a fixed-shape view of the buffers with a
+per-row mask:
 
 * full layers: ``keys[:B, :, :L]`` with L = a bucket ≥ max(P) + C; key j is visible to row b iff j < P_b + C;
 * sliding layers: the whole ring ``keys[:B, :, :R]``; ring index j holds the latest position q ≡ j (mod R) below
@@ -20,7 +21,7 @@ import torch
 
 from dgserve import ops
 
-from .cache import RowCache, SlotCache
+from .cache import SlotCache
 from .layers import attention_output, feed_forward, project_kv, project_q, rope_cos_sin
 
 LENGTH_BUCKET = 256  # full-layer views are sized in multiples of this (a few static shapes for CUDA graphs)
@@ -97,14 +98,3 @@ def decode_slots(
         )
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
-
-
-def decode_batched(model, rows: list[RowCache], canvas: torch.Tensor, sc_logits: list, sc_probs: list) -> torch.Tensor:
-    """The public ``denoise`` path over RowCaches: copies them into a temporary SlotCache, then ``decode_slots``."""
-    C = canvas.shape[1]
-    max_len = max(r.length for r in rows)
-    cache = SlotCache(model.config, len(rows), max_len + C, C, model.dtype, model.device, zero=True)
-    for b, r in enumerate(rows):
-        cache.load_row(b, r)
-    lengths = torch.tensor([r.length for r in rows], dtype=torch.int64, device=model.device)
-    return decode_slots(model, cache, lengths, max_len, canvas, sc_logits, sc_probs)

@@ -1,110 +1,39 @@
-"""The encoder's KV cache, in two layouts behind one small interface (``encode_kv`` / ``decode_kv`` / ``length``).
+"""The encoder's KV cache: ``SlotCache`` holds the keys/values of a fixed number of rows (slots), written in
+place; ``SlotView`` is one slot seen as the cache of one row's passes (``length`` / ``encode_kv`` /
+``decode_kv`` / ``commit``). One layout serves both users:
 
-Sliding layers expose only the most recent W − 1 encoded positions (the DynamicCache rule, spec §3.6); full layers
-expose every position. The decoder's canvas keys/values are never kept (spec §3.7).
+* the ModelRunner: one slot per scheduler slot, preallocated once from the KV cache budget;
+* the public ``DiffusionGemma.prefill`` / ``denoise``: one slot per batch row, created by ``prefill`` and grown
+  in place (``reserve``: reallocate and copy) when a pass would not fit.
 
-* ``RowCache``: one request's cache as a list of growing tensors (``torch.cat`` per chunk): the simple public
-  path of ``DiffusionGemma.prefill`` / ``denoise`` (tests, parity).
-* ``SlotCache``: the serving layout, preallocated once per scheduler slot and written in place (``ModelRunner``).
-  Full layers: [S, nkv, slot_len, hd], position p at index p. Sliding layers: a *mirrored ring* of capacity
-  R = W − 1 + max(prefill chunk, C) stored twice ([S, nkv, 2R, hd]; position p at p % R and p % R + R), so any R
-  consecutive positions are one contiguous slice in chronological order. The keys a pass attends to are therefore
-  a view of the buffer, in exactly the order of the old ``cat([cached, new])`` (a softmax's fp32 sum depends on
-  the order): no per-step concatenation, no copy proportional to the context. A denoising step writes its canvas
-  K/V into the positions after the committed length (scratch: the length does not move), and the next encode
-  overwrites them.
+Sliding layers expose only the most recent W − 1 encoded positions (transformers' DynamicCache rule); full layers
+expose every position. The decoder's canvas keys/values are never kept (docs/generation.md).
+
+Full layers: [S, nkv, slot_len, hd], position p at index p. Sliding layers: a *mirrored ring* of capacity
+R = W − 1 + chunk (chunk: the most positions one pass writes) stored twice ([S, nkv, 2R, hd]; position p at
+p % R and p % R + R), so any R consecutive positions are one contiguous slice in chronological order. The keys a
+pass attends to are therefore a view of the buffer, in exactly the order of a concatenation ``cat([cached, new])``
+(a softmax's fp32 sum depends on the order): no per-step concatenation, no copy proportional to the context. A
+denoising step writes its canvas K/V into the positions after the committed length (scratch: the length does not
+move), and the next encode overwrites them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
 from dgserve.config import ModelConfig
 
 
-class KVStore(Protocol):
-    """What a pass of one request needs from its cache (``RowCache`` or one slot of a ``SlotCache``)."""
-
-    @property
-    def length(self) -> int: ...  # positions encoded (P)
-
-    def encode_kv(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]: ...
-
-    def decode_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def commit(self, n: int) -> None: ...
-
-
-@dataclass
-class RowCache:
-    """One request's cache. keys[l], values[l]: [nkv_l, T_l, hd_l] in md; length: tokens encoded so far (P)."""
-
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0
-
-    def layer_len(self, layer: int) -> int:
-        return self.keys[layer].shape[1] if self.keys else 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def encode_kv(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Append k, v [nkv, T, hd] at positions length.. → (keys, values) the chunk attends to and the position
-        of keys[:, 0]. ``keep`` (W − 1 on sliding layers): positions kept after the chunk's own attention."""
-        first = len(self.keys) <= layer
-        n_old = 0 if first else self.keys[layer].shape[1]
-        keys = k if first else torch.cat([self.keys[layer], k], dim=1)
-        values = v if first else torch.cat([self.values[layer], v], dim=1)
-        kept_k, kept_v = keys, values
-        if keep is not None:
-            start = max(0, keys.shape[1] - keep)
-            kept_k, kept_v = keys[:, start:], values[:, start:]
-        if first:
-            self.keys.append(kept_k)
-            self.values.append(kept_v)
-        else:
-            self.keys[layer], self.values[layer] = kept_k, kept_v
-        return keys, values, self.length - n_old
-
-    def decode_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canvas k, v [nkv, C, hd] → everything cached followed by them (nothing is stored)."""
-        if not self.keys:
-            return k, v
-        return torch.cat([self.keys[layer], k], dim=1), torch.cat([self.values[layer], v], dim=1)
-
-    def commit(self, n: int) -> None:
-        self.length += n
-
-
-@dataclass
-class KVCache:
-    """A batch of row caches (one per request row). Rows are independent: batching rows from different
-    requests is just listing their RowCaches together, so a row's result never depends on its neighbours."""
-
-    rows: list[RowCache]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [r.length for r in self.rows]
-
-    def select(self, indices: list[int]) -> KVCache:
-        return KVCache([self.rows[i] for i in indices])
-
-
 class SlotCache:
-    """KV buffers for ``num_slots`` requests, allocated once (see the module docstring for the layout).
+    """KV buffers for ``num_slots`` rows, allocated at once (see the module docstring for the layout).
 
     slot_len: positions a full layer holds per slot (the slot's context budget). chunk: the most positions one
     pass writes (max(prefill chunk, canvas length)); it sizes the sliding rings. zero: fill the buffers with
     zeros (the batched pass reads masked, never-written entries, and 0 · NaN would poison its sums).
+    lengths[s]: positions encoded in slot s (a host list: it plans the views).
     """
 
     def __init__(
@@ -117,18 +46,23 @@ class SlotCache:
         device: torch.device,
         zero: bool = False,
     ):
-        self.config, self.num_slots, self.slot_len, self.chunk = config, num_slots, slot_len, chunk
+        self.config, self.num_slots, self.dtype, self.device, self.zero = config, num_slots, dtype, device, zero
         self.window = config.sliding_window
-        self.ring = config.sliding_window - 1 + chunk  # R
         self.sliding = tuple(config.is_sliding(i) for i in range(config.num_hidden_layers))
-        alloc = torch.zeros if zero else torch.empty
+        self._allocate(slot_len, chunk)
+        self.lengths = [0] * num_slots
+
+    def _allocate(self, slot_len: int, chunk: int) -> None:
+        self.slot_len, self.chunk = slot_len, chunk
+        self.ring = self.window - 1 + chunk  # R
+        alloc = torch.zeros if self.zero else torch.empty
         self.keys: list[torch.Tensor] = []  # per layer [S, nkv, cap, hd]
         self.values: list[torch.Tensor] = []
         for i, sliding in enumerate(self.sliding):
-            shape = (num_slots, config.num_kv_heads(i), 2 * self.ring if sliding else slot_len, config.head_dim(i))
-            self.keys.append(alloc(shape, dtype=dtype, device=device))
-            self.values.append(alloc(shape, dtype=dtype, device=device))
-        self.lengths = [0] * num_slots  # positions encoded per slot (host copy: plans the views)
+            cap = 2 * self.ring if sliding else slot_len
+            shape = (self.num_slots, self.config.num_kv_heads(i), cap, self.config.head_dim(i))
+            self.keys.append(alloc(shape, dtype=self.dtype, device=self.device))
+            self.values.append(alloc(shape, dtype=self.dtype, device=self.device))
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, slot_len: int, chunk: int, dtype: torch.dtype) -> int:
@@ -140,8 +74,46 @@ class SlotCache:
             n += 2 * config.num_kv_heads(i) * cap * config.head_dim(i)  # keys + values
         return n * size
 
+    @classmethod
+    def stack(cls, caches: Sequence[SlotCache]) -> SlotCache:
+        """A new cache holding the slots of ``caches`` in order, copied, each with its own length: a batch of
+        rows from different requests (of different lengths) for ``DiffusionGemma.denoise``."""
+        if not caches:
+            raise ValueError("SlotCache.stack needs at least one cache")
+        c0 = caches[0]
+        n = sum(c.num_slots for c in caches)
+        slot_len, chunk = max(c.slot_len for c in caches), max(c.chunk for c in caches)
+        out = cls(c0.config, n, slot_len, chunk, c0.dtype, c0.device, zero=True)
+        dst = 0
+        for c in caches:
+            for s in range(c.num_slots):
+                out.load(c, s, dst)
+                dst += 1
+        return out
+
     def view(self, slot: int) -> SlotView:
         return SlotView(self, slot)
+
+    def layer_lengths(self, slot: int) -> list[int]:
+        """Per layer, the cached positions the next pass of ``slot`` sees: the last W − 1 on sliding layers,
+        all on full ones (the per-layer lengths of transformers' DynamicCache)."""
+        n = self.lengths[slot]
+        return [n - self.visible_start(layer, n) for layer in range(len(self.sliding))]
+
+    def reserve(self, end: int, chunk: int) -> None:
+        """Make every slot able to hold positions below ``end`` and passes of ``chunk`` positions: when the
+        buffers are too small, reallocate them (at least doubling ``slot_len``) and copy what each slot's next
+        pass sees. The object (and its views) stay valid; used by the public prefill/denoise, never by serving."""
+        if end <= self.slot_len and chunk <= self.chunk:
+            return
+        slot_len = max(end, 2 * self.slot_len) if end > self.slot_len else self.slot_len
+        grown = SlotCache(
+            self.config, self.num_slots, slot_len, max(chunk, self.chunk), self.dtype, self.device, self.zero
+        )
+        for s in range(self.num_slots):
+            grown.load(self, s, s)
+        self.slot_len, self.chunk, self.ring = grown.slot_len, grown.chunk, grown.ring
+        self.keys, self.values = grown.keys, grown.values
 
     def write(self, slot: int, layer: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [nkv, T, hd] → positions p0 .. p0+T−1 of ``slot`` (both ring copies on sliding layers)."""
@@ -184,27 +156,31 @@ class SlotCache:
             self.values[layer][dst, :, :hi] = self.values[layer][src, :, :hi]
         self.lengths[dst] = n
 
-    def load_row(self, slot: int, row: RowCache) -> None:
-        """Copy a RowCache into ``slot`` (the public ``denoise`` path of the batched pass)."""
-        n = row.length
-        for layer, (k, v) in enumerate(zip(row.keys, row.values, strict=True)):
-            self.write(slot, layer, n - k.shape[1], k, v)
-        self.lengths[slot] = n
+    def load(self, other: SlotCache, src: int, dst: int) -> None:
+        """Copy slot ``src`` of ``other`` (a cache of the same model, any slot_len and chunk) into ``dst``: the
+        positions its next pass sees, at the same positions (ring indices follow this cache's ring)."""
+        n = other.lengths[src]
+        for layer in range(len(self.sliding)):
+            start = other.visible_start(layer, n)
+            k, v = other.read(src, layer, start, n)
+            self.write(dst, layer, start, k, v)
+        self.lengths[dst] = n
 
 
 class SlotView:
-    """One slot of a SlotCache seen through the model's cache interface (what a pass of one request uses)."""
+    """One slot of a SlotCache seen as one row's cache: what ``DiffusionGemma.encode_row`` / ``decode_row`` use."""
 
     def __init__(self, cache: SlotCache, slot: int):
         self.cache, self.slot = cache, slot
 
     @property
     def length(self) -> int:
+        """Positions encoded (P)."""
         return self.cache.lengths[self.slot]
 
-    def encode_kv(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def encode_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write k, v [nkv, T, hd] at positions length.. → (keys, values) the chunk attends to, chronological
+        (cached then new), and the position of keys[:, 0]."""
         c, p0 = self.cache, self.length
         start = c.visible_start(layer, p0)
         c.write(self.slot, layer, p0, k, v)
@@ -212,6 +188,7 @@ class SlotView:
         return keys, values, start
 
     def decode_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canvas k, v [nkv, C, hd] → everything the next pass sees followed by them (nothing is committed)."""
         c, P = self.cache, self.length
         c.write(self.slot, layer, P, k, v)  # scratch after the committed length: the next encode overwrites it
         return c.read(self.slot, layer, c.visible_start(layer, P), P + k.shape[1])

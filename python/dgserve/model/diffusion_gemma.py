@@ -1,10 +1,13 @@
 """DiffusionGemma: the causal encoder pass (writes the KV cache) and the bidirectional decoder pass
-(reads cache + canvas, with self-conditioning), sharing one set of weights (spec §3).
+(reads cache + canvas, with self-conditioning), sharing one set of weights (docs/generation.md).
 
-Public contract (DESIGN.md, Contracts):
+Public contract:
     model = DiffusionGemma.from_pretrained(path, device="cpu", dtype=torch.float32)
     cache = model.prefill(input_ids[B, T], cache=None)        # appends to `cache` when given
     logits[B, C, V] = model.denoise(cache, canvas_ids[B, C], self_cond_logits=None, self_cond_probs=None)
+
+The cache is a ``SlotCache`` (model/cache.py) with one slot per row, the layout the serving ModelRunner uses;
+``SlotCache.stack`` batches rows of different caches (and lengths) for one ``denoise``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from dgserve import ops
 from dgserve.config import ModelConfig
 from dgserve.model.checkpoint import load_weights
 
-from .batched import decode_batched
-from .cache import KVCache, KVStore, RowCache
+from .batched import decode_slots
+from .cache import SlotCache, SlotView
 from .layers import (
     LayerWeights,
     attend,
@@ -48,11 +51,11 @@ class DiffusionGemma:
         self.dtype = dtype
         self.device = torch.device(device)
         # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
-        # GEMM row results may depend on the row count and batch invariance must be bitwise (Decision 3)
+        # GEMM row results may depend on the row count and batch invariance must be bitwise (docs/exactness.md)
         self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
         # canvases per tile of the LM head, the self-conditioning softmax and the sampler: their [n, C, V] fp32
-        # temporaries are bounded by a tile, not by the batch (issue 20). 1 on CPU: every GEMM keeps a fixed
-        # shape per canvas (Decision 3); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
+        # temporaries are bounded by a tile, not by the batch. 1 on CPU: every GEMM keeps a fixed
+        # shape per canvas (docs/exactness.md); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
         self.canvas_tile = 1 if self.device.type == "cpu" else 4
         self.embed = weights["embed_tokens.weight"]  # [V, H]
         self.lm_head = weights.get("lm_head.weight", self.embed)  # tied unless stored and different
@@ -62,9 +65,9 @@ class DiffusionGemma:
         self.sc_up = weights["self_conditioning.up_proj.weight"]
         self.sc_down = weights["self_conditioning.down_proj.weight"]
         self.layers = [LayerWeights.from_state(weights, i) for i in range(config.num_hidden_layers)]
-        # rnd(√H): the scale is rounded to md BEFORE the multiply (spec §3.1)
+        # rnd(√H): the scale is rounded to md BEFORE the multiply (docs/generation.md)
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).to(self.device)
-        # inv_freq built in fp32 on the CPU, then uploaded (spec §5.14)
+        # inv_freq built in fp32 on the CPU, then uploaded (docs/exactness.md)
         self.inv_freq = [rope_inv_freq(config, i).to(self.device) for i in range(config.num_hidden_layers)]
 
     @classmethod
@@ -86,23 +89,30 @@ class DiffusionGemma:
     # ------------------------------------------------------------------ public passes
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> KVCache:
-        """Encode input_ids [B, T] after what `cache` holds (a new cache when None); returns the cache."""
+    def prefill(self, input_ids: torch.Tensor, cache: SlotCache | None = None) -> SlotCache:
+        """Encode input_ids [B, T] after what `cache` holds, row b into slot b; returns the cache.
+
+        cache=None: a new zero-filled SlotCache of B slots, sized for the prompt and one canvas. A given cache
+        grows in place (``SlotCache.reserve``) when the tokens would not fit, so the same object stays valid.
+        """
         input_ids = torch.as_tensor(input_ids).to(self.device)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
+        B, T = input_ids.shape
+        C = self.config.canvas_length
         if cache is None:
-            cache = KVCache([RowCache() for _ in range(input_ids.shape[0])])
-        if len(cache.rows) != input_ids.shape[0]:
-            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache has {len(cache.rows)}")
-        for ids, row in zip(input_ids, cache.rows, strict=True):
-            self.encode_row(ids, row)
+            cache = SlotCache(self.config, B, T + C, max(T, C), self.dtype, self.device, zero=True)
+        if cache.num_slots != B:
+            raise ValueError(f"input_ids has {B} rows but the cache has {cache.num_slots}")
+        cache.reserve(max(cache.lengths) + T, T)
+        for b in range(B):
+            self.encode_row(input_ids[b], cache.view(b))
         return cache
 
     @torch.inference_mode()
     def denoise(
         self,
-        cache: KVCache,
+        cache: SlotCache,
         canvas_ids: torch.Tensor,
         self_cond_logits: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         self_cond_probs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
@@ -115,6 +125,8 @@ class DiffusionGemma:
         Either may also be a sequence of B per-row tensors [C, V] or None (rows at a block's first step).
         tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
         (``logits_tiles``), so the whole [B, C, V] never exists (the engine's step).
+        The cache keeps its lengths: the canvas K/V go to scratch positions after each row's length, which the
+        next ``prefill`` overwrites (the cache grows in place first when they would not fit).
         """
         hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs)
         if tiled:
@@ -127,23 +139,26 @@ class DiffusionGemma:
 
     @torch.inference_mode()
     def denoise_hidden(
-        self, cache: KVCache, canvas_ids: torch.Tensor, self_cond_logits=None, self_cond_probs=None
+        self, cache: SlotCache, canvas_ids: torch.Tensor, self_cond_logits=None, self_cond_probs=None
     ) -> torch.Tensor:
         """The decoder pass of ``denoise`` up to the final hidden states [B, C, H] (before the final norm and
         the LM head): ``logits_tiles`` turns them into logits a tile of canvases at a time."""
         if self_cond_logits is not None and self_cond_probs is not None:
             raise ValueError("give at most one of self_cond_logits and self_cond_probs")
         canvas_ids = torch.as_tensor(canvas_ids).to(self.device)
-        if len(cache.rows) != canvas_ids.shape[0]:
-            raise ValueError(f"canvas_ids has {canvas_ids.shape[0]} rows but the cache has {len(cache.rows)}")
-        B = len(cache.rows)
+        B, C = canvas_ids.shape
+        if cache.num_slots != B:
+            raise ValueError(f"canvas_ids has {B} rows but the cache has {cache.num_slots}")
+        max_len = max(cache.lengths)
+        cache.reserve(max_len + C, C)  # room for the canvas's scratch keys after each row's length
         sc_l = [None if self_cond_logits is None else self_cond_logits[b] for b in range(B)]
         sc_p = [None if self_cond_probs is None else self_cond_probs[b] for b in range(B)]
         if self.batch_rows and B > 1 and self._uniform_sc(sc_l, sc_p):
-            return decode_batched(self, cache.rows, canvas_ids, sc_l, sc_p)
-        return torch.stack(
-            [self.decode_row_hidden(row, canvas_ids[b], sc_l[b], sc_p[b]) for b, row in enumerate(cache.rows)]
-        )
+            if not cache.zero:
+                raise ValueError("the batched decoder pass needs a zero-filled cache (SlotCache(..., zero=True))")
+            lengths = torch.tensor(cache.lengths, dtype=torch.int64, device=self.device)
+            return decode_slots(self, cache, lengths, max_len, canvas_ids, sc_l, sc_p)
+        return torch.stack([self.decode_row_hidden(cache.view(b), canvas_ids[b], sc_l[b], sc_p[b]) for b in range(B)])
 
     def logits_tiles(self, hidden: torch.Tensor):
         """hidden [B, C, H] → yields (rows: slice of B, fp32 logits [n, C, V]) for tiles of ``canvas_tile``
@@ -166,9 +181,9 @@ class DiffusionGemma:
         """ids [T] → rnd(Emb[ids] · rnd(√H)) [T, H]."""
         return F.embedding(ids, self.embed) * self.embed_scale
 
-    def encode_row(self, ids: torch.Tensor, row: KVStore) -> None:
-        """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (sliding layers → W−1).
-        ``row``: a RowCache, or one slot of the ModelRunner's SlotCache (``SlotView``)."""
+    def encode_row(self, ids: torch.Tensor, row: SlotView) -> None:
+        """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (one slot of a SlotCache;
+        its next pass sees the last W − 1 positions on sliding layers)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         T, p0 = ids.shape[0], row.length
         pos = torch.arange(p0, p0 + T, device=self.device)
@@ -178,8 +193,7 @@ class DiffusionGemma:
             cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
-            keep = cfg.sliding_window - 1 if cfg.is_sliding(i) else None
-            keys, values, k0 = row.encode_kv(i, k, v, keep)  # keys: cached then new, chronological
+            keys, values, k0 = row.encode_kv(i, k, v)  # keys: cached then new, chronological
             if i == len(self.layers) - 1:
                 break  # the last layer's output is never used: only its K/V matter
             kpos = torch.arange(k0, p0 + T, device=self.device)
@@ -191,13 +205,13 @@ class DiffusionGemma:
         row.commit(T)
 
     def decode_row(
-        self, row: KVStore, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+        self, row: SlotView, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
     ) -> torch.Tensor:
         """Bidirectional decoder pass of canvas [C] at positions row.length.. → fp32 logits [C, V]."""
         return self.output_logits(self.decode_row_hidden(row, canvas, sc_logits, sc_probs))
 
     def decode_row_hidden(
-        self, row: KVStore, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+        self, row: SlotView, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
     ) -> torch.Tensor:
         """``decode_row`` up to the final hidden states [C, H]."""
         cfg, eps = self.config, self.config.rms_norm_eps
@@ -218,7 +232,7 @@ class DiffusionGemma:
         return x
 
     def self_conditioning(self, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None) -> torch.Tensor:
-        """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (spec §3.7)."""
+        """Self-conditioning signal [C, H]: MLP(pre_norm(rnd(rnd(softmax(ℓ)) · Emb) · rnd(√H))) (docs/generation.md)."""
         if sc_probs is None:
             if sc_logits is None:
                 raise ValueError("self_conditioning needs sc_logits or sc_probs")
