@@ -105,7 +105,6 @@ class ModelRunner:
             entropy_bound=table(torch.float32),
             confidence=table(torch.float32),
         )
-        self.lengths = table(i64)  # positions encoded per slot, on the device (the batched pass)
         self.occupants: list[Request] = []  # occupants[s] holds slot s
 
     def check_fits(self, positions: int) -> None:
@@ -131,12 +130,11 @@ class ModelRunner:
             p.confidence_threshold,
         )
         self.cache.lengths[s] = 0
-        self.lengths[s] = 0
         req.slot = s
         self.occupants.append(req)
 
     def release(self, req: Request) -> None:
-        """Free a request's slot; the last occupied slot moves into it (cache, lengths, knobs: once)."""
+        """Free a request's slot; the last occupied slot moves into it (cache with its lengths, knobs: once)."""
         s = req.slot
         if s is None or s >= len(self.occupants) or self.occupants[s] is not req:
             return
@@ -146,7 +144,6 @@ class ModelRunner:
             for f in StepKnobs.__dataclass_fields__:
                 t = getattr(self.knobs, f)
                 t[s] = t[last]
-            self.lengths[s] = self.lengths[last]
             mover = self.occupants[last]
             self.occupants[s], mover.slot = mover, s
         self.occupants.pop()
@@ -165,7 +162,6 @@ class ModelRunner:
         assert req.slot is not None, "prefill of a request without a slot"
         t0 = time.perf_counter()
         self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), self.cache.view(req.slot))
-        self.lengths[req.slot] = self.cache.lengths[req.slot]
         req.encode_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -199,11 +195,12 @@ class ModelRunner:
         canvas = torch.stack([b.canvas for b in blocks])
         sc = [b.self_cond for b in blocks]
         if self.model.batch_rows and len(reqs) > 1 and isinstance(rows, slice):
+            encoded = self.cache.lengths[: len(reqs)]  # the one record of positions per slot (host)
             hidden = decode_slots(
                 self.model,
                 self.cache,
-                self.lengths[rows],
-                max(self.cache.lengths[: len(reqs)]),
+                torch.tensor(encoded, dtype=torch.int64).to(self.model.device, non_blocking=True),
+                max(encoded),
                 canvas,
                 sc,
                 [None] * len(sc),
