@@ -1,8 +1,8 @@
-"""One DiffusionGemma layer, written as functions over a single row of tokens (spec §3.2-§3.4).
+"""One DiffusionGemma layer, written as functions over a single row of tokens (docs/generation.md).
 
 A row is one request: x [T, H] in the model dtype ``md``. Working per row keeps every GEMM's
-shape independent of the batch, which is what makes results batch-invariant on CPU (DESIGN Decision 3).
-All rounding points follow the spec; the comments name them.
+shape independent of the batch, which is what makes results batch-invariant on CPU (docs/exactness.md).
+All rounding points follow docs/generation.md; the comments name them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LayerWeights:
     post_feedforward_layernorm_2: torch.Tensor
     post_feedforward_layernorm: torch.Tensor
     layer_scalar: torch.Tensor  # [1] decoder pass
-    encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: spec §2.2)
+    encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer)
     experts_packed: nvfp4.PackedExperts | None = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
 
     @classmethod
@@ -79,7 +79,7 @@ class LayerWeights:
 
 
 # ------------------------------------------------------------------------------------------------
-# RoPE (spec §3.2)
+# RoPE (docs/generation.md)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -112,7 +112,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ------------------------------------------------------------------------------------------------
-# Attention (spec §3.3)
+# Attention (docs/generation.md)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -156,7 +156,7 @@ def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps:
 
 
 # ------------------------------------------------------------------------------------------------
-# Feed-forward: dense MLP + MoE branch (spec §3.4)
+# Feed-forward: dense MLP + MoE branch (docs/generation.md)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -171,6 +171,7 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     if lw.experts_packed is not None:  # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
         moe = ops.nvfp4_moe_experts(xe, lw.experts_packed, weights, ids)
     else:
+        assert lw.experts_gate_up is not None and lw.experts_down is not None, "a layer without expert weights"
         moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)
     h2 = ops.rms_norm(moe, lw.post_feedforward_layernorm_2, eps)
     x = r + ops.rms_norm(h1 + h2, lw.post_feedforward_layernorm, eps)
