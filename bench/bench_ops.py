@@ -21,7 +21,7 @@ seconds on a CPU. The weights (1.5 GB in bf16 at 26B) exceed any L2, so the 26B 
 ``nvfp4``: ``dgserve.ops.nvfp4_moe_experts`` (W4A16 NVFP4 experts, quantized from the same random bf16 weights)
 at the same shapes, with the bf16 path ``ops.moe_experts`` timed in the same run (``speedup_vs_bf16``), the two
 native grouped GEMMs alone (``gemm_ms``), GB/s of the NVFP4 bytes of the active experts (0.5625 B/weight) as % of
-``--hbm-gbps`` and of a copy bandwidth measured in the run. kernels.md §8 targets at one canvas on an H100: ≥ 70 %
+``--hbm-gbps`` and of a copy bandwidth measured in the run. docs/kernels.md targets at one canvas on an H100: ≥ 70 %
 of HBM bandwidth and ≥ 2.5× the bf16 path.
 
 ``diffusion_step``: ``dgserve.ops.diffusion_step`` over [B, 256, V] logits (V = 262,144 at 26b; 8,192 small) for
@@ -43,6 +43,9 @@ import torch.nn.functional as F
 
 from dgserve import ops
 from dgserve.ops import reference
+from dgserve.ops.nvfp4_format import quantize
+from dgserve.ops.nvfp4_moe_experts import nvfp4_expert_gemms
+from dgserve.ops.nvfp4_repack import pack_experts
 
 CANVAS = 256
 MOE_SHAPES = {  # name -> (hidden, expert intermediate, experts, top_k)
@@ -144,7 +147,7 @@ def moe_path(device: torch.device, dtype: torch.dtype) -> str:
     if not ops.has_native("moe_combine"):
         return "reference (dgserve._C not built)"
     if device.type == "cuda":
-        cuda = ops.native._cuda_built() and dtype == torch.bfloat16
+        cuda = ops.native.cuda_built() and dtype == torch.bfloat16
         return "native CUDA grouped GEMMs" if cuda else "reference (needs the CUDA build and bf16)"
     return "native align/combine + torch GEMMs per expert"
 
@@ -234,16 +237,14 @@ def copy_gbps(device: torch.device) -> float:
 
 
 def nvfp4_layer(gate_up: torch.Tensor, down: torch.Tensor):
-    """Quantize bf16 experts with ModelOpt's rules (on their device) and repack → nvfp4.PackedExperts."""
-    from dgserve.model import nvfp4
-
+    """Quantize bf16 experts with ModelOpt's rules (on their device) and repack → nvfp4_format.PackedExperts."""
     inter = gate_up.shape[1] // 2
 
     def stack(ws):
-        parts = [nvfp4.quantize(w) for w in ws]
+        parts = [quantize(w) for w in ws]
         return tuple(torch.stack([q[i] for q in parts]) for i in range(3))
 
-    return nvfp4.pack_experts(stack(gate_up[:, :inter]), stack(gate_up[:, inter:]), stack(down))
+    return pack_experts(stack(gate_up[:, :inter]), stack(gate_up[:, inter:]), stack(down))
 
 
 def bench_nvfp4(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
@@ -311,19 +312,17 @@ def nvfp4_path(device: torch.device) -> str:
     if not ops.has_native("nvfp4_moe_experts"):
         return "reference (dgserve._C not built)"
     if device.type == "cuda":
-        return "native CUDA W4A16 grouped GEMMs" if ops.native._cuda_built() else "reference (needs the CUDA build)"
+        return "native CUDA W4A16 grouped GEMMs" if ops.native.cuda_built() else "reference (needs the CUDA build)"
     return "native align/combine + torch GEMMs on exactly decoded weights"
 
 
 def nvfp4_gemm_ms(x, packed, w, ids, device, args) -> float | None:
     """The native grouped GEMMs alone on a precomputed alignment (CUDA kernels, or the C++ CPU loop)."""
-    if not ops.has_native("nvfp4_moe_experts") or (device.type == "cuda" and not ops.native._cuda_built()):
+    if not ops.has_native("nvfp4_moe_experts") or (device.type == "cuda" and not ops.native.cuda_built()):
         return None
-    T, K = ids.shape
     align = ops.moe_align(ids, packed.gs.shape[0], 8 if device.type == "cuda" else 1)
-    act = torch.empty(align.sorted_pairs.numel(), packed.inter, dtype=torch.bfloat16, device=device)
-    y = torch.empty(T * K, packed.hidden, dtype=torch.float32, device=device)
-    call = lambda: ops.native._C.nvfp4_moe_experts(x, *packed[:5], w, align.offsets, align.sorted_pairs, act, y)  # noqa: E731
+    weights = w.to(torch.float32).contiguous()
+    call = lambda: nvfp4_expert_gemms(x, packed, weights, align)  # noqa: E731
     repeats = args.repeats if device.type == "cuda" else 1
     return time_ms(call, device, repeats, args.warmup if device.type == "cuda" else 0)
 

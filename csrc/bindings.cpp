@@ -74,23 +74,38 @@ void check_same_device(const Tensor& ref, const Tensor& t, const char* op, const
                     ref.device());
 }
 
-// Runs `cpu()` without the GIL for CPU tensors, or `cuda(stream)` on the current stream of `ref`'s device.
-template <class CpuFn, class CudaFn>
-dg::Status run_on_device(const Tensor& ref, const char* op, CpuFn cpu, CudaFn cuda) {
+// The one spelling of device dispatch, used by every op: `dispatch(op, ref, cpu_core, DG_CUDA(cuda_launcher),
+// args...)` runs `cpu_core(args...)` without the GIL when `ref` is a CPU tensor, or `cuda_launcher(args..., stream)`
+// on the current stream of `ref`'s device when it is a CUDA tensor and this build has CUDA (a build without CUDA
+// never names the launchers: DG_CUDA makes them nullptr); any other device is a ValueError. A non-Ok Status
+// becomes a Python exception (raise_if_error).
+#if defined(DG_WITH_CUDA)
+#define DG_CUDA(launcher) (launcher)
+#else
+#define DG_CUDA(launcher) nullptr
+#endif
+
+template <class CpuCore, class CudaLauncher, class... Args>
+void dispatch(const char* op, const Tensor& ref, CpuCore cpu_core, [[maybe_unused]] CudaLauncher cuda_launcher,
+              const Args&... args) {
   if (ref.device().is_cpu()) {
-    py::gil_scoped_release no_gil;
-    return cpu();
+    dg::Status status;
+    {
+      py::gil_scoped_release no_gil;
+      status = cpu_core(args...);
+    }
+    raise_if_error(status, op);
+    return;
   }
 #if defined(DG_WITH_CUDA)
   if (ref.device().is_cuda()) {
     const c10::cuda::CUDAGuard guard(ref.device());
-    return cuda(static_cast<void*>(c10::cuda::getCurrentCUDAStream(ref.device().index()).stream()));
+    void* stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream(ref.device().index()).stream());
+    raise_if_error(cuda_launcher(args..., stream), op);
+    return;
   }
-#else
-  (void)cuda;
 #endif
   TORCH_CHECK_VALUE(false, op, ": tensors on ", ref.device(), " are not supported by this build of dgserve._C");
-  return dg::Status::Ok();
 }
 
 dg::DType dg_dtype(const Tensor& t) {
@@ -117,17 +132,7 @@ void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, 
   }
   dg::RmsNormParams p{dg_dtype(x),   x.data_ptr(), x.stride(0), w,          out.data_ptr(),
                       out.stride(0), x.size(0),    x.size(1),   (float)eps, (int)sum_lanes};
-  raise_if_error(run_on_device(
-                     x, op, [&] { return dg::rms_norm_cpu(p); },
-                     [&](void* s) {
-#if defined(DG_WITH_CUDA)
-                       return dg::rms_norm_cuda(p, s);
-#else
-                       (void)s;
-                       return dg::Status::Ok();
-#endif
-                     }),
-                 op);
+  dispatch(op, x, dg::rms_norm_cpu, DG_CUDA(dg::rms_norm_cuda), p);
 }
 
 // ---- canvas_noise / gumbel_noise -----------------------------------------------------------------------------
@@ -156,17 +161,7 @@ void canvas_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
   check_shape(out, op, "out", {p.batch, canvas_length});
   check_same_device(seeds, out, op, "out");
   int64_t* o = out.data_ptr<int64_t>();
-  raise_if_error(run_on_device(
-                     seeds, op, [&] { return dg::canvas_noise_cpu(p, o); },
-                     [&](void* s) {
-#if defined(DG_WITH_CUDA)
-                       return dg::canvas_noise_cuda(p, o, s);
-#else
-                       (void)s;
-                       return dg::Status::Ok();
-#endif
-                     }),
-                 op);
+  dispatch(op, seeds, dg::canvas_noise_cpu, DG_CUDA(dg::canvas_noise_cuda), p, o);
 }
 
 void gumbel_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps, int64_t canvas_length,
@@ -177,17 +172,7 @@ void gumbel_noise(const Tensor& seeds, const Tensor& blocks, const Tensor& steps
   check_shape(out, op, "out", {p.batch, canvas_length, vocab_size});
   check_same_device(seeds, out, op, "out");
   float* o = out.data_ptr<float>();
-  raise_if_error(run_on_device(
-                     seeds, op, [&] { return dg::gumbel_noise_cpu(p, o); },
-                     [&](void* s) {
-#if defined(DG_WITH_CUDA)
-                       return dg::gumbel_noise_cuda(p, o, s);
-#else
-                       (void)s;
-                       return dg::Status::Ok();
-#endif
-                     }),
-                 op);
+  dispatch(op, seeds, dg::gumbel_noise_cpu, DG_CUDA(dg::gumbel_noise_cuda), p, o);
 }
 
 // ---- diffusion_step ---------------------------------------------------------------------------------------
@@ -252,26 +237,10 @@ void diffusion_step(const Tensor& logits, const Tensor& temperature, const Tenso
   p.canvas_length = C;
   p.vocab_size = V;
   p.sum_lanes = (int)sum_lanes;
-  raise_if_error(run_on_device(
-                     logits, op, [&] { return dg::diffusion_step_cpu(p); },
-                     [&](void* s) {
-#if defined(DG_WITH_CUDA)
-                       return dg::diffusion_step_cuda(p, s);
-#else
-                       (void)s;
-                       return dg::Status::Ok();
-#endif
-                     }),
-                 op);
+  dispatch(op, logits, dg::diffusion_step_cpu, DG_CUDA(dg::diffusion_step_cuda), p);
 }
 
 // ---- moe_route / moe_align / moe_experts / moe_combine (contracts: ops/moe_*.h) --------------------------------
-
-#if defined(DG_WITH_CUDA)
-#define DG_CUDA_CORE(call) return call
-#else
-#define DG_CUDA_CORE(call) return ((void)s, dg::Status::Ok())
-#endif
 
 void moe_route(const Tensor& scores, const Tensor& per_expert_scale, int64_t top_k, bool from_logits,
                const Tensor& weights, const Tensor& ids, int64_t sum_lanes) {
@@ -299,10 +268,7 @@ void moe_route(const Tensor& scores, const Tensor& per_expert_scale, int64_t top
                              E,
                              top_k,
                              (int)sum_lanes};
-  raise_if_error(
-      run_on_device(
-          scores, op, [&] { return dg::moe_route_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_route_cuda(p, s)); }),
-      op);
+  dispatch(op, scores, dg::moe_route_cpu, DG_CUDA(dg::moe_route_cuda), p);
 }
 
 void moe_align(const Tensor& ids, int64_t experts, int64_t block_size, const Tensor& counts, const Tensor& offsets,
@@ -333,10 +299,7 @@ void moe_align(const Tensor& ids, int64_t experts, int64_t block_size, const Ten
                              P,
                              experts,
                              block_size};
-  raise_if_error(
-      run_on_device(
-          ids, op, [&] { return dg::moe_align_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_align_cuda(p, s)); }),
-      op);
+  dispatch(op, ids, dg::moe_align_cpu, DG_CUDA(dg::moe_align_cuda), p);
 }
 
 void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const Tensor& weights,
@@ -389,10 +352,7 @@ void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, con
                                H,
                                I,
                                cap};
-  raise_if_error(
-      run_on_device(
-          x, op, [&] { return dg::moe_experts_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_experts_cuda(p, s)); }),
-      op);
+  dispatch(op, x, dg::moe_experts_cpu, DG_CUDA(dg::moe_experts_cuda), p);
 }
 
 void moe_combine(const Tensor& y, const std::optional<Tensor>& weights, const Tensor& out) {
@@ -411,21 +371,10 @@ void moe_combine(const Tensor& y, const std::optional<Tensor>& weights, const Te
   check_shape(out, op, "out", {T, H});
   check_same_device(y, out, op, "out");
   const dg::MoeCombineParams p{y.data_ptr<float>(), w, dg_dtype(out), out.data_ptr(), T, K, H};
-  raise_if_error(
-      run_on_device(
-          y, op, [&] { return dg::moe_combine_cpu(p); }, [&](void* s) { DG_CUDA_CORE(dg::moe_combine_cuda(p, s)); }),
-      op);
+  dispatch(op, y, dg::moe_combine_cpu, DG_CUDA(dg::moe_combine_cuda), p);
 }
 
-#undef DG_CUDA_CORE
-
 // ---- nvfp4_repack / nvfp4_decode / nvfp4_moe_experts (contracts: ops/nvfp4_*.h) ---------------------------
-
-#if defined(DG_WITH_CUDA)
-#define DG_NVFP4_CUDA(call) return call
-#else
-#define DG_NVFP4_CUDA(call) return ((void)s, dg::Status::Ok())
-#endif
 
 void nvfp4_repack(const Tensor& weight, const Tensor& scale, int64_t interleave_half, const Tensor& words,
                   const Tensor& scales) {
@@ -451,10 +400,7 @@ void nvfp4_repack(const Tensor& weight, const Tensor& scale, int64_t interleave_
                                 N,
                                 kp,
                                 interleave_half};
-  raise_if_error(run_on_device(
-                     weight, op, [&] { return dg::nvfp4_repack_cpu(p); },
-                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_repack_cuda(p, s)); }),
-                 op);
+  dispatch(op, weight, dg::nvfp4_repack_cpu, DG_CUDA(dg::nvfp4_repack_cuda), p);
 }
 
 void nvfp4_decode(const Tensor& words, const Tensor& scales, const Tensor& out) {
@@ -474,10 +420,7 @@ void nvfp4_decode(const Tensor& words, const Tensor& scales, const Tensor& out) 
                                 E,
                                 RT * 16,
                                 KC};
-  raise_if_error(run_on_device(
-                     words, op, [&] { return dg::nvfp4_decode_cpu(p); },
-                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_decode_cuda(p, s)); }),
-                 op);
+  dispatch(op, words, dg::nvfp4_decode_cpu, DG_CUDA(dg::nvfp4_decode_cuda), p);
 }
 
 void nvfp4_moe_experts(const Tensor& x, const Tensor& w13, const Tensor& s13, const Tensor& w2, const Tensor& s2,
@@ -541,13 +484,8 @@ void nvfp4_moe_experts(const Tensor& x, const Tensor& w13, const Tensor& s13, co
                              H,
                              I,
                              P};
-  raise_if_error(run_on_device(
-                     x, op, [&] { return dg::nvfp4_moe_experts_cpu(p); },
-                     [&](void* s) { DG_NVFP4_CUDA(dg::nvfp4_moe_experts_cuda(p, s)); }),
-                 op);
+  dispatch(op, x, dg::nvfp4_moe_experts_cpu, DG_CUDA(dg::nvfp4_moe_experts_cuda), p);
 }
-
-#undef DG_NVFP4_CUDA
 
 // ---- test hooks (CPU) ----------------------------------------------------------------------------------------
 
@@ -608,9 +546,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dgserve native ops (see csrc/ops/*.h for each contract); call through dgserve.ops";
   m.def("rms_norm", &rms_norm, "RMSNorm x [rows, D] (fp32|bf16) with weight [D] fp32 or None into out [rows, D]",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("sum_lanes") = 8);
-  m.def("canvas_noise", &canvas_noise, "contract canvas tokens into out [B, C] int64 (spec §7.4)", py::arg("seeds"),
-        py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"), py::arg("out"));
-  m.def("gumbel_noise", &gumbel_noise, "contract Gumbel noise into out [B, C, V] fp32 (spec §7.5, dg_logf)",
+  m.def("canvas_noise", &canvas_noise, "contract canvas tokens into out [B, C] int64 (docs/seeded-noise.md)",
+        py::arg("seeds"), py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"),
+        py::arg("out"));
+  m.def("gumbel_noise", &gumbel_noise, "contract Gumbel noise into out [B, C, V] fp32 (docs/seeded-noise.md, dg_logf)",
         py::arg("seeds"), py::arg("blocks"), py::arg("steps"), py::arg("canvas_length"), py::arg("vocab_size"),
         py::arg("out"));
   m.def("diffusion_step", &diffusion_step,

@@ -28,8 +28,9 @@ import time
 import torch
 
 from dgserve import ops
-from dgserve.model import nvfp4
 from dgserve.ops import reference
+from dgserve.ops.nvfp4_format import quantize
+from dgserve.ops.nvfp4_repack import pack_experts
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -45,10 +46,10 @@ def _nvfp4_experts(device, E: int, H: int, I: int):
     g = _gen(12)
 
     def proj(n, k):
-        qs = [nvfp4.quantize(torch.randn(n, k, generator=g) * k**-0.5) for _ in range(E)]
+        qs = [quantize(torch.randn(n, k, generator=g) * k**-0.5) for _ in range(E)]
         return tuple(torch.stack([q[i] for q in qs]).to(device) for i in range(3))
 
-    return nvfp4.pack_experts(proj(I, H), proj(I, H), proj(H, I))  # repack (interleaved, then plain)
+    return pack_experts(proj(I, H), proj(I, H), proj(H, I))  # repack (interleaved, then plain)
 
 
 def launch(device: torch.device) -> None:

@@ -18,7 +18,7 @@ from dgserve.model.quantize import quantize_checkpoint
 
 
 def _e4m3_f64(byte: int) -> float:
-    """Independent E4M3FN decode from the bits (spec §2.4)."""
+    """Independent E4M3FN decode from the bits (docs/kernels.md)."""
     s, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 7
     mag = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
     return -mag if s else mag
@@ -42,14 +42,14 @@ def test_exhaustive_decode_all_codes_and_finite_scales(scale_2):
             v = E2M1_F64[c & 7] * (-1 if c & 8 else 1)
             want = torch.tensor(v * bracket, dtype=torch.float64).float().item()
             assert got[r, c].item() == want and got[r, c + 16].item() == want, (b, c)
-    if scale_2 == 1.0:  # E2M1 × E4M3 is exact in bf16 (kernels.md §2.5)
+    if scale_2 == 1.0:  # E2M1 × E4M3 is exact in bf16 (docs/kernels.md)
         assert torch.equal(got.to(torch.bfloat16).float(), got)
 
 
 def test_e2m1_rounding_ties_to_even_code_and_saturates():
     x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.2501, 5.01, 7.0, 1e9, -0.25, -0.75, -6.5, 0.0])
     want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, 6.0, 6.0, -0.0, -1.0, -6.0, 0.0]
-    assert nvfp4.e2m1_decode(nvfp4._cast_e2m1(x)).tolist() == want
+    assert nvfp4.e2m1_decode(nvfp4.cast_e2m1(x)).tolist() == want
 
 
 def test_quantizer_scales_follow_modelopt():

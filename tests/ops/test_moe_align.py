@@ -115,7 +115,7 @@ def test_validation(C):
     ids=lambda c: "-".join(map(str, c)),
 )
 def test_cuda_bit_identical(C, case, block_size):
-    if not (torch.cuda.is_available() and ops.native._cuda_built()):
+    if not (torch.cuda.is_available() and ops.native.cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
     T, E, K, kind = case
     ids = _ids(kind, T, E, K, torch.Generator().manual_seed(T))

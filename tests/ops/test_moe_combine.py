@@ -70,7 +70,7 @@ def test_validation_messages_name_the_argument(C):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES + [(4096, 8, 2816)], ids=lambda s: "x".join(map(str, s)))
 def test_cuda_bit_identical(C, shape, dtype):
-    if not (torch.cuda.is_available() and ops.native._cuda_built()):
+    if not (torch.cuda.is_available() and ops.native.cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
     y, w = _inputs(*shape, torch.Generator().manual_seed(2))
     want = reference.moe_combine(y, w, dtype)

@@ -113,7 +113,7 @@ def test_validation_messages_name_the_argument(C):
 
 
 def _cuda():
-    if not (torch.cuda.is_available() and ops.native._cuda_built()):
+    if not (torch.cuda.is_available() and ops.native.cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
 
 

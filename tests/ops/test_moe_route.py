@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dgserve import ops
-from dgserve.ops import moe, reference
+from dgserve.ops import reference
+from dgserve.ops.moe_route import topk_replay_exact
 
 # (tokens, hidden, experts, top_k): 1 and 7 tokens, E not a power of two, k = 1 and 8, k = E, the partial_sort
 # branch of torch's topk (k·64 <= E) and the nth_element one.
@@ -39,7 +40,7 @@ def _topk_formula(probs, scale, k):
 
 def test_topk_replay_is_calibrated(C):
     # The dispatcher checks this once per process; on this build it must hold, or CPU routing is not native.
-    assert moe._route_exact()
+    assert topk_replay_exact()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,7 +64,7 @@ def test_ties_follow_torch_topk(C, E, K):
     scale = torch.rand(E, generator=gen) + 0.5
     w = torch.empty(50, K)
     ids = torch.empty(50, K, dtype=torch.int64)
-    C.moe_route(probs, scale, K, False, w, ids, ops.native._sum_lanes())
+    C.moe_route(probs, scale, K, False, w, ids, ops.native.sum_lanes())
     w_ref, ids_ref = _topk_formula(probs, scale, K)
     assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
 
@@ -98,7 +99,7 @@ def test_from_logits_mode_matches_within_fp32(C, dtype):
     scale = torch.rand(E, generator=gen) + 0.5
     w = torch.empty(T, K)
     ids = torch.empty(T, K, dtype=torch.int64)
-    C.moe_route(logits, scale, K, True, w, ids, ops.native._sum_lanes())
+    C.moe_route(logits, scale, K, True, w, ids, ops.native.sum_lanes())
     w_ref, ids_ref = _topk_formula(torch.softmax(logits, -1, dtype=torch.float32), scale, K)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
@@ -144,7 +145,7 @@ def test_validation_messages_name_the_argument(C):
     "shape", [(1, 64, 4, 2), (7, 48, 5, 1), (33, 64, 128, 8), (300, 96, 13, 8)], ids=lambda s: "x".join(map(str, s))
 )
 def test_cuda_close_to_reference(C, shape, dtype):
-    if not (torch.cuda.is_available() and ops.native._cuda_built()):
+    if not (torch.cuda.is_available() and ops.native.cuda_built()):
         pytest.skip("needs a CUDA device and the CUDA build of dgserve._C")
     T, H, E, K = shape
     gen = torch.Generator().manual_seed(T + E)

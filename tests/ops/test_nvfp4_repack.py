@@ -1,9 +1,9 @@
-"""nvfp4_repack / nvfp4_decode (CPU): the kernel layout of kernels.md §9.2 against ModelOpt's tensors.
+"""nvfp4_repack / nvfp4_decode (CPU): the kernel layout (docs/kernels.md) against ModelOpt's tensors.
 
 Decoding is exact by construction (E2M1 × E4M3 has ≤ 6 significant bits), so every comparison here is bit-exact:
 the native decode runs the kernels' own fragment code (csrc/ops/nvfp4_layout.h) and must return
-E2M1 · s · 2^-7 for every code and every finite E4M3 scale (kernels.md §9.9 T1/T2 on the CPU; the device
-versions are in test_nvfp4_cuda.py).
+E2M1 · s · 2^-7 for every code and every finite E4M3 scale (on the CPU; the device versions are in
+test_nvfp4_cuda.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from dgserve import ops
 from dgserve.model import nvfp4
+from dgserve.ops import reference
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,8 @@ def test_decode_exhaustive_all_codes_all_scales(C, interleave):
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.float(), want), "native decode is not E2M1·s·2^-7"
     assert torch.equal(nvfp4.decode_repacked(words, scales)[0] * 2.0**-7, want)
+    ref = reference.nvfp4_decode(words, scales)
+    assert ref.dtype == torch.bfloat16 and torch.equal(ref.view(torch.int16), got.view(torch.int16)[None])
     nonzero = want != 0
     assert bool((got.float()[nonzero].abs() >= 2.0**-17).all())  # smallest product 0.5·2^-9·2^-7: no flush
 
@@ -61,7 +64,7 @@ def test_native_repack_equals_reference_and_round_trips(C, E, N, K, interleave):
     weight, scale, scale_2 = cases.quantized(E, N, K, seed=N + K)
     scale.view(torch.uint8)[0, 0, 0] = 0  # a zero block scale: its codes must vanish
     words, scales = ops.nvfp4_repack(weight, scale, interleave)
-    ref_words, ref_scales = nvfp4.repack(weight, scale, interleave)
+    ref_words, ref_scales = reference.nvfp4_repack(weight, scale, interleave)
     assert words.dtype == torch.int32 and scales.dtype == torch.uint8
     assert torch.equal(words, ref_words) and torch.equal(scales, ref_scales)
     kp = nvfp4.padded(K)
@@ -75,7 +78,7 @@ def test_native_repack_equals_reference_and_round_trips(C, E, N, K, interleave):
 
 
 def test_unpermuted_scales_must_fail(C):
-    """Control (kernels.md §9.9 T2): scale codes left in plain row-major order decode to different weights."""
+    """Control: scale codes left in plain row-major order decode to different weights."""
     weight, scale, _ = cases.quantized(1, 32, 128, seed=5)
     words, scales = ops.nvfp4_repack(weight, scale)
     plain = nvfp4.encode_scales(scale.view(torch.uint8)).reshape(scales.shape)
@@ -90,7 +93,7 @@ def test_real_26b_expert_shapes(C):
     gate, up, down = cases.layer(1, 2816, 704, seed=11)
     w13, s13 = ops.nvfp4_repack(torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), True)
     assert w13.shape == (1, 88, 44, 128)
-    ref = nvfp4.repack(torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), True)
+    ref = reference.nvfp4_repack(torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), True)
     assert torch.equal(w13, ref[0]) and torch.equal(s13, ref[1])
     w2, s2 = ops.nvfp4_repack(down[0], down[1])
     assert w2.shape == (1, 176, 11, 128)
@@ -127,6 +130,9 @@ def test_rejects_bad_scales_and_shapes(C):
 def test_reference_without_extension_is_identical(C):
     weight, scale, _ = cases.quantized(2, 32, 48, seed=9)
     native = ops.nvfp4_repack(weight, scale, True)
+    decoded = ops.nvfp4_decode(*native)
     with ops.native_disabled():
         ref = ops.nvfp4_repack(weight, scale, True)
+        ref_decoded = ops.nvfp4_decode(*ref)
     assert all(torch.equal(a, b) for a, b in zip(native, ref, strict=True))
+    assert torch.equal(decoded.view(torch.int16), ref_decoded.view(torch.int16))

@@ -171,6 +171,7 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     if lw.experts_packed is not None:  # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
         moe = ops.nvfp4_moe_experts(xe, lw.experts_packed, weights, ids)
     else:
+        assert lw.experts_gate_up is not None and lw.experts_down is not None, "a layer without expert weights"
         moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)
     h2 = ops.rms_norm(moe, lw.post_feedforward_layernorm_2, eps)
     x = r + ops.rms_norm(h1 + h2, lw.post_feedforward_layernorm, eps)

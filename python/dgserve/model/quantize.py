@@ -2,11 +2,12 @@
 
     python -m dgserve.model.quantize SRC DST [--dtype bfloat16] [--shard-size-gb 4]
 
-Writes DST in the layout NVIDIA's ModelOpt exports (docs/kernels.md, "NVFP4 checkpoints"): every routed expert
-projection becomes ``model.decoder.layers.{i}.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2,
+Writes DST in the layout NVIDIA's ModelOpt exports (docs/kernels.md): every routed expert projection
+becomes ``model.decoder.layers.{i}.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2,
 input_scale}``; everything else (attention, dense MLP, router, norms, embeddings, self-conditioning, vision)
-stays in ``--dtype``. Rounding rules are ModelOpt's (see ``dgserve.model.nvfp4.quantize``). There is no activation
-calibration: ``input_scale`` is written as 1.0 and only matters to W4A4 kernels, which dgserve does not use.
+stays in ``--dtype``. Rounding rules are ModelOpt's (see ``dgserve.ops.nvfp4_format.quantize``, re-exported as
+``dgserve.model.nvfp4.quantize``). There is no activation calibration: ``input_scale`` is written as 1.0 and only
+matters to W4A4 kernels, which dgserve does not use.
 ``hf_quant_config.json`` and ``config.json``'s ``quantization_config`` describe the export; tokenizer and
 generation files are copied. Tensors are read one at a time and written in shards, so memory stays near one
 shard.

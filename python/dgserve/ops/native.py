@@ -1,7 +1,8 @@
 """Native dispatch state of the ops: the compiled extension ``dgserve._C`` (optional), whether native paths are on
-(``native_disabled``, ``switch_off_native``), what the build supports (CUDA, limits) and the probes the CPU paths
-need (``sum_lanes``). Every op module reads this module; it imports only ``dgserve.ops.reference`` (no circle
-inside the ops package). Tests that inject a fake extension patch ``dgserve.ops.native._C``.
+(``native_disabled``, ``switch_off_native``), what the build supports (``cuda_built``, ``build_info``, limits) and the
+probes the CPU paths need (``sum_lanes``). Every op module (``dgserve.ops.<op>``) reads this module and calls
+``_C.<op>`` through it; it imports only ``dgserve.ops.reference`` (no circle inside the ops package). Tests that
+inject a fake extension patch ``dgserve.ops.native._C``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ except ImportError:  # pragma: no cover - depends on the build
 
 _lock = threading.Lock()
 _disabled_depth = 0  # > 0 inside native_disabled(); process-wide, always restored by the context manager
-_lanes: list[int | None] = []  # memo of _sum_lanes(): [] = not probed yet
-_info: list[dict] = []  # memo of _build_info()
+_lanes: list[int | None] = []  # memo of sum_lanes(): [] = not probed yet
+_info: list[dict] = []  # memo of build_info()
 _switched_off: dict[str, str] = {}  # op -> why its native path is off for this process (switch_off_native)
 
 
@@ -72,7 +73,7 @@ def switch_on_native(op: str | None = None) -> None:
 
 
 # op -> devices its native path serves (dtype limits in each op's docstring). The GEMMs of moe_experts on CPU
-# stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe).
+# stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe_experts).
 NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("cpu", "cuda"),
     "canvas_noise": ("cpu", "cuda"),
@@ -90,7 +91,7 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
 def active_native_ops(device: torch.device | str) -> list[str]:
     """The ops of NATIVE_OPS whose native path serves ``device`` in this process (built, not switched off)."""
     kind = torch.device(device).type
-    if kind == "cuda" and not _cuda_built():
+    if kind == "cuda" and not cuda_built():
         return []
     return [op for op, kinds in NATIVE_OPS.items() if kind in kinds and has_native(op)]
 
@@ -101,38 +102,44 @@ def cuda_build_problem() -> str | None:
     nvcc is missing). On a machine with a CUDA device such a build silently runs the references instead."""
     if _C is None:
         return "dgserve._C is not built (run `python build.py`)"
-    if not _cuda_built():
+    if not cuda_built():
         return (
             "dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python build.py` ran)"
         )
     return None
 
 
-def _cuda_built() -> bool:
-    return _C is not None and bool(_build_info().get("cuda", False))
+def cuda_built() -> bool:
+    """True when ``dgserve._C`` is importable and was built with its CUDA kernels (``build_info()["cuda"]``)."""
+    return _C is not None and bool(build_info().get("cuda", False))
 
 
-def _build_info() -> dict:
-    """``_C.build_info()``, memoised (it does not change within a process); {} without the extension."""
+def build_info() -> dict:
+    """``_C.build_info()`` (what the build contains: cuda, openmp, cpu_level, limits), memoised: it does not change
+    within a process; {} without the extension."""
     if not _info:
         _info.append(dict(_C.build_info()) if _C is not None else {})
     return _info[0]
 
 
-# The CUDA diffusion_step's accept kernel keeps the canvas in shared memory (csrc/ops/diffusion_step.h);
-# longer canvases use the reference on CUDA. Older builds without the entry: their 1024-thread limit.
-def _diffusion_step_max_canvas_cuda() -> int:
-    return int(_build_info().get("diffusion_step_max_canvas_cuda", 1024))
+def diffusion_step_max_canvas_cuda() -> int:
+    """The longest canvas the CUDA ``diffusion_step`` serves: its accept kernel keeps the canvas in shared memory
+    (csrc/ops/diffusion_step.h); longer canvases use the reference on CUDA. Older builds without the entry: their
+    1024-thread limit."""
+    return int(build_info().get("diffusion_step_max_canvas_cuda", 1024))
 
 
-def _native_device(device: torch.device) -> bool:
-    return device.type == "cpu" or (device.type == "cuda" and _cuda_built())
+def native_device(device: torch.device) -> bool:
+    """Whether the extension can run on ``device``: always the CPU, a CUDA device only in a CUDA build."""
+    return device.type == "cpu" or (device.type == "cuda" and cuda_built())
 
 
-def _sum_lanes() -> int | None:
+def sum_lanes() -> int | None:
     """Vector width of torch's CPU float sum kernel (8 on AVX2/AVX-512 x86 builds), found by matching
     ``_C.rms_norm`` against ``reference.rms_norm`` bit for bit on a probe; None when neither width matches
-    (then rms_norm stays on the reference and the native mean entropy is not bit-exact)."""
+    (then rms_norm stays on the reference and the native mean entropy is not bit-exact). Memoised per process;
+    the CPU ops that reproduce torch's sum order (rms_norm, diffusion_step's mean, moe_route's renormalisation)
+    pass it to ``_C``."""
     if _lanes:
         return _lanes[0]
     gen = torch.Generator().manual_seed(20240607)
@@ -151,5 +158,7 @@ def _sum_lanes() -> int | None:
     return found
 
 
-def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op on ``tensors`` (grad mode on and one of them requires grad): the native
+    paths have no backward, so such calls use the reference."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -1,6 +1,7 @@
-"""The NVFP4 format as the ops use it: exact decode, the W4A16 kernel layout and the experts' torch reference.
+"""The NVFP4 format as the ops use it: exact decode, a ModelOpt-faithful quantizer, the W4A16 kernel layout and the
+experts' torch reference (docs/kernels.md, NVFP4 layout).
 
-Format (spec §2.4, kernels.md §2): a weight W [N, K] is stored as
+Format: a weight W [N, K] is stored as
   weight          uint8 [N, Kp/2]   two E2M1 codes per byte, element 2j in the LOW nibble, 2j+1 in the high one
   weight_scale    float8_e4m3fn [N, Kp/16]   one scale per 16 consecutive elements along K
   weight_scale_2  float32 []        per-tensor global scale
@@ -10,8 +11,8 @@ Dequantization, in ModelOpt's order: ``w[n, k] = e2m1(code) × (f32(weight_scale
 with the bracket in fp32; checkpoints in a lower dtype round once at the end.
 
 This module is the ops layer's: it imports torch only (never ``dgserve.model.nvfp4``, the model, or the engine).
-``dgserve.model.nvfp4`` re-exports it next to what loading needs on top (the quantizer, checkpoint names,
-``pack_experts``).
+``dgserve.ops.nvfp4_repack`` holds the repack op and ``pack_experts`` (a layer's experts → ``PackedExperts``);
+``dgserve.model.nvfp4`` re-exports both modules next to what loading needs on top (checkpoint names).
 """
 
 from __future__ import annotations
@@ -66,8 +67,59 @@ def dequantize(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The W4A16 kernel layout (kernels.md §9.2-§9.3; csrc/ops/nvfp4_layout.h is the contract, this is its torch
-# reference, written independently: index tensors here, per-element functions there)
+# The quantizer (ModelOpt's rules): tests, the self-check and ``--quantize nvfp4`` build NVFP4 weights with it
+# ----------------------------------------------------------------------------------------------------------
+
+# rounding boundaries between consecutive E2M1 magnitudes; a value exactly on a boundary rounds to the
+# even code (0.25→0, 0.75→1.0, 1.25→1.0, 1.75→2.0, 2.5→2.0, 3.5→4.0, 5→4.0), as ModelOpt's _cast_fp4 does
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_ROUND_UP_ON_TIE = (0.75, 1.75, 3.5)  # boundaries whose upper neighbour has the even code
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (already divided by its block scale) → E2M1 codes: nearest, ties to the even code, saturating at 6."""
+    mag = x.abs()
+    bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=x.device)
+    code = torch.searchsorted(bounds, mag)  # first boundary >= |x|: ties stay on the lower side
+    tie_up = torch.zeros_like(mag, dtype=torch.bool)
+    for b in _ROUND_UP_ON_TIE:
+        tie_up |= mag == b
+    code = code + tie_up.to(code.dtype)
+    return (code + 8 * (x < 0).to(code.dtype)).to(torch.uint8)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt NVFP4 quantization of w [N, K] (any float dtype) → (weight, weight_scale, weight_scale_2).
+
+    Rules (ModelOpt ``NVFP4QTensor.quantize``): K is zero-padded to a multiple of 16;
+    ``weight_scale_2 = amax(|w|) / (6·448)`` in fp32; per block ``s = block_amax / (6·weight_scale_2)`` with
+    all-zero blocks set to 1.0, cast to E4M3 with round-to-nearest-even (and, unlike some ModelOpt versions,
+    clamped to [2^-9, 448] so a tiny non-zero block can never get a zero scale); elements
+    ``q = w / (f32(s)·weight_scale_2)`` rounded to E2M1 to nearest with ties to the even code, saturating at ±6.
+    A tensor of all zeros gets weight_scale_2 = 0 → its blocks all have scale 1.0 and every code is 0.
+    """
+    w = w.to(torch.float32)
+    n, k = w.shape
+    kp = padded(k)
+    if kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k))
+    scale_2 = w.abs().amax() / (6.0 * E4M3_MAX)
+    blocks = w.view(n, kp // GROUP, GROUP)
+    block_amax = blocks.abs().amax(-1)
+    s = block_amax / (6.0 * scale_2) if scale_2 > 0 else torch.zeros_like(block_amax)
+    s = torch.where(s == 0, torch.ones_like(s), s.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
+    scale = s.to(torch.float8_e4m3fn)
+    denom = scale.to(torch.float32) * scale_2 if scale_2 > 0 else scale.to(torch.float32)
+    codes = cast_e2m1((blocks / denom[..., None]).view(n, kp))
+    packed = (codes[:, 1::2] << 4) | codes[:, 0::2]
+    return packed, scale, scale_2.reshape(()).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The W4A16 kernel layout (docs/kernels.md; csrc/ops/nvfp4_layout.h is the contract, this is its torch reference,
+# written independently: index tensors here, per-element functions there)
 # ----------------------------------------------------------------------------------------------------------
 
 CHUNK_K = 64  # K per chunk of the packed layout (4 k-tiles of mma.m16n8k16)
@@ -75,7 +127,7 @@ _SCALE_BIAS = 0x7680  # bf16 bits of 2^110 = 2^-9 · 2^119: scale code 0
 
 
 class PackedExperts(NamedTuple):
-    """One layer's NVFP4 experts in the kernel layout (built once at load by ``pack_experts``).
+    """One layer's NVFP4 experts in the kernel layout (built once at load by ``nvfp4_repack.pack_experts``).
 
     With KC1 = ceil(pad16(H) / 64), KC2 = ceil(pad16(I) / 64):
     w13 int32 [E, 2I/16, KC1, 128], s13 uint8 [E, 2I/16, KC1, 64]: gate and up, rows interleaved by 8;
@@ -135,7 +187,7 @@ def decode_scale_codes(codes: torch.Tensor) -> torch.Tensor:
 def repack(
     weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``ops.nvfp4_repack``: ModelOpt tensors of E experts → (words, scales) in the kernel layout.
+    """The formula of ``reference.nvfp4_repack``: ModelOpt tensors of E experts → (words, scales) in the kernel layout.
 
     weight uint8 [E, N, Kp/2]; weight_scale float8_e4m3fn (or its uint8 bytes) [E, N, Kp/16], finite and >= 0;
     interleave: N = 2I stacks gate over up (GEMM1's operand). → words int32 [E, N/16, KC, 128] (lane-major
@@ -185,7 +237,7 @@ def expert_outputs(
     sorted_pairs: torch.Tensor,
     decode=decode_repacked,
 ) -> torch.Tensor:
-    """Kernel-faithful reference of the native ``nvfp4_moe_experts`` (torch GEMMs per expert).
+    """Kernel-faithful reference of ``_C.nvfp4_moe_experts`` (torch GEMMs per expert): y by pair, not combined.
 
     x [T, H] (bf16 for the kernel); weights [T, K] fp32; offsets [E+1], sorted_pairs [P] int32 from
     ``moe_align`` (entries outside [0, T·K) are padding) → y [T·K, H] fp32 by pair p = t·K + k:

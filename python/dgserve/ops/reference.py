@@ -1,8 +1,10 @@
-"""Readable PyTorch formulas for every dgserve op: the test oracle and the CPU fallback.
+"""Readable PyTorch formulas for every dgserve op: the test oracle and the fallback of every dispatcher.
 
-Each function states its contract (shapes, dtypes, rounding points) in its docstring; the native
-ops in ``dgserve._C`` must reproduce these results (bit-exactly where the docstring says so).
-Rounding notation: ``rnd(x)`` rounds to the model dtype ``md`` (spec §0).
+``reference.<op>`` has the name and the signature of ``dgserve.ops.<op>`` (tests/ops/test_op_surface.py checks
+it), so a caller or a test swaps one for the other with the same arguments. Each function states its contract
+(shapes, dtypes, rounding points) in its docstring; the native ops in ``dgserve._C`` must reproduce these results
+(bit-exactly where the docstring says so; docs/exactness.md). Rounding notation: ``rnd(x)`` rounds to the model
+dtype ``md``. The formulas are those of docs/generation.md and docs/seeded-noise.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nvfp4_format
+from .nvfp4_format import PackedExperts
 
 # --------------------------------------------------------------------------------------------
 # Norms and activations
@@ -20,7 +23,7 @@ from . import nvfp4_format
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: ``rnd((f32(x) * (mean(f32(x)^2) + eps)^-0.5) * f32(w))`` (spec §3.1).
+    """RMSNorm over the last dim: ``rnd((f32(x) * (mean(f32(x)^2) + eps)^-0.5) * f32(w))``.
 
     ``weight=None`` is the scale-free variant (v_norm, router norm, self-conditioning post-norm).
     The multiplier is ``w``, not ``1 + w``; ``pow(-0.5)``, not ``rsqrt``; one rounding at the end.
@@ -50,7 +53,7 @@ def moe_route(
     top_k: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router: residual [T, H] (md) → (weights [T, K] fp32, expert ids [T, K] int64). Spec §3.4.
+    """Router: residual [..., H] (md) → (weights [..., K] fp32, expert ids [..., K] int64).
 
     ``z = rnd(rnd(RMSNorm_noscale(r) ⊙ scale) · H^-0.5)``; ``π = softmax_fp32(rnd(z·Wrᵀ))``;
     top-k (descending), renormalised in fp32, then × per_expert_scale[e] (after renormalisation).
@@ -143,7 +146,7 @@ def moe_experts(
     weights [T, K] fp32; ids [T, K] int64 → [T, H] md.
 
     ``y_k = (gelu_tanh(gate_k) ⊙ up_k)·DN[e_k]ᵀ`` in md, ``out = rnd(Σ_k f32(y_k)·w_k)`` with the sum over k
-    in slot order 0..K-1 (spec §3.4: the grouped_mm combine, not eager's index_add in md).
+    in slot order 0..K-1 (the grouped_mm combine, not eager's index_add in md; docs/generation.md).
     Built from ``moe_align`` (block 1: no padding), ``moe_expert_outputs`` and ``moe_combine``.
     """
     T, K = ids.shape
@@ -152,12 +155,22 @@ def moe_experts(
     return moe_combine(y.view(T, K, -1), weights, x.dtype)
 
 
-def nvfp4_repack(weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False):
+def nvfp4_repack(
+    weight: torch.Tensor, weight_scale: torch.Tensor, interleave: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ModelOpt NVFP4 tensors → the W4A16 kernel layout (words, scales); the formula is ``nvfp4_format.repack``."""
     return nvfp4_format.repack(weight, weight_scale, interleave)
 
 
-def nvfp4_moe_experts(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def nvfp4_decode(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernels' bf16 MMA operands of repacked weights: ``bf16(nvfp4_format.decode_repacked(words, scales) ·
+    2^-7)`` [E, 16·RT, 64·KC] (exact: E2M1 · E4M3 has at most 6 significant bits, within bf16's range)."""
+    return (nvfp4_format.decode_repacked(words, scales) * 2.0**-7).to(torch.bfloat16)
+
+
+def nvfp4_moe_experts(
+    x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Grouped W4A16 expert MLP on ``nvfp4_format.PackedExperts`` with the fp32 combine → [T, H] in x's dtype:
     ``moe_align`` (block 1) → ``nvfp4_format.expert_outputs`` (y already weighted) → ``moe_combine(y, None)``."""
     T, K = ids.shape
@@ -167,7 +180,7 @@ def nvfp4_moe_experts(x: torch.Tensor, experts, weights: torch.Tensor, ids: torc
 
 
 # --------------------------------------------------------------------------------------------
-# Seeded noise (spec §7): Philox4x32-10 keyed by the request seed
+# Seeded noise (docs/seeded-noise.md): Philox4x32-10 keyed by the request seed
 # --------------------------------------------------------------------------------------------
 
 _M0, _M1, _W0, _W1, _MASK = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
@@ -197,7 +210,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
 
 
 def seed_key(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """64-bit seeds (int64 tensor; values may be negative two's-complement) → Philox key words (spec §7.3)."""
+    """64-bit seeds (int64 tensor; values may be negative two's-complement) → Philox key words."""
     seeds = torch.as_tensor(seeds, dtype=torch.int64)
     return seeds & _MASK, (seeds >> 32) & _MASK
 
@@ -205,7 +218,7 @@ def seed_key(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def canvas_noise(
     seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab_size: int
 ) -> torch.Tensor:
-    """Uniform canvas tokens of spec §7.4: counter (p, 0, b, 2s), token = out[0] mod V.
+    """Uniform canvas tokens: counter (p, 0, b, 2s), token = out[0] mod V (docs/seeded-noise.md).
 
     seeds, blocks, steps: [B] int64 (per row) → tokens [B, C] int64. ``steps = 0`` is a block's initial
     canvas; ``steps = k`` the renoise of the denoising step with remaining-steps counter k. Bit-exact everywhere.
@@ -219,8 +232,8 @@ def canvas_noise(
 def gumbel_noise(
     seeds: torch.Tensor, blocks: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab_size: int
 ) -> torch.Tensor:
-    """Gumbel noise g [B, C, V] fp32 of spec §7.5: counter (v // 4, p, b, 2k+1), r = out[v % 4],
-    u = ((r >> 9) + 0.5)·2^-23, g = -log(-log(u)) with torch's fp32 log (≤ 2 ulp from the native op, §7.6)."""
+    """Gumbel noise g [B, C, V] fp32 (docs/seeded-noise.md): counter (v // 4, p, b, 2k+1), r = out[v % 4],
+    u = ((r >> 9) + 0.5)·2^-23, g = -log(-log(u)) with torch's fp32 log (≤ 2 ulp from the native op's dg_logf)."""
     B = seeds.shape[0]
     k0, k1 = seed_key(seeds)
     dev = k0.device
@@ -236,7 +249,7 @@ def gumbel_noise(
 
 
 # --------------------------------------------------------------------------------------------
-# The diffusion step (sampler core, spec §4.1-§4.4)
+# The diffusion step (sampler core, docs/generation.md)
 # --------------------------------------------------------------------------------------------
 
 
@@ -252,7 +265,7 @@ class DiffusionStepOut(NamedTuple):
 
 
 def step_temperature(t_min: torch.Tensor, t_max: torch.Tensor, k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """T = f32(t_min) + f32(t_max - t_min) · (f32(k) / f32(N)), all fp32 (spec §4.2).
+    """T = f32(t_min) + f32(t_max - t_min) · (f32(k) / f32(N)), all fp32 (docs/generation.md).
 
     t_min, t_max: [B] float64 (the request's Python floats); k, n: [B] int64 → [B] fp32.
     ``t_max - t_min`` is formed in double and rounded to fp32, as torch does with Python scalars.
@@ -262,7 +275,7 @@ def step_temperature(t_min: torch.Tensor, t_max: torch.Tensor, k: torch.Tensor, 
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Entropy-bound acceptance (spec §4.4): entropy [B, C] fp32, bound [B] → accepted [B, C] bool.
+    """Entropy-bound acceptance (docs/generation.md): entropy [B, C] fp32, bound [B] → accepted [B, C] bool.
 
     Stable ascending sort; running sum in fp64, each prefix rounded to fp32; keep where
     ``f32(cum - H) <= f32(bound)`` element by element (not necessarily a prefix).
@@ -305,8 +318,9 @@ def diffusion_step(
     [B, C, ceil(V/32)] int32 (bit set = allowed; a fully masked position is left unmasked).
 
     processed = f32(logits) / T (true division), then -inf where the bitmask disallows the token, so a disallowed
-    token has probability 0 in everything below; sample = argmax(processed + gumbel) (§7.5); argmax of processed;
-    entropy of the masked distribution; acceptance (§4.4); canvas = where(accepted, sample, canvas_noise(k)).
+    token has probability 0 in everything below; sample = argmax(processed + gumbel_noise); argmax of processed;
+    entropy of the masked distribution; acceptance (``entropy_bound_accept``); canvas = where(accepted, sample,
+    canvas_noise(k)).
     """
     B, C, V = logits.shape
     processed = logits.float() / temperature.float().view(B, 1, 1)

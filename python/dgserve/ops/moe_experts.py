@@ -1,0 +1,98 @@
+"""``moe_experts``: the grouped expert MLP with the fp32 combine (docs/kernels.md, MoE dispatch); native core in
+``csrc/ops/moe_experts.h``.
+
+- CPU: native ``moe_align`` + torch's GEMMs, one pair of F.linear per expert over its contiguous group in expert
+  order (``reference.moe_expert_outputs``) + native ``moe_combine``: CPU GEMM results depend on the BLAS's blocking
+  for each shape, so exactly the reference's calls are the only way to stay bit-identical (and parity with
+  transformers depends on it); the native align and combine around them are exact. ``_C.moe_experts`` on the CPU
+  is the kernels' mirror the tests check, not a serving path.
+- CUDA (bf16): native align → ``_C.moe_experts`` (grouped GEMM1 with gate/up and GELU-tanh fused, grouped GEMM2
+  with the routing weight in its epilogue) → native combine, no host synchronisation; within bf16 tolerance of
+  the reference (docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native, reference
+from .moe_align import CUDA_ALIGN_BLOCK, CUDA_MAX_EXPERTS, moe_align
+from .moe_combine import moe_combine
+
+
+def moe_experts_native_ok(x, gate_up, down, weights, ids) -> bool:
+    """Whether ``moe_experts`` may use native pieces: native dispatch on, x [T, H], ids [T, K] int64 of weights'
+    shape, no autograd (then the CPU runs native align and combine around torch GEMMs, CUDA checks
+    ``moe_experts_cuda_ok``)."""
+    return (
+        native.native_enabled()
+        and isinstance(x, torch.Tensor)
+        and x.dim() == 2
+        and ids.dim() == 2
+        and ids.dtype == torch.int64
+        and ids.shape == weights.shape
+        and ids.shape[0] == x.shape[0]
+        and not native.wants_grad(x, gate_up, down, weights)
+    )
+
+
+def moe_experts_cuda_ok(x, gate_up, down, weights, ids) -> bool:
+    """Whether the CUDA grouped GEMMs (``_C.moe_experts``) serve these CUDA tensors: bf16 x and weights, contiguous
+    and 16-byte aligned, H and I multiples of 8, at most ``CUDA_MAX_EXPERTS`` experts, a CUDA build."""
+    E, H = gate_up.shape[0], x.shape[-1]
+    I = gate_up.shape[1] // 2
+    tensors = (x, gate_up, down)
+    return (
+        native.has_native("moe_experts")
+        and x.dtype == torch.bfloat16
+        and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+        and H % 8 == 0
+        and I % 8 == 0
+        and E <= CUDA_MAX_EXPERTS
+        and native.cuda_built()
+        and weights.is_floating_point()
+    )
+
+
+def moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Grouped expert MLP with an fp32 combine; see ``reference.moe_experts``.
+
+    Parameters
+    ----------
+    x : [T, H] md
+    gate_up : [E, 2I, H] md (gate rows, then up rows)
+    down : [E, H, I] md
+    weights : [T, K] fp32 routing weights
+    ids : [T, K] int64 expert ids in [0, E)
+
+    Returns
+    -------
+    new tensor [T, H] md. CPU: bit-identical to the reference. CUDA, bf16: the native grouped GEMMs (other CUDA
+    inputs use the reference).
+    """
+    if not moe_experts_native_ok(x, gate_up, down, weights, ids):
+        return reference.moe_experts(x, gate_up, down, weights, ids)
+    (T, K), E, H = ids.shape, gate_up.shape[0], x.shape[-1]
+    if x.device.type == "cuda" and moe_experts_cuda_ok(x, gate_up, down, weights, ids):
+        align = moe_align(ids, E, CUDA_ALIGN_BLOCK)
+        act = torch.empty(align.sorted_pairs.numel(), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
+        y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
+        native._C.moe_experts(
+            x,
+            gate_up,
+            down,
+            weights.to(torch.float32).contiguous(),
+            align.counts,
+            align.offsets,
+            align.sorted_pairs,
+            act,
+            y,
+        )
+        return moe_combine(y.view(T, K, H), None, x.dtype)
+    if x.device.type == "cpu":
+        align = moe_align(ids, E, 1)
+        y = reference.moe_expert_outputs(x, gate_up, down, align, K)
+        return moe_combine(y.view(T, K, H), weights, x.dtype)
+    return reference.moe_experts(x, gate_up, down, weights, ids)
