@@ -1,4 +1,4 @@
-"""The start-up self-check of the native ops (issue 20, item 3), on the CPU by injecting wrong results into
+"""The start-up self-check of the native ops, on the CPU by injecting wrong results into
 dgserve._C: auto switches the op off (error log, the reference runs, metric and GetModelInfo entries), strict
 refuses to start, off uses no native op."""
 

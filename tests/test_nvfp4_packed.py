@@ -1,8 +1,9 @@
-"""NVFP4 served as NVFP4 (issue 20, item 2): a ModelOpt checkpoint loads straight into the packed W4A16 layout
+"""NVFP4 served as NVFP4: a ModelOpt checkpoint loads straight into the packed W4A16 layout
 (no dequantized copy), feed_forward runs ops.nvfp4_moe_experts, and on the CPU the packed path (the native decode
 + torch GEMMs, bit-identical to its reference) gives the dequantized path's logits.
 
-Why the two paths differ at all: the packed path is the kernels' contract (kernels.md §9.4): exact E2M1·E4M3
+Why the two paths differ at all: the packed path is the kernels' contract (docs/kernels.md, "Grouped expert GEMMs
+(Hopper design)"): exact E2M1·E4M3
 weights with the fp32 global scale applied after the sums, and the GEMM1 activation rounded once to bf16 before
 GEMM2; the dequantized path rounds the weights to the model dtype and keeps the activation in it. For fp32 that
 is one bf16 rounding of the activation (2^-9 relative) on the expert branch only."""

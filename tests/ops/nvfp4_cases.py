@@ -10,7 +10,7 @@ E2M1_F64 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def e4m3_f64(byte: int) -> float:
-    """Independent E4M3FN decode from the bits (kernels.md §2.2)."""
+    """Independent E4M3FN decode from the bits (docs/kernels.md, "NVFP4 format")."""
     s, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 7
     mag = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
     return -mag if s else mag
@@ -60,7 +60,8 @@ def layer(E: int, H: int, I: int, seed: int, up_ratio: float = 10.0, device: str
 
 
 def dequant_f64(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact float64 W = E2M1 · E4M3 · gs (kernels.md §9.8) of one expert [N, Kp/2] → [N, k]."""
+    """Exact float64 W = E2M1 · E4M3 · gs
+    (docs/kernels.md, "Kernel tests and tolerances") of one expert [N, Kp/2] → [N, k]."""
     codes = nvfp4.unpack(weight)
     vals = torch.tensor([e2m1_f64(c) for c in range(16)], dtype=torch.float64)[codes.long()]
     s = scale.to(torch.float64).repeat_interleave(nvfp4.GROUP, dim=1)

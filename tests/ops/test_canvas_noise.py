@@ -1,4 +1,4 @@
-"""canvas_noise (spec §7.4): worked examples, and native == reference bit for bit."""
+"""canvas_noise (docs/seeded-noise.md, "Canvas noise"): worked examples, and native == reference bit for bit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""CUDA kernels on the inputs a first deployment meets and the happy-path tests miss (issue 20, item 4):
+"""CUDA kernels on the inputs a first deployment meets and the happy-path tests miss:
 strided and unaligned logits rows, NaN / ±inf rows, canvases longer than one block of threads, out-of-range
 expert ids (ids >= 2^31 whose low bits look valid), the per-slot routing weights, the bf16 expert GEMMs at the
-kernels.md §9.9 bounds, and CUDA-graph capture of the whole bf16 MoE chain. Every test is `cuda`: skipped on a
+docs/kernels.md, "Kernel tests and tolerances" bounds, and CUDA-graph capture of the whole bf16 MoE chain. Every test is
+`cuda`: skipped on a
 machine without a device, failed (tests/conftest.py) on one whose dgserve._C lacks CUDA. The reference paths
 are patched to raise where a silent fallback would make a test pass without running a kernel."""
 
@@ -155,7 +156,7 @@ def _rel_l2(a, b):
 
 
 def _exact_experts(x, gate_up, down, w, ids):
-    """float64 of the bf16 inputs, no rounding anywhere (kernels.md §9.8 "exact")."""
+    """float64 of the bf16 inputs, no rounding anywhere (docs/kernels.md, "Kernel tests and tolerances" "exact")."""
     T, K = ids.shape
     I = gate_up.shape[1] // 2
     xd, gu, dn = x.double(), gate_up.double(), down.double()
@@ -173,7 +174,8 @@ def _exact_experts(x, gate_up, down, w, ids):
     "shape", [(7, 64, 32, 5, 3), (256, 2816, 704, 128, 8), (1024, 256, 64, 16, 8), (4096, 128, 32, 128, 8)], ids=str
 )
 def test_bf16_experts_within_the_kernels_md_bounds(monkeypatch, shape):
-    # kernels.md §9.9: T5 rel L2 <= 3e-3 vs the exact float64 result. (4096 tokens: 16 canvases' worth of
+    # docs/kernels.md, "Kernel tests and tolerances": T5 rel L2 <= 3e-3 vs the exact float64 result. (4096 tokens: 16
+    # canvases' worth of
     # pairs per expert, so every expert runs several token chunks spread over the grid.)
     x, gate_up, down, w, ids = _experts_problem(*shape)
     want = reference.moe_experts(x, gate_up, down, w, ids)
@@ -212,7 +214,7 @@ def test_bf16_moe_chain_graph_capture(monkeypatch):
     assert torch.equal(captured, eager)
 
 
-# ---- rms_norm (wired to its CUDA kernel by issue 20) ----------------------------------------------------------
+# ---- rms_norm (its CUDA kernel) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-7), (torch.bfloat16, 2**-8)])

@@ -1,10 +1,11 @@
-"""diffusion_step: the native fused sampler step against reference.diffusion_step (spec §4, §7.4-§7.5).
+"""diffusion_step: the native fused sampler step against reference.diffusion_step (docs/generation.md, "The generation
+algorithm", docs/seeded-noise.md, "Canvas noise"-docs/seeded-noise.md, "Gumbel noise").
 
 What is exact and what has a tolerance, and why:
   processed, argmax, renoise tokens     bit-exact (IEEE division; integer Philox)
   sampled tokens                        exact except at near-ties of the Gumbel race: the native noise uses
                                         dg_logf, the reference torch.log (they differ by <= 2 ulp of
-                                        max(|g|, 1), spec §7.6); the native sample is exactly
+                                        max(|g|, 1), docs/seeded-noise.md, "dg_logf"); the native sample is exactly
                                         argmax(processed + ops.gumbel_noise) (the native noise)
   entropy                               the native value is the entropy accumulated in double and rounded
                                         once (<= 1 ulp from float64); the reference's fp32 formula is off by up

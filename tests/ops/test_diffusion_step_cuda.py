@@ -13,7 +13,8 @@ pytestmark = pytest.mark.cuda
 
 def _inputs(B, C, V, seed, device, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    # well-separated logits (scale 4) keep Gumbel races and acceptance away from near-ties (spec §6.5)
+    # well-separated logits (scale 4) keep Gumbel races and acceptance away from near-ties (docs/exactness.md,
+    # "Near-ties")
     logits = (4 * torch.randn(B, C, V, generator=g)).to(dtype)
     temperature = 0.4 + 0.4 * torch.rand(B, generator=g)
     seeds = torch.randint(0, 2**62, (B,), generator=g)

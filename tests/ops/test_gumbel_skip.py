@@ -1,4 +1,4 @@
-"""The exact Gumbel skip of diffusion_step (issue 20, item 5): an entry's draw is skipped when
+"""The exact Gumbel skip of diffusion_step: an entry's draw is skipped when
 f32(y + kGumbelMax) < the running best z. It is exact only if kGumbelMax bounds every Gumbel value the contract
 can produce, and the sampled tokens must equal argmax(processed + the native noise) bit for bit."""
 

@@ -1,4 +1,5 @@
-"""NVFP4 on the GPU (kernels.md §9.9 T1, T2, T5, T6, T10, T11): the device decode is bit-exact, the device
+"""NVFP4 on the GPU (docs/kernels.md, "Kernel tests and tolerances" T1, T2, T5, T6, T10, T11): the device decode is
+bit-exact, the device
 repack is byte-identical to the CPU one, the W4A16 grouped GEMMs match the CPU kernel-faithful reference, runs
 are bitwise deterministic and capturable in a CUDA graph. Skipped without a CUDA device (tests/conftest.py).
 

@@ -1,8 +1,10 @@
 """nvfp4_moe_experts (CPU): the grouped W4A16 expert MLP on repacked NVFP4 weights.
 
-Oracles: the float64 model of the NVFP4 weights (kernels.md §9.8, exact decode) with and without the kernel's
+Oracles: the float64 model of the NVFP4 weights (docs/kernels.md, "Kernel tests and tolerances", exact decode) with and
+without the kernel's
 bf16 rounding of GEMM1's output; the torch kernel-faithful reference (nvfp4.expert_outputs); the native C++
-loop (_C.nvfp4_moe_experts), which decodes through the kernels' own fragment code. Tolerances (kernels.md §9.9,
+loop (_C.nvfp4_moe_experts), which decodes through the kernels' own fragment code. Tolerances (docs/kernels.md, "Kernel
+tests and tolerances",
 relative L2 over the whole output), each with its reason:
 
 - ops vs reference.nvfp4_moe_experts: bit-identical (the CPU op runs the reference's torch GEMMs).
@@ -11,7 +13,7 @@ relative L2 over the whole output), each with its reason:
 - fp32-combined output vs the faithful float64 model: rel L2 ≤ 1e-5 (fp32 accumulation over K ≤ 128 only).
 - fp32-combined output vs the exact float64 model: rel L2 ≤ 5e-3: one bf16 rounding of GEMM1's output
   (≤ 2^-8 relative each, ≈ 2e-3 RMS; at these small I it does not average down, measured up to 3.1e-3).
-- bf16 output vs exact: rel L2 ≤ 6e-3 (that plus the output's own bf16 rounding; kernels.md's T5 asks
+- bf16 output vs exact: rel L2 ≤ 6e-3 (that plus the output's own bf16 rounding; docs/kernels.md T5 asks
   3e-3, which the reference itself misses at these tiny shapes: measured up to 3.7e-3). Elementwise, instead of
   T5's rtol/atol (an element that is a cancelling sum of large terms carries their rounding errors: measured
   up to 1.4 % of rms(ref)), the rigorous worst-case bound of nvfp4_cases.exact_moe(with_bound=True).
@@ -35,7 +37,7 @@ def C():
     return ops.native._C
 
 
-# (E, H, I, T, K, experts used): odd shapes (kernels.md §9.9 T11)
+# (E, H, I, T, K, experts used): odd shapes (docs/kernels.md, "Kernel tests and tolerances" T11)
 CASES = [
     (5, 64, 40, 1, 2, None),  # one token; GEMM2's K = I = 40 is not a multiple of 16 (zero-padded to 48)
     (5, 64, 40, 7, 2, [0, 3]),  # 7 tokens on 2 of 5 experts: three experts get no tokens

@@ -1,5 +1,6 @@
-"""Philox4x32-10 known answers (spec §7.2), the contract's float32 log dg_logf and the Gumbel transform
-(spec §7.5-§7.6): the torch reference, and the C++ routines through _C's test hooks."""
+"""Philox4x32-10 known answers (docs/seeded-noise.md, "Known answers"), the contract's float32 log dg_logf and the
+Gumbel transform
+(docs/seeded-noise.md, "Gumbel noise"): the torch reference, and the C++ routines through _C's test hooks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from dgserve import ops
 from dgserve.ops import reference
 
-# spec §7.2: (counter c0..c3, key k0 k1, output)
+# docs/seeded-noise.md, "Known answers": (counter c0..c3, key k0 k1, output)
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
@@ -23,7 +24,8 @@ KAT = [
     ((5, 0, 3, 14), (0x89ABCDEF, 0x01234567), (0xCDD96916, 0xAD9A428D, 0xA09F98A6, 0x32E5EF99)),
 ]
 
-# spec §7.5 worked example: seed 1234, b = 0, k = 48, p = 0 → words r for v = 0..7, then the extremes r = ~0, 0
+# docs/seeded-noise.md, "Gumbel noise" worked example: seed 1234, b = 0, k = 48, p = 0 → words r for v = 0..7, then the
+# extremes r = ~0, 0
 WORDS = [
     0xE61E225D,
     0x4CD058FF,
@@ -138,7 +140,8 @@ def test_gumbel_worked_example_values(C):
     chain = -np.log(-np.log(u.astype(np.float32).astype(np.float64)).astype(np.float32).astype(np.float64))
     assert np.array_equal(g, chain.astype(np.float32))
     # ... which is within 2 ulp of the table's once-rounded g (the inner log's rounding propagates: 2 ulp at
-    # v = 1, 1 ulp at v = 2, 6, 7) and within 4 ulp of torch's column (the reference's noise, §7.6).
+    # v = 1, 1 ulp at v = 2, 6, 7) and within 4 ulp of torch's column (the reference's noise, docs/seeded-noise.md,
+    # "dg_logf").
     assert _f32_ulps(g, G_ONCE_ROUNDED).max() <= 2
     assert _f32_ulps(g[:8], G_TORCH).max() <= 4
     assert g[8] == np.float32(16.6355324) and g[9] == np.float32(-2.81154084)  # the extremes
@@ -166,7 +169,8 @@ def test_gumbel_over_every_u(C):
     exact = -torch.log(-torch.log(u.double()))
     assert (native.double() - exact).abs().max().item() < 5.2e-7
     # vs the torch reference: torch.log's last bits depend on the machine (libm/Sleef build, CPU), so only the
-    # contract's bound holds everywhere: within 2 ulp of max(|g|, 1) (spec §7.6, DESIGN Decision 2). On an AMD
+    # contract's bound holds everywhere: within 2 ulp of max(|g|, 1) (docs/seeded-noise.md, "dg_logf",
+    # docs/exactness.md). On an AMD
     # EPYC (AVX-512) 2 of the 2^23 inputs are 2 ulp apart (u ≈ 0.71154: native 1.0778480, torch 1.0778482).
     scale = torch.from_numpy(np.spacing(np.maximum(np.abs(ref.numpy()), 1).astype(np.float32)))
     assert ((native - ref).abs() / scale).max().item() <= 2.0
