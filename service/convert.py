@@ -2,7 +2,9 @@
 
 Every validation message names the proto field (``params.t_max must be > t_min ...``, ``token_ids.ids[3]: ...``)
 so that INVALID_ARGUMENT tells the caller exactly what to fix. The knobs' field list, bounds and validation are
-SamplingParams' own (``dgserve.sampling_params.KNOBS``): nothing here repeats them.
+SamplingParams' own (``dgserve.sampling_params.KNOBS``): nothing here repeats them. The draft options' bounds and
+the token-id check are ``service.events``' (the HTTP door uses the same), and responses encode its door-neutral
+events.
 
 Conversion runs on the event loop, so its work is bounded whatever the message holds: a repeated field's length is
 checked (an O(1) ``len``) before any per-item Python work, and refused when it could never fit the context window
@@ -18,13 +20,16 @@ import torch
 
 import dgserve
 from dgserve import sampling_params as sp
-from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started
+from dgserve.engine.async_engine import AsyncEngine, DraftSpec
 from dgserve.engine.engine import ChatPrompt, Prompt
-from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
+from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat
 from dgserve.v1 import text_generation_pb2 as pb
 
+from . import events
+
+# the finish reasons (events.FINISH_REASONS) as the proto's enum
 FINISH_REASONS = {
     FINISH_EOS: pb.FINISH_REASON_EOS,
     FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -94,15 +99,7 @@ def prompt(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int, ma
 
 
 def token_ids(msg: pb.TokenIds, vocab_size: int, max_len: int | None = None) -> list[int]:
-    if not msg.ids:
-        raise ValueError("token_ids.ids: must not be empty")
-    if max_len is not None and len(msg.ids) > max_len:
-        raise ValueError(f"token_ids.ids: {len(msg.ids)} ids exceed the context window of {max_len} positions")
-    ids = list(msg.ids)
-    for i, t in enumerate(ids):
-        if t >= vocab_size:
-            raise ValueError(f"token_ids.ids[{i}]: {t} is outside the vocabulary [0, {vocab_size})")
-    return ids
+    return events.token_ids(msg.ids, vocab_size, "token_ids.ids", max_len)
 
 
 def chat(msg: pb.Chat, max_len: int | None = None) -> ChatPrompt:
@@ -144,86 +141,69 @@ def _part(part: pb.ContentPart, field: str) -> dict:
 
 
 def draft_spec(msg: pb.DraftOptions) -> DraftSpec | None:
+    """The request's draft options (None when not enabled); every_n_steps 0 is proto3's unset: every step."""
     if not msg.enabled:
         return None
-    return DraftSpec(every_n_steps=max(1, msg.every_n_steps), include_text=msg.include_text)
+    return events.draft_spec(msg.every_n_steps or None, msg.include_text)
 
 
 # ---------------------------------------------------------------------------------------------- responses
 
 
-def response(request_id: str, event) -> pb.GenerateResponse:
-    """One stream event (Started, Draft, BlockOutput, Finished) as a GenerateResponse."""
-    if isinstance(event, BlockOutput):
+def response(request_id: str, event: events.Event) -> pb.GenerateResponse:
+    """One event of a request (``service.events``) as a GenerateResponse; TypeError for an ErrorEvent (the
+    servicer raises its error instead: the call ends with a status)."""
+    if isinstance(event, events.BlockEvent):
         return pb.GenerateResponse(request_id=request_id, block=block(event))
-    if isinstance(event, Draft):
-        d = event.output
-        return pb.GenerateResponse(
-            request_id=request_id,
-            draft=pb.Draft(
-                block_index=d.index,
-                step=d.step,
-                token_ids=d.token_ids,
-                mean_entropy=_finite(d.mean_entropy),
-                text=event.text,
-            ),
-        )
-    if isinstance(event, Started):
-        return pb.GenerateResponse(
-            request_id=request_id,
-            started=pb.Started(
-                seed=event.seed,
-                prompt_tokens=event.prompt_tokens,
-                params=params_message(event.params),
-                queue_ms=event.queue_seconds * 1e3,
-            ),
-        )
-    if isinstance(event, Finished):
+    if isinstance(event, events.DraftEvent):
+        return pb.GenerateResponse(request_id=request_id, draft=draft(event))
+    if isinstance(event, events.StartEvent):
+        return pb.GenerateResponse(request_id=request_id, started=started(event))
+    if isinstance(event, events.FinishEvent):
         return pb.GenerateResponse(request_id=request_id, finished=finished(event))
     raise TypeError(f"unknown event {type(event).__name__}")
 
 
-def block(b: BlockOutput) -> pb.Block:
-    s = b.stats
-    return pb.Block(
-        index=b.index,
-        token_ids=b.token_ids,
-        text=b.text,
-        stats=pb.BlockStats(
-            denoising_steps=s.denoising_steps,
-            tokens_per_forward=s.tokens_per_forward,
-            mean_entropy=_finite(s.mean_entropy),
-            encode_ms=s.encode_seconds * 1e3,
-            denoise_ms=s.denoise_seconds * 1e3,
-        ),
+def started(e: events.StartEvent) -> pb.Started:
+    return pb.Started(seed=e.seed, prompt_tokens=e.prompt_tokens, params=params_message(e.params), queue_ms=e.queue_ms)
+
+
+def draft(d: events.DraftEvent) -> pb.Draft:
+    return pb.Draft(
+        block_index=d.block_index, step=d.step, token_ids=d.token_ids, mean_entropy=d.mean_entropy, text=d.text
     )
 
 
-def finished(f: Finished) -> pb.Finished:
+def block(b: events.BlockEvent) -> pb.Block:
+    s = b.stats
+    stats = pb.BlockStats(
+        denoising_steps=s.denoising_steps,
+        tokens_per_forward=s.tokens_per_forward,
+        mean_entropy=s.mean_entropy,
+        encode_ms=s.encode_ms,
+        denoise_ms=s.denoise_ms,
+    )
+    return pb.Block(index=b.index, token_ids=b.token_ids, text=b.text, stats=stats)
+
+
+def finished(f: events.FinishEvent) -> pb.Finished:
+    u, t = f.usage, f.timing
     return pb.Finished(
-        finish_reason=FINISH_REASONS.get(f.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        finish_reason=FINISH_REASONS.get(f.reason, pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(
-            prompt_tokens=f.prompt_tokens,
-            completion_tokens=f.completion_tokens,
-            total_tokens=f.prompt_tokens + f.completion_tokens,
-            blocks=f.blocks,
-            denoising_steps=f.denoising_steps,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            total_tokens=u.total_tokens,
+            blocks=u.blocks,
+            denoising_steps=u.denoising_steps,
         ),
-        timing=pb.Timing(
-            queue_ms=f.queue_seconds * 1e3,
-            first_block_ms=_finite(f.first_block_seconds) * 1e3,
-            total_ms=f.total_seconds * 1e3,
-        ),
+        timing=pb.Timing(queue_ms=t.queue_ms, first_block_ms=t.first_block_ms, total_ms=t.total_ms),
     )
 
 
 def params_message(p: SamplingParams) -> pb.SamplingParams:
     kw = {name: getattr(p, name) for name in _SCALARS if getattr(p, name) is not None}
     return pb.SamplingParams(stop=list(p.stop), n=1, **kw)
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- model info

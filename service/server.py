@@ -40,8 +40,8 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import connections, convert
 from .config import ServiceConfig
-from .http.app import Gate
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
+from .http.gate import Gate
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer

@@ -14,6 +14,7 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
+from .events import ErrorEvent, Events
 from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
 
@@ -67,12 +68,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,
         )
+        feed = Events(stream)
         self.state.streams.enter()
         try:
-            async for event in stream:
-                yield convert.response(stream.request_id, event)
+            async for event in feed:
+                if isinstance(event, ErrorEvent):
+                    raise event.error  # the call interceptor maps it to a status
+                yield convert.response(feed.request_id, event)
         finally:  # the call may be over here: use what was read at its start, never the context
-            stream.cancel("deadline" if call.expired() else "client_cancelled")
+            feed.cancel("deadline" if call.expired() else "client_cancelled")
             self.state.streams.leave()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

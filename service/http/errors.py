@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import re
 
+from fastapi.responses import JSONResponse
+
 from dgserve.engine.scheduler import QueueFullError
 
 from .. import errors
@@ -67,3 +69,9 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return status, {"error": {"message": message, "type": kind, "param": param, "code": reason.lower()}}, headers
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The OpenAI error response for an exception (``error_body``)."""
+    status, body, headers = error_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -12,8 +12,9 @@ import socket
 import uvicorn
 
 from ..connections import ConnectionEvents
-from .app import Gate, build_app
+from .app import build_app
 from .bounded import BoundedListener, DoorState, protocol_class
+from .gate import Gate
 
 log = logging.getLogger("dgserve.http")
 KEEP_ALIVE_S = 30  # an idle keep-alive connection is closed after this (uvicorn's own timer)

@@ -1,4 +1,4 @@
-"""OpenAI JSON ↔ dgserve objects: the HTTP twin of ``service/convert.py``.
+"""OpenAI request JSON → dgserve objects: the HTTP twin of ``service/convert.py``'s request side.
 
 Requests: ``completion_request`` / ``chat_request`` check a decoded JSON body and return a ``Call`` (prompt,
 SamplingParams, options). Every field is checked once, with a ValueError whose message starts with the OpenAI
@@ -7,38 +7,25 @@ the proto's names and SamplingParams' single validation. An OpenAI field that dg
 accepted only at its no-op value (``n: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
 field we do not know, is a ValueError naming it — never silently ignored.
 
-Bodies: ``decode_body`` turns the raw bytes into JSON with bounded work and bounded shape (at most
-MAX_JSON_VALUES values, MAX_JSON_DEPTH levels) and refuses text that is not valid Unicode (a JSON ``"\ud800"``
-escape decodes to a lone surrogate, which no tokenizer, regex engine or UTF-8 encoder accepts), each a ValueError
-naming ``body`` or the field. Checking the request is then O(fields): a list is refused by its length (token ids,
-messages) before its items are looked at.
-
-Responses: ``completion`` / ``chat_completion`` (non-streaming) and ``*_chunk`` (SSE), with ``usage`` and a
-``dgserve`` extension object (seed, request id, per-block denoising stats, timing).
+The body was decoded with bounded work and shape (``body.decode_body``), so checking it is O(fields): a list is
+refused by its length (token ids, messages) before its items are looked at. The draft options' bounds and the
+token-id check are ``service.events``' (the gRPC door uses the same). Responses are ``responses`` and ``sse``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import json.decoder
-import json.scanner
-import math
-import time
 from dataclasses import dataclass
-from typing import Any, cast
 
-from dgserve.engine.async_engine import Draft, DraftSpec, Finished
+from dgserve.engine.async_engine import DraftSpec
 from dgserve.engine.engine import ChatPrompt, Prompt
-from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
 from dgserve.structured import ResponseFormat
-from dgserve.text.tokenizer import check_unicode
 
+from .. import events
 from ..errors import clip
 
-# dgserve finish reasons → OpenAI's ("abort": the request was cancelled by the server, e.g. a drain timeout; vLLM's)
-FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
 # the knobs as body fields: SamplingParams' scalar knobs under their own names (the diffusion knobs are extra body
 # fields with the proto's names), except max_new_tokens, which OpenAI calls max_tokens / max_completion_tokens; the
 # bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
@@ -76,12 +63,6 @@ WHY = {
     "functions": "tool calling is not supported",
 }
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
-# the shape of a body: json.loads holds the GIL for its whole call (~70 ns a value), so a 16 MB body of 8 million
-# small values stalled every other caller for 0.6 s even in a worker thread; a real request has a few thousand
-# values (token ids and messages are bounded by the context window) and a few levels of nesting (a JSON schema's
-# included), and deeper structures only end in RecursionError in json, jinja or a grammar compiler
-MAX_JSON_VALUES = 1 << 18
-MAX_JSON_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -97,93 +78,6 @@ class Call:
 
 
 # ---------------------------------------------------------------------------------------------- requests
-
-
-def decode_body(raw: bytes):
-    """The JSON value of a request body (UTF-8, RFC 8259). ValueError naming ``body`` when it is not UTF-8 JSON,
-    has more than MAX_JSON_VALUES values or more than MAX_JSON_DEPTH levels, or naming the field whose text (or
-    field name) holds a lone surrogate (``messages[0].content: ...``). Builds at most about MAX_JSON_VALUES
-    values; safe in a worker thread."""
-    try:
-        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
-    except UnicodeDecodeError as e:
-        raise ValueError(f"body: not valid UTF-8 (byte {e.start}: {e.reason})") from None
-    opens = text.count("[") + text.count("{")
-    try:
-        # commas and brackets bound the number of values from above (strings' own included): below the cap, the
-        # fast C parser; above, the Python one, which counts as it goes and gives the GIL up between values
-        value = json.loads(text) if text.count(",") + opens <= MAX_JSON_VALUES else _counted_loads(text)
-    except RecursionError:
-        raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except _TooManyValues:
-        raise ValueError(f"body: more than {MAX_JSON_VALUES} JSON values") from None
-    except ValueError as e:
-        raise ValueError(f"body: not valid JSON ({e})") from None
-    # a lone surrogate can only come from a \uD800-\uDFFF escape (the text itself is strict UTF-8)
-    escapes = "\\ud" in text or "\\uD" in text
-    if escapes or opens > MAX_JSON_DEPTH:
-        _check_shape(value, escapes)
-    return value
-
-
-class _TooManyValues(Exception):
-    pass
-
-
-def _counted_loads(text: str):
-    """json.loads with the pure-Python scanner, stopping with _TooManyValues after MAX_JSON_VALUES values."""
-    count = 0
-
-    def counted(scan_once):
-        def scan(s, idx):
-            nonlocal count
-            count += 1
-            if count > MAX_JSON_VALUES:
-                raise _TooManyValues
-            return scan_once(s, idx)
-
-        return scan
-
-    # the pure-Python parser's hooks: json.decoder / json.scanner internals (unchanged since Python 2.7, untyped)
-    pure: Any = json.decoder
-    decoder: Any = json.JSONDecoder()
-    decoder.parse_array = lambda s_and_end, scan_once: pure.JSONArray(s_and_end, counted(scan_once))
-    decoder.parse_object = lambda s_and_end, strict, scan_once, *hooks: pure.JSONObject(
-        s_and_end, strict, counted(scan_once), *hooks
-    )
-    decoder.scan_once = cast(Any, json.scanner).py_make_scanner(decoder)
-    return decoder.decode(text)
-
-
-def _check_shape(value, text: bool) -> None:
-    """ValueError when ``value`` nests deeper than MAX_JSON_DEPTH (naming ``body``) or, with ``text``, holds a
-    string or field name that is not valid Unicode (naming its field). Iterative: no recursion on client data."""
-    stack: list[tuple[object, int, tuple]] = [(value, 1, ())]
-    while stack:
-        item, depth, path = stack.pop()
-        if isinstance(item, (dict, list)) and depth > MAX_JSON_DEPTH:
-            raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if text and not key.isascii():  # (the field name is built only for a suspect text)
-                    check_unicode(key, field_name(path), "field name")
-                stack.append((child, depth + 1, (path, key)))
-        elif isinstance(item, list):
-            stack.extend((child, depth + 1, (path, i)) for i, child in enumerate(item))
-        elif text and isinstance(item, str) and not item.isascii():
-            check_unicode(item, field_name(path), "text")
-
-
-def field_name(path: tuple) -> str:
-    """``messages[0].content`` for the linked path ((((), "messages"), 0), "content"); ``body`` for ()."""
-    keys = []
-    while path:
-        path, key = path
-        keys.append(key)
-    name = ""
-    for key in reversed(keys):
-        name += f"[{key}]" if isinstance(key, int) else (f".{clip(key)}" if name else clip(key))
-    return name or "body"
 
 
 def completion_request(body, defaults: SamplingParams, vocab_size: int, max_len: int | None = None) -> Call:
@@ -284,19 +178,7 @@ def response_format(value) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise ValueError('response_format.json_schema must be an object with a "schema"')
-        unknown = set(spec) - {"name", "schema", "strict", "description"}
-        if unknown:
-            raise ValueError(f"response_format.json_schema.{clip(sorted(unknown)[0])}: not supported")
-        schema = spec["schema"]
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("response_format.json_schema.schema must be a JSON object")
-        name, strict = spec.get("name") or "", spec.get("strict") or False
-        if not isinstance(name, str) or not isinstance(strict, bool):
-            raise ValueError("response_format.json_schema: name must be a string and strict a boolean")
-        return ResponseFormat("json_schema", schema=json.dumps(schema), name=name, strict=strict)
+        return _json_schema(value.get("json_schema"))
     if kind == "regex":
         return ResponseFormat("regex", regex=value.get("regex"))
     if kind == "choice":
@@ -307,6 +189,22 @@ def response_format(value) -> ResponseFormat | None:
     return ResponseFormat("json_object")
 
 
+def _json_schema(spec) -> ResponseFormat:
+    """response_format.json_schema: {"name", "schema", "strict", "description"} → ResponseFormat."""
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ValueError('response_format.json_schema must be an object with a "schema"')
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise ValueError(f"response_format.json_schema.{clip(sorted(unknown)[0])}: not supported")
+    schema = spec["schema"]
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("response_format.json_schema.schema must be a JSON object")
+    name, strict = spec.get("name") or "", spec.get("strict") or False
+    if not isinstance(name, str) or not isinstance(strict, bool):
+        raise ValueError("response_format.json_schema: name must be a string and strict a boolean")
+    return ResponseFormat("json_schema", schema=json.dumps(schema), name=name, strict=strict)
+
+
 def _completion_prompt(prompt, vocab_size: int, max_len: int | None = None) -> Prompt:
     """A string, a list of token ids, or a one-element list of either (OpenAI's batch form, batch size 1)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -315,13 +213,10 @@ def _completion_prompt(prompt, vocab_size: int, max_len: int | None = None) -> P
         if not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
-    if isinstance(prompt, list) and max_len is not None and len(prompt) > max_len:
-        raise ValueError(f"prompt: {len(prompt)} token ids exceed the context window of {max_len} positions")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        for i, t in enumerate(prompt):
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt[{i}]: token id {t} is outside the vocabulary [0, {vocab_size})")
-        return prompt
+    if isinstance(prompt, list) and prompt:
+        too_long = max_len is not None and len(prompt) > max_len  # refused by its length, the items unread
+        if too_long or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return events.token_ids(prompt, vocab_size, "prompt", max_len)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ValueError(f"prompt: {len(prompt)} prompts in one request are not supported; send one per request")
     raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
@@ -347,12 +242,7 @@ def _drafts(spec, stream: bool) -> DraftSpec | None:
     for key in spec:
         if key not in ("every_n_steps", "include_text"):
             raise ValueError(f"drafts.{clip(key)}: not supported (supported: every_n_steps, include_text)")
-    every = spec.get("every_n_steps", 1)
-    if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= 1024:
-        raise ValueError(f"drafts.every_n_steps must be an integer in [1, 1024], got {every!r}")
-    if not isinstance(spec.get("include_text", False), bool):
-        raise ValueError("drafts.include_text must be a boolean")
-    return DraftSpec(every_n_steps=every, include_text=spec.get("include_text", False))
+    return events.draft_spec(spec.get("every_n_steps"), spec.get("include_text"))
 
 
 def _object(body) -> dict:
@@ -390,148 +280,3 @@ def _optional(body: dict, name: str, kind: type):
             f"{name} must be {'a boolean' if kind is bool else 'an object' if kind is dict else 'a string'}"
         )
     return value
-
-
-# ---------------------------------------------------------------------------------------------- responses
-
-
-@dataclass
-class Output:
-    """What a request produced so far (filled from its event stream)."""
-
-    request_id: str
-    model: str
-    seed: int
-    chat: bool
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    text: str = ""
-    blocks: list[dict] = dataclasses.field(default_factory=list)
-    finished: Finished | None = None
-
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    def add_block(self, block: BlockOutput) -> dict:
-        stats = block_stats(block)
-        self.text += block.text
-        self.blocks.append(stats)
-        return stats
-
-
-def block_stats(b: BlockOutput) -> dict:
-    s = b.stats
-    return {
-        "index": b.index,
-        "tokens": len(b.token_ids),
-        "denoising_steps": s.denoising_steps,
-        "tokens_per_forward": round(s.tokens_per_forward, 4),
-        "mean_entropy": _finite(s.mean_entropy),
-        "denoise_ms": round(s.denoise_seconds * 1e3, 3),
-    }
-
-
-def usage(f: Finished) -> dict:
-    return {
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-    }
-
-
-def extension(out: Output) -> dict:
-    """The ``dgserve`` object of a response / final chunk: seed, request id, per-block stats, timing."""
-    f = out.finished
-    ext = {"request_id": out.request_id, "seed": out.seed, "blocks": out.blocks}
-    if f is not None:
-        ext.update(
-            denoising_steps=f.denoising_steps,
-            queue_ms=round(f.queue_seconds * 1e3, 3),
-            first_block_ms=round(_finite(f.first_block_seconds) * 1e3, 3),
-            total_ms=round(f.total_seconds * 1e3, 3),
-        )
-    return ext
-
-
-def response(out: Output) -> dict:
-    """The non-streaming body (chat.completion or text_completion)."""
-    f = out.finished
-    if f is None:
-        raise RuntimeError(f"response: request {out.request_id!r} has not finished")
-    if out.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": None,
-            "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason),
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": None,
-            "finish_reason": FINISH_REASONS.get(f.finish_reason, f.finish_reason),
-        }
-    return {
-        "id": out.request_id,
-        "object": out.object,
-        "created": out.created,
-        "model": out.model,
-        "choices": [choice],
-        "usage": usage(f),
-        "system_fingerprint": None,
-        "dgserve": extension(out),
-    }
-
-
-def chunk(
-    out: Output,
-    delta: str | None = None,
-    *,
-    role: bool = False,
-    finish: str | None = None,
-    extra: dict | None = None,
-    usage_: dict | None = None,
-    no_choices: bool = False,
-) -> dict:
-    """One SSE chunk: a text delta, the role opener (chat), the finishing chunk, or the usage-only chunk."""
-    body = {
-        "id": out.request_id,
-        "object": out.object + ("" if not out.chat else ".chunk"),
-        "created": out.created,
-        "model": out.model,
-        "system_fingerprint": None,
-    }
-    if no_choices:
-        body["choices"] = []
-    elif out.chat:
-        d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-        body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
-    else:
-        body["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
-    if usage_ is not None or no_choices:
-        body["usage"] = usage_
-    if extra is not None:
-        body["dgserve"] = extra
-    return body
-
-
-def draft_event(d: Draft) -> dict:
-    o = d.output
-    return {
-        "block_index": o.index,
-        "step": o.step,
-        "token_ids": o.token_ids,
-        "mean_entropy": _finite(o.mean_entropy),
-        "text": d.text,
-    }
-
-
-def sse(data: dict | str, event: str | None = None) -> bytes:
-    """One server-sent event: ``[event: NAME\\n]data: JSON\\n\\n``."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return ((f"event: {event}\n" if event else "") + f"data: {text}\n\n").encode()
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0

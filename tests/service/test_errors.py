@@ -1,5 +1,5 @@
-"""Bad input → status codes (serving.md §10 rows 1-6, 26), with messages naming the field and the bound, and
-google.rpc details; the server keeps serving."""
+"""Bad input → status codes, with messages naming the field and the bound, and google.rpc details; the server
+keeps serving."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def bad_request_field(err) -> str:
     ],
 )
 def test_empty_input_is_invalid_argument(stub, server, request_kw, field):
-    """§10 row 1: INVALID_ARGUMENT + BadRequest naming the input; no model work; failure counted."""
+    """INVALID_ARGUMENT + BadRequest naming the input; no model work; failure counted."""
     m = server.server.metrics
     before = m.value("dgserve_rpc_total", {"method": "Generate", "code": "INVALID_ARGUMENT"})
     err = error_of(stub, pb.GenerateRequest(params=params(), **request_kw))
@@ -69,7 +69,7 @@ def test_empty_input_is_invalid_argument(stub, server, request_kw, field):
     ],
 )
 def test_out_of_range_knobs(stub, knobs, field, bound):
-    """§10 row 2: INVALID_ARGUMENT; the message names the field and the bound."""
+    """INVALID_ARGUMENT; the message names the field and the bound."""
     err = error_of(stub, pb.GenerateRequest(prompt="hi", params=params(**knobs)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details().startswith(field) and bound in err.details(), err.details()
@@ -77,7 +77,7 @@ def test_out_of_range_knobs(stub, knobs, field, bound):
 
 
 def test_prompt_beyond_context_window(stub):
-    """§10 row 3: prompt tokens + canvases > context: INVALID_ARGUMENT with both numbers, before admission."""
+    """prompt tokens + canvases > context: INVALID_ARGUMENT with both numbers, before admission."""
     err = error_of(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 4000), params=params(max_new_tokens=200)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "4000 tokens" in err.details() and "4096" in err.details() and "13 canvases" in err.details()
@@ -86,7 +86,7 @@ def test_prompt_beyond_context_window(stub):
 def test_token_id_outside_vocabulary(stub):
     err = error_of(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 300]), params=params()))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details() == "token_ids.ids[2]: 300 is outside the vocabulary [0, 300)"
+    assert err.details() == "token_ids.ids[2]: token id 300 is outside the vocabulary [0, 300)"
 
 
 def test_bad_chat_role_and_request_id(stub):
@@ -98,7 +98,7 @@ def test_bad_chat_role_and_request_id(stub):
 
 
 def test_request_larger_than_max_message(stub):
-    """§10 row 4: RESOURCE_EXHAUSTED from the library (16 MiB limit); the server stays healthy."""
+    """RESOURCE_EXHAUSTED from the library (16 MiB limit); the server stays healthy."""
     err = error_of(stub, pb.GenerateRequest(prompt="x" * (17 << 20), params=params()))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.details()
     assert list(stub.Generate(pb.GenerateRequest(prompt="ok", params=params(max_new_tokens=1))))[-1].HasField(
@@ -107,7 +107,7 @@ def test_request_larger_than_max_message(stub):
 
 
 def test_unknown_model_is_not_found(stub):
-    """§10 row 5."""
+    """An unknown model name: NOT_FOUND naming it and the served model."""
     err = error_of(stub, pb.GenerateRequest(model="gpt-5", prompt="hi", params=params()))
     assert err.code() == grpc.StatusCode.NOT_FOUND and "gpt-5" in err.details() and "tiny" in err.details()
     with pytest.raises(grpc.RpcError) as e:
@@ -139,13 +139,13 @@ def test_unknown_model_is_not_found(stub):
     ],
 )
 def test_unsupported_options_are_unimplemented(stub, request_kw, field):
-    """§10 row 6: n > 1 and image parts: UNIMPLEMENTED naming the field."""
+    """n > 1 and image parts: UNIMPLEMENTED naming the field."""
     err = error_of(stub, pb.GenerateRequest(**request_kw))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED and err.details().startswith(field)
 
 
 def test_unknown_method_and_unknown_health_service(channel):
-    """§10 row 26: unknown method → UNIMPLEMENTED; health Check of an unknown service → NOT_FOUND."""
+    """unknown method → UNIMPLEMENTED; health Check of an unknown service → NOT_FOUND."""
     call = channel.unary_unary("/dgserve.v1.TextGeneration/Nope")
     with pytest.raises(grpc.RpcError) as e:
         call(b"")

@@ -1,0 +1,214 @@
+"""What both front doors take from an engine stream, decided once: the doors only encode it.
+
+The gRPC door (``servicer`` / ``convert``) and the HTTP door (``http/``) turn the same things into protobuf
+messages, OpenAI JSON or server-sent events; everything they share is here:
+
+- ``Events``: a ``RequestStream`` as door-neutral events, in order: ``StartEvent``, ``DraftEvent``s,
+  ``BlockEvent``s, then ``FinishEvent`` or, when the request failed (its own error, a stalled reader, an engine
+  fault), one ``ErrorEvent`` carrying the exception. Nothing follows either. ``Events.cancel`` stops the request.
+- ``FINISH_REASONS``: the finish reasons a ``FinishEvent`` carries (each door has one table from these names).
+- ``Usage``, ``Timing``, ``BlockStats``: the numbers, in milliseconds, with a NaN or infinity reported as 0.
+- ``draft_spec``: the draft options' one set of bounds; ``token_ids``: the one check of a prompt's token ids.
+  Their ValueErrors name the request field they were given, so both doors answer "invalid argument: <field> ...".
+
+How the generation produces these events is in docs/generation.md; the life of a request through the doors is in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dgserve.engine.async_engine import Draft, DraftSpec, Finished, RequestStream, Started
+from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
+from dgserve.sampling_params import MAX_DENOISING_STEPS_LIMIT, SamplingParams
+
+# the reasons a request finishes with; a door's table maps each to its own name (an enum, an OpenAI string)
+FINISH_REASONS = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED)
+# drafts every n-th denoising step, n in [1, MAX_DRAFT_EVERY]: a block never runs more steps than that, so a
+# larger n could never send a draft
+MAX_DRAFT_EVERY = MAX_DENOISING_STEPS_LIMIT
+
+
+# ---------------------------------------------------------------------------------------------- request checks
+
+
+def draft_spec(every_n_steps: object = None, include_text: object = None, field: str = "drafts") -> DraftSpec:
+    """The draft options, checked: ``every_n_steps`` an integer in [1, MAX_DRAFT_EVERY], ``include_text`` a
+    boolean; None is the default (every step, no text). ValueError naming ``<field>.every_n_steps`` /
+    ``<field>.include_text``."""
+    every = 1 if every_n_steps is None else every_n_steps
+    if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_DRAFT_EVERY:
+        raise ValueError(f"{field}.every_n_steps must be an integer in [1, {MAX_DRAFT_EVERY}], got {every!r}")
+    text = False if include_text is None else include_text
+    if not isinstance(text, bool):
+        raise ValueError(f"{field}.include_text must be a boolean")
+    return DraftSpec(every_n_steps=every, include_text=text)
+
+
+def token_ids(ids: Sequence[int], vocab_size: int, field: str, max_len: int | None = None) -> list[int]:
+    """A prompt's token ids as a new list, checked: not empty, at most ``max_len`` (the context window; checked by
+    length before any id is looked at), each in [0, vocab_size). ValueError naming ``field`` (``field[i]`` for one
+    id). The caller has made sure the items are integers."""
+    if not ids:
+        raise ValueError(f"{field}: must not be empty")
+    if max_len is not None and len(ids) > max_len:
+        raise ValueError(f"{field}: {len(ids)} token ids exceed the context window of {max_len} positions")
+    out = list(ids)
+    for i, t in enumerate(out):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+
+def finite(x: float) -> float:
+    """x, or 0.0 for NaN and infinities (no wire format here carries them)."""
+    return x if math.isfinite(x) else 0.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    blocks: int  # committed canvases
+    denoising_steps: int  # decoder forwards, all blocks together
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timing:
+    queue_ms: float  # waiting for a running slot
+    first_block_ms: float  # arrival to the first committed block; 0 when none was committed
+    total_ms: float
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    denoising_steps: int
+    tokens_per_forward: float
+    mean_entropy: float  # finite
+    encode_ms: float
+    denoise_ms: float
+
+
+# ---------------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class StartEvent:
+    """The request left the queue: the seed in use, the prompt's length and every knob in force."""
+
+    seed: int
+    prompt_tokens: int
+    params: SamplingParams
+    queue_ms: float
+
+
+@dataclass(frozen=True)
+class DraftEvent:
+    """A preview of the current block after a denoising step (the whole canvas; it may still change)."""
+
+    block_index: int
+    step: int
+    token_ids: list[int]
+    mean_entropy: float  # finite
+    text: str  # "" unless the draft options asked for text
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """One committed block: the tokens it contributes and its text delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    stats: BlockStats
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of a request that completed or was cancelled."""
+
+    reason: str  # one of FINISH_REASONS
+    usage: Usage
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The last event of a request that failed; ``error`` is what the engine raised (a door maps it to a status)."""
+
+    error: Exception
+
+
+Event = StartEvent | DraftEvent | BlockEvent | FinishEvent | ErrorEvent
+
+
+def event(e: Started | Draft | BlockOutput | Finished) -> StartEvent | DraftEvent | BlockEvent | FinishEvent:
+    """One engine event as its door-neutral event; TypeError for anything else."""
+    if isinstance(e, BlockOutput):
+        return block(e)
+    if isinstance(e, Draft):
+        d = e.output
+        return DraftEvent(d.index, d.step, d.token_ids, finite(d.mean_entropy), e.text)
+    if isinstance(e, Started):
+        return StartEvent(e.seed, e.prompt_tokens, e.params, e.queue_seconds * 1e3)
+    if isinstance(e, Finished):
+        return finish(e)
+    raise TypeError(f"unknown event {type(e).__name__}")
+
+
+def block(b: BlockOutput) -> BlockEvent:
+    s = b.stats
+    stats = BlockStats(
+        s.denoising_steps, s.tokens_per_forward, finite(s.mean_entropy), s.encode_seconds * 1e3, s.denoise_seconds * 1e3
+    )
+    return BlockEvent(b.index, b.token_ids, b.text, stats)
+
+
+def finish(f: Finished) -> FinishEvent:
+    usage = Usage(f.prompt_tokens, f.completion_tokens, f.blocks, f.denoising_steps)
+    timing = Timing(f.queue_seconds * 1e3, finite(f.first_block_seconds) * 1e3, f.total_seconds * 1e3)
+    return FinishEvent(f.finish_reason, usage, timing)
+
+
+class Events:
+    """A request's stream as door-neutral events (an async iterator; see the module docstring).
+
+    An exception from the stream (the request's own error, ``StreamStalledError``, ``EngineFaultError``, or an
+    event of an unknown type) becomes the last event, an ``ErrorEvent``; cancellation of the reading task
+    (``asyncio.CancelledError``) is not caught. The door that reads calls ``cancel`` when it stops reading, for
+    whatever reason: that frees the engine slot of a request still running, and does nothing otherwise."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.request_id = stream.request_id
+        self.seed = stream.request.seed  # the seed in use (the request's, or the one drawn), known at once
+        self._over = False
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._over:
+            raise StopAsyncIteration
+        try:
+            return event(await anext(self.stream))
+        except StopAsyncIteration:
+            self._over = True
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure of the request ends its events the same way
+            self._over = True
+            return ErrorEvent(e)
+
+    def cancel(self, reason: str = "client_cancelled") -> None:
+        """Stop the request (the reader went away, its deadline passed): no more events."""
+        self.stream.cancel(reason)

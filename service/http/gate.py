@@ -1,0 +1,39 @@
+"""What the routes need from the server: its serving state, auth and limits (all owned by Server)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import Request
+
+from .. import errors
+from ..in_flight import InFlight
+from .errors import HttpError
+
+
+class Gate:
+    """The serving state, the auth check, the body limit and the generation requests in flight."""
+
+    def __init__(
+        self, state, metrics, *, live: Callable[[], bool], owner: Callable[[str], str] | None, max_body_bytes: int
+    ):
+        # owner: the caller's identity from its Authorization header (errors.UnauthenticatedError when the token
+        # is not accepted); None when auth is off. The same BearerAuth.owner the gRPC door uses, so a request
+        # started over HTTP can be aborted over gRPC only with the same token.
+        self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
+        self.max_body_bytes = max_body_bytes
+        self.calls = InFlight()  # generation requests not yet finished (the drain waits for them)
+
+    def ready(self) -> bool:
+        return self.live() and self.state.engine is not None and not self.state.draining
+
+    def authorize(self, request: Request) -> str | None:
+        """The caller's identity (None when auth is off); HttpError UNAUTHENTICATED without an accepted token."""
+        if self.owner is None:
+            return None
+        try:
+            return self.owner(request.headers.get("authorization", ""))
+        except errors.UnauthenticatedError:
+            raise HttpError(
+                "UNAUTHENTICATED", "missing or invalid bearer token (send 'Authorization: Bearer <token>')"
+            ) from None

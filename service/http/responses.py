@@ -1,0 +1,141 @@
+"""dgserve events (``service.events``) → OpenAI JSON: the non-streaming body and the SSE chunks.
+
+``completion`` / ``chat.completion`` bodies and their ``*.chunk`` twins carry ``usage`` and a ``dgserve``
+extension object (seed, request id, per-block denoising stats, timing); drafts travel in chunks with no choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+
+from .. import events
+
+# the finish reasons (events.FINISH_REASONS) as OpenAI's ("abort": the request was cancelled by the server, e.g. a
+# drain timeout; vLLM's); a reason not in the table is passed through as it is
+FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
+
+
+def finish_reason(reason: str) -> str:
+    return FINISH_REASONS.get(reason, reason)
+
+
+@dataclass
+class Output:
+    """What a request produced so far (filled from its events)."""
+
+    request_id: str
+    model: str
+    seed: int
+    chat: bool
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    blocks: list[dict] = dataclasses.field(default_factory=list)
+    finished: events.FinishEvent | None = None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def add_block(self, block: events.BlockEvent) -> dict:
+        """Append the block's text and stats; returns the stats (the chunk's ``dgserve.block``)."""
+        stats = block_stats(block)
+        self.text += block.text
+        self.blocks.append(stats)
+        return stats
+
+
+def block_stats(b: events.BlockEvent) -> dict:
+    s = b.stats
+    return {
+        "index": b.index,
+        "tokens": len(b.token_ids),
+        "denoising_steps": s.denoising_steps,
+        "tokens_per_forward": round(s.tokens_per_forward, 4),
+        "mean_entropy": s.mean_entropy,
+        "denoise_ms": round(s.denoise_ms, 3),
+    }
+
+
+def usage(u: events.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def draft(d: events.DraftEvent) -> dict:
+    """A draft chunk's ``dgserve.draft`` object."""
+    return {
+        "block_index": d.block_index,
+        "step": d.step,
+        "token_ids": d.token_ids,
+        "mean_entropy": d.mean_entropy,
+        "text": d.text,
+    }
+
+
+def extension(out: Output) -> dict:
+    """The ``dgserve`` object of a response / final chunk: seed, request id, per-block stats, timing."""
+    f = out.finished
+    ext = {"request_id": out.request_id, "seed": out.seed, "blocks": out.blocks}
+    if f is not None:
+        t = f.timing
+        ext.update(
+            denoising_steps=f.usage.denoising_steps,
+            queue_ms=round(t.queue_ms, 3),
+            first_block_ms=round(t.first_block_ms, 3),
+            total_ms=round(t.total_ms, 3),
+        )
+    return ext
+
+
+def response(out: Output) -> dict:
+    """The non-streaming body (chat.completion or text_completion)."""
+    f = out.finished
+    if f is None:
+        raise RuntimeError(f"response: request {out.request_id!r} has not finished")
+    content = {"message": {"role": "assistant", "content": out.text}} if out.chat else {"text": out.text}
+    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason)}
+    return {
+        "id": out.request_id,
+        "object": out.object,
+        "created": out.created,
+        "model": out.model,
+        "choices": [choice],
+        "usage": usage(f.usage),
+        "system_fingerprint": None,
+        "dgserve": extension(out),
+    }
+
+
+def chunk(
+    out: Output,
+    delta: str | None = None,
+    *,
+    role: bool = False,
+    finish: str | None = None,
+    extra: dict | None = None,
+    usage_: dict | None = None,
+    no_choices: bool = False,
+) -> dict:
+    """One SSE chunk: a text delta, the role opener (chat), the finishing chunk, or the usage-only chunk."""
+    body = {
+        "id": out.request_id,
+        "object": out.object + ("" if not out.chat else ".chunk"),
+        "created": out.created,
+        "model": out.model,
+        "system_fingerprint": None,
+    }
+    if no_choices:
+        body["choices"] = []
+    elif out.chat:
+        d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+        body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
+    else:
+        body["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+    if usage_ is not None or no_choices:
+        body["usage"] = usage_
+    if extra is not None:
+        body["dgserve"] = extra
+    return body

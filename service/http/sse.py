@@ -1,0 +1,96 @@
+"""Streaming responses: a request's events as server-sent events (``text/event-stream``).
+
+The body: the role opener (chat), one chunk per committed block, drafts as ``event: dgserve.draft`` chunks with
+no choices (so an OpenAI client yields no text for them), the finishing chunk with the ``dgserve`` extension, the
+usage chunk when asked for, ``data: [DONE]``. A request that fails after the headers were sent ends with its
+OpenAI error body as one more event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from .. import events
+from . import responses
+from .errors import error_body
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: ``[event: NAME\\n]data: JSON\\n\\n``."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return ((f"event: {event}\n" if event else "") + f"data: {text}\n\n").encode()
+
+
+async def body(feed: events.Events, out: responses.Output, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """The SSE body of one request (see the module docstring); ``out`` collects what it produced."""
+    if out.chat:
+        yield sse(responses.chunk(out, role=True))
+    try:
+        async for event in feed:
+            for data in _encode(event, out, include_usage):
+                yield data
+    except Exception as e:  # noqa: BLE001 - an encoding failure, too, can only travel as an event now
+        yield sse(error_body(e)[1])
+    yield sse("[DONE]")
+
+
+def _encode(event: events.Event, out: responses.Output, include_usage: bool) -> list[bytes]:
+    """The server-sent events for one event (none for StartEvent: the seed went out in the headers)."""
+    if isinstance(event, events.BlockEvent):
+        stats = out.add_block(event)
+        return [sse(responses.chunk(out, event.text, extra={"block": stats}))]
+    if isinstance(event, events.DraftEvent):
+        draft = responses.chunk(out, no_choices=True, extra={"draft": responses.draft(event)})
+        return [sse(draft, event="dgserve.draft")]
+    if isinstance(event, events.FinishEvent):
+        out.finished = event
+        reason = responses.finish_reason(event.reason)
+        frames = [sse(responses.chunk(out, finish=reason, extra=responses.extension(out)))]
+        if include_usage:
+            frames.append(sse(responses.chunk(out, no_choices=True, usage_=responses.usage(event.usage))))
+        return frames
+    if isinstance(event, events.ErrorEvent):  # after the headers, an error can only travel as an event
+        return [sse(error_body(event.error)[1])]
+    return []
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` whose request is cancelled in the engine as soon as the client disconnects (not only
+    when the next write fails), so the slot is free before the engine's next step, as a gRPC cancel frees it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        cancel: Callable[[str], None],
+        done: Callable[[], None],
+        headers: dict[str, str],
+    ):
+        super().__init__(body, headers={"Cache-Control": "no-cache", **headers}, media_type=self.media_type)
+        self.cancel, self.done = cancel, done
+        self._body = body  # the body_iterator, kept with its type: an async generator, closed in __call__
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.cancel("client_cancelled")
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.body_iterator:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away between two writes
+            self.cancel("client_cancelled")
+        finally:
+            watcher.cancel()
+            self.cancel("client_cancelled")
+            await self._body.aclose()
+            self.done()
