@@ -137,9 +137,24 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.config",
                 "dgserve.service.errors",
             ),
-            ("dgserve.service.events", "dgserve.service.metrics", "dgserve.service.interceptors"),
-            ("dgserve.service.convert", "dgserve.service.http.*"),  # the two doors: encoders
-            ("dgserve.service.servicer", "dgserve.service.http.app"),
+            (
+                "dgserve.service.events",  # what both doors take from an engine stream
+                "dgserve.service.metrics",
+                "dgserve.service.interceptors",
+                "dgserve.service.http.errors",
+            ),
+            (
+                "dgserve.service.convert",  # the gRPC door's encoder
+                "dgserve.service.http.body",
+                "dgserve.service.http.protocol",
+                "dgserve.service.http.responses",
+                "dgserve.service.http.gate",
+                "dgserve.service.http.access_log",
+                "dgserve.service.http.bounded",
+            ),
+            ("dgserve.service.http.sse",),
+            ("dgserve.service.servicer", "dgserve.service.http.generate"),
+            ("dgserve.service.http.app",),
             ("dgserve.service.http.front_door", "dgserve.service.http"),
             ("dgserve.service.server",),
             ("dgserve.service.__main__", "dgserve.service"),

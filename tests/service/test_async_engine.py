@@ -1,4 +1,5 @@
-"""AsyncEngine and Engine scheduling without gRPC: slow consumers (§10 row 16), chunked prefill (row 19),
+"""AsyncEngine and Engine scheduling without gRPC: slow consumers (docs/architecture.md, "Service behaviours", row 16),
+chunked prefill (row 19),
 deadlines in the queue, abort bookkeeping."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def run(coro):
 
 
 def test_slow_reader_keeps_every_block_and_drops_drafts(model_dir):
-    """§10 row 16: a reader that stops reading loses drafts (latest wins), never committed blocks."""
+    """docs/architecture.md, "Service behaviours", row 16: a reader that stops reading loses drafts (latest wins), never
+    committed blocks."""
     engine = Engine.from_pretrained(model_dir)
     obs = Counting()
 
@@ -93,7 +95,8 @@ def test_chunked_prefill_equals_whole_prompt(model_dir):
 
 
 def test_long_prompt_does_not_stall_running_streams(model_dir):
-    """§10 row 19: while a 1200-token prompt prefills in chunks, a running request takes a denoising step in
+    """docs/architecture.md, "Service behaviours", row 19: while a 1200-token prompt prefills in chunks, a running
+    request takes a denoising step in
     every engine iteration and its output is unchanged."""
     eng = Engine.from_pretrained(model_dir, scheduler_config=SchedulerConfig(prefill_chunk=128, max_prefill_tokens=128))
     p = SamplingParams(max_new_tokens=48, max_denoising_steps=4, seed=2, ignore_eos=True)

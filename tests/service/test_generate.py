@@ -1,4 +1,5 @@
-"""Generate over a real server: stream = Engine.generate for the same seed; inputs; output rules (serving.md §10
+"""Generate over a real server: stream = Engine.generate for the same seed; inputs; output rules (docs/architecture.md,
+"Service behaviours"
 rows 21-24, 27); drafts; Tokenize; GetModelInfo."""
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def test_token_ids_and_chat_inputs_equal_engine(stub, local_engine):
 
 
 def test_same_seed_twice_identical_and_random_seed_echoed(stub):
-    """§10 row 24: same seed → identical tokens; an unset seed is drawn, echoed in Started, and reproduces."""
+    """docs/architecture.md, "Service behaviours", row 24: same seed → identical tokens; an unset seed is drawn, echoed
+    in Started, and reproduces."""
     req = pb.GenerateRequest(prompt="seeds", params=params(seed=99))
     a, b = collect(stub, req), collect(stub, req)
     assert [list(x.token_ids) for x in a[1]] == [list(x.token_ids) for x in b[1]] and a[0].seed == 99
@@ -74,7 +76,8 @@ def test_same_seed_twice_identical_and_random_seed_echoed(stub):
 
 
 def test_concurrent_streams_equal_alone(stub, local_engine):
-    """More streams than running slots (4): batched and queued, each equals its solo run (§10 row 18 in small)."""
+    """More streams than running slots (4): batched and queued, each equals its solo run (docs/architecture.md, "Service
+    behaviours", row 18 in small)."""
     reqs = [
         pb.GenerateRequest(prompt=f"request number {i}", params=params(seed=i, max_new_tokens=20 + 7 * i))
         for i in range(7)
@@ -88,7 +91,8 @@ def test_concurrent_streams_equal_alone(stub, local_engine):
 
 
 def test_stop_string_across_block_boundary(stub, local_engine):
-    """§10 row 21: the match spans blocks 0 and 1; text is cut before it, nothing after it leaks, STOP."""
+    """docs/architecture.md, "Service behaviours", row 21: the match spans blocks 0 and 1; text is cut before it,
+    nothing after it leaks, STOP."""
     p = params(max_new_tokens=48, ignore_eos=True, seed=5)
     free = local(local_engine, "stop test", p)
     cut = len(local_engine.tokenizer.decode(free.blocks[0].token_ids))
@@ -105,14 +109,16 @@ def test_stop_string_across_block_boundary(stub, local_engine):
 
 
 def test_max_new_tokens_not_multiple_of_canvas(stub):
-    """§10 row 22: the last block is cut; LENGTH; completion_tokens == max_new_tokens."""
+    """docs/architecture.md, "Service behaviours", row 22: the last block is cut; LENGTH; completion_tokens ==
+    max_new_tokens."""
     _, blocks, fin = collect(stub, pb.GenerateRequest(prompt="x", params=params(max_new_tokens=37, ignore_eos=True)))
     assert [len(b.token_ids) for b in blocks] == [16, 16, 5]
     assert fin.finish_reason == pb.FINISH_REASON_LENGTH and fin.usage.completion_tokens == 37
 
 
 def test_eos_inside_block(stub):
-    """§10 row 23: the block is cut just after EOS, EOS is the last token, never in text; EOS reason."""
+    """docs/architecture.md, "Service behaviours", row 23: the block is cut just after EOS, EOS is the last token, never
+    in text; EOS reason."""
     for seed in range(60):
         _, blocks, fin = collect(stub, pb.GenerateRequest(prompt="eos", params=params(seed=seed, max_new_tokens=64)))
         if fin.finish_reason == pb.FINISH_REASON_EOS:
@@ -124,7 +130,8 @@ def test_eos_inside_block(stub):
 
 
 def test_usage_accounting_and_metrics(stub, server):
-    """§10 row 27: prompt + completion = total; completion = sum of block lengths; metrics counters match."""
+    """docs/architecture.md, "Service behaviours", row 27: prompt + completion = total; completion = sum of block
+    lengths; metrics counters match."""
     m = server.server.metrics
     before = (
         m.value("dgserve_generation_tokens_total"),

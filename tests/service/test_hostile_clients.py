@@ -1,4 +1,4 @@
-"""Careless and hostile clients (issue 19): huge prompts are rejected with bounded work, identifiers are clean,
+"""Careless and hostile clients: huge prompts are rejected with bounded work, identifiers are clean,
 headers are bounded, logs cannot be forged, Abort is scoped to its caller, and every call — denied or expired —
 is logged and counted with its own code."""
 

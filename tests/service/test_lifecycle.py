@@ -1,5 +1,6 @@
 """Request lifecycle on a real server: duplicate ids, overload, cancellation, deadlines, Abort
-(serving.md §10 rows 8, 9, 12-15). The shared server has 4 running slots and a queue of 4."""
+(docs/architecture.md, "Service behaviours", rows 8, 9, 12-15). The shared server has 4 running slots and a queue of
+4."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def fill_slots(stub, n=4):
 
 
 def test_duplicate_in_flight_request_id(stub, idle):
-    """§10 row 8: ALREADY_EXISTS; the original stream is unaffected."""
+    """docs/architecture.md, "Service behaviours", row 8: ALREADY_EXISTS; the original stream is unaffected."""
     call = start_long(stub, "dup-id")
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(request_id="dup-id", prompt="x", params=params())))
@@ -41,7 +42,8 @@ def test_duplicate_in_flight_request_id(stub, idle):
 
 
 def test_overload_rejects_at_once_with_retry_pushback(stub, idle):
-    """§10 row 9: slots + queue full → RESOURCE_EXHAUSTED with grpc-retry-pushback-ms and RetryInfo;
+    """docs/architecture.md, "Service behaviours", row 9: slots + queue full → RESOURCE_EXHAUSTED with
+    grpc-retry-pushback-ms and RetryInfo;
     the queued requests still complete; the queue beyond the free slots never exceeds max_queue_len."""
     server, m = idle
     reqs = [
@@ -71,7 +73,8 @@ def test_overload_rejects_at_once_with_retry_pushback(stub, idle):
 
 
 def test_cancel_mid_stream_frees_slot(stub, idle):
-    """§10 row 12: the client cancels between blocks; the slot is freed, no more work, abort counted."""
+    """docs/architecture.md, "Service behaviours", row 12: the client cancels between blocks; the slot is freed, no more
+    work, abort counted."""
     server, m = idle
     before = m.value("dgserve_request_aborted_total", {"reason": "client_cancelled"})
     call = start_long(stub)
@@ -86,7 +89,8 @@ def test_cancel_mid_stream_frees_slot(stub, idle):
 
 
 def test_cancel_and_abort_while_queued(stub, idle):
-    """§10 row 12 (queued): cancelling a waiting request removes it from the queue without model work;
+    """docs/architecture.md, "Service behaviours", row 12 (queued): cancelling a waiting request removes it from the
+    queue without model work;
     Abort of a queued request ends its stream with Finished{CANCELLED} and no Started."""
     server, _ = idle
     running = fill_slots(stub)
@@ -105,7 +109,7 @@ def test_cancel_and_abort_while_queued(stub, idle):
 
 
 def test_deadline_mid_stream(stub, idle):
-    """§10 row 13: DEADLINE_EXCEEDED; engine work stops as for a cancel."""
+    """docs/architecture.md, "Service behaviours", row 13: DEADLINE_EXCEEDED; engine work stops as for a cancel."""
     server, m = idle
     before = m.value("dgserve_request_aborted_total", {"reason": "deadline"})
     call = stub.Generate(pb.GenerateRequest(prompt="slow", params=long_params()), timeout=0.5)
@@ -118,7 +122,8 @@ def test_deadline_mid_stream(stub, idle):
 
 
 def test_deadline_shorter_than_queue_wait(stub, idle):
-    """§10 row 14: DEADLINE_EXCEEDED; the request leaves the queue without ever starting."""
+    """docs/architecture.md, "Service behaviours", row 14: DEADLINE_EXCEEDED; the request leaves the queue without ever
+    starting."""
     server, m = idle
     running = fill_slots(stub)
     started_before = m.value("dgserve_request_queue_time_seconds_count")
@@ -134,7 +139,8 @@ def test_deadline_shorter_than_queue_wait(stub, idle):
 
 
 def test_abort_running_stream(stub, idle):
-    """§10 row 15 (Decision 7): Abort → OK (CANCELLED); the stream ends with Finished{CANCELLED}; a second Abort
+    """docs/architecture.md, "Service behaviours", row 15: Abort → OK (CANCELLED); the stream ends with
+    Finished{CANCELLED}; a second Abort
     → OK (ALREADY_FINISHED); an unknown id → NOT_FOUND."""
     server, m = idle
     call = start_long(stub, "abort-me")
@@ -159,7 +165,8 @@ def _rss_mb() -> float:
 
 
 def test_many_cancels_keep_memory_flat(stub, idle):
-    """§10 row 12 (memory, grpc#43360): hundreds of streams cancelled mid-stream leave no growth behind."""
+    """docs/architecture.md, "Service behaviours", row 12 (memory, grpc#43360): hundreds of streams cancelled mid-stream
+    leave no growth behind."""
     server, _ = idle
 
     def cycle(n):

@@ -1,4 +1,4 @@
-"""The light client (issue 15 item 5): ``import dgserve.client`` and ``dgserve generate --server`` do not import
+"""The light client: ``import dgserve.client`` and ``dgserve generate --server`` do not import
 torch, so backend services and the CLI start fast (checked in a fresh interpreter's ``sys.modules``)."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (Decision 8), --dry-run, and
-SIGTERM drain of a real server process (serving.md §10 row 17)."""
+"""``dgserve serve`` (python -m dgserve.service): flags and environment fallbacks (docs/architecture.md,
+"Configuration"), --dry-run, and
+SIGTERM drain of a real server process (docs/architecture.md, "Service behaviours", row 17)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_dry_run_prints_resolved_config():
 
 
 def test_sigterm_drain(model_dir):
-    """§10 row 17: SIGTERM → readiness NOT_SERVING at once (Watch notified) on both front doors, new calls
+    """docs/architecture.md, "Service behaviours", row 17: SIGTERM → readiness NOT_SERVING at once (Watch notified) on
+    both front doors, new calls
     UNAVAILABLE (gRPC) / 503 (HTTP), the in-flight stream finishes within the grace period, the process exits 0."""
     srv = ServerProcess(model_dir, "--drain-timeout", "20")
     try:

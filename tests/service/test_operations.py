@@ -1,4 +1,5 @@
-"""Operating the server: health during load (§10 row 11), auth (row 7), TLS/mTLS, HTTP probes and metrics,
+"""Operating the server: health during load (docs/architecture.md, "Service behaviours", row 11), auth (row 7),
+TLS/mTLS, HTTP probes and metrics,
 engine fault (row 20), drain at grace end (row 17, in process), keepalive (row 25), JSON logs, reflection."""
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def http_status(port: int, path: str) -> int:
 
 
 def test_not_ready_during_model_load(model_dir):
-    """§10 row 11: while loading: Generate UNAVAILABLE, liveness SERVING / HTTP live 200, readiness NOT_SERVING /
+    """docs/architecture.md, "Service behaviours", row 11: while loading: Generate UNAVAILABLE, liveness SERVING / HTTP
+    live 200, readiness NOT_SERVING /
     HTTP ready 503; after load + warm-up: SERVING / 200. The gRPC health name "" (what a probe that names no
     service asks, Kubernetes' included) follows readiness; "liveness" is the gRPC liveness name."""
     gate = threading.Event()
@@ -70,7 +72,8 @@ def test_not_ready_during_model_load(model_dir):
 
 
 def test_bearer_auth(model_dir, tmp_path):
-    """§10 row 7: missing / wrong token → UNAUTHENTICATED (stream and unary); health and reflection stay open."""
+    """docs/architecture.md, "Service behaviours", row 7: missing / wrong token → UNAUTHENTICATED (stream and unary);
+    health and reflection stay open."""
     tokens = tmp_path / "tokens"
     tokens.write_text("# accepted tokens\nsecret-one\n\nsecret-two\n")
     s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
@@ -151,7 +154,8 @@ def test_http_metrics_and_probes(server, stub):
 
 
 def test_engine_fault_fails_calls_and_health(model_dir):
-    """§10 row 20: in-flight RPCs INTERNAL; readiness and liveness NOT_SERVING (HTTP 503); new calls UNAVAILABLE."""
+    """docs/architecture.md, "Service behaviours", row 20: in-flight RPCs INTERNAL; readiness and liveness NOT_SERVING
+    (HTTP 503); new calls UNAVAILABLE."""
     s = ServerThread(base_config(model_dir))
     try:
 
@@ -176,7 +180,8 @@ def test_engine_fault_fails_calls_and_health(model_dir):
 
 
 def test_drain_cancels_streams_still_running_at_grace_end(model_dir, caplog):
-    """§10 row 17 (in process; the SIGTERM path is test_sigterm_drain): readiness flips at once, new calls are
+    """docs/architecture.md, "Service behaviours", row 17 (in process; the SIGTERM path is test_sigterm_drain):
+    readiness flips at once, new calls are
     UNAVAILABLE, a stream outliving the grace period ends cleanly: Finished{CANCELLED}, then status OK; no
     traceback is logged."""
     s = ServerThread(base_config(model_dir))
@@ -201,7 +206,8 @@ def test_drain_cancels_streams_still_running_at_grace_end(model_dir, caplog):
 
 
 def test_client_keepalive_pings_do_not_trigger_goaway(model_dir):
-    """§10 row 25: a client pinging often (here every 300 ms, idle and during a stream) is not sent
+    """docs/architecture.md, "Service behaviours", row 25: a client pinging often (here every 300 ms, idle and during a
+    stream) is not sent
     GOAWAY too_many_pings when the server's minimum ping interval is below it."""
     s = ServerThread(base_config(model_dir, keepalive_min_ping_ms=200))
     opts = [

@@ -1,4 +1,4 @@
-"""Startup that cannot succeed ends (issue 15 item 4, issue 19 item 6): the real ``dgserve serve`` process exits
+"""Startup that cannot succeed ends: the real ``dgserve serve`` process exits
 with status 2 and one line on stderr naming the problem, the port or file, and the flag / env var that fixes it —
 no traceback, no "Event loop is closed", no "coroutine ... was never awaited". The cases run as parallel processes
 (each pays the imports once)."""

@@ -1,4 +1,4 @@
-"""No client behaviour crashes the server (issue 19): a storm of streams ended at random points — cancelled at
+"""No client behaviour crashes the server: a storm of streams ended at random points — cancelled at
 once, after Started, after a Block, after a random delay, left early through our own client's ``generate()``,
 cut by deadlines, stopped by Abort — against a real server process. Afterwards the process is alive and SERVING,
 gives the same seeded tokens, its RSS grew little, and the metrics counted every kind of ending."""

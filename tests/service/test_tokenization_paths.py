@@ -1,4 +1,4 @@
-"""One tokenization of a checkpoint (issue 16, DESIGN Decision 10): `tokenizers`, transformers 5.23's
+"""One tokenization of a checkpoint (python/dgserve/models/small/README.md): `tokenizers`, transformers 5.23's
 `AutoTokenizer`, dgserve's `Tokenizer` and the service (`Tokenize`, `Generate`'s prompt token count) give the same
 ids for plain text and for chat, on the shipped model and on the test fixtures.
 
