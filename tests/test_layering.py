@@ -153,7 +153,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.bounded",
             ),
             ("dgserve.service.http.sse",),
-            ("dgserve.service.servicer", "dgserve.service.http.generate"),
+            ("dgserve.service.servicer", "dgserve.service.http.generate", "dgserve.service.http.tokens"),
             ("dgserve.service.http.app",),
             ("dgserve.service.http.front_door", "dgserve.service.http"),
             ("dgserve.service.server",),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -313,3 +313,30 @@ SamplingParams.__doc__ = (
 def to_signed64(seed: int) -> int:
     """A uint64 seed as the int64 with the same bits (torch has no uint64 arithmetic): how the noise ops take it."""
     return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+TEMPERATURE_ZERO_SEED = 0  # the seed a temperature-0 request without one runs with
+
+
+def with_temperature(params: SamplingParams, temperature: object, explicit: Collection[str] = ()) -> SamplingParams:
+    """OpenAI's ``temperature`` τ on the diffusion sampler's schedule (docs/generation.md, "Temperature schedule").
+
+    - τ = 1 (OpenAI's default): the model's own schedule, unchanged: the output is the same as without it.
+    - τ = 0: deterministic. The schedule is unchanged (a colder schedule accepts more positions per step and
+      commits worse blocks; greedy decoding is not this sampler's best output) and a request that gives no seed runs
+      with seed ``TEMPERATURE_ZERO_SEED``: the same request always gives the same output, of the default quality.
+    - 0 < τ ≤ 2: the schedule scaled, ``t_min · τ`` and ``t_max · τ`` (colder below 1, hotter above).
+    - ``t_min`` / ``t_max`` given explicitly (``explicit`` names them) win: the schedule is then not scaled.
+
+    ValueError naming ``temperature`` outside [0, 2] or for a non-number.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        raise KnobError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise KnobError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
+    if temperature == 0:
+        return params if params.seed is not None else dataclasses.replace(params, seed=TEMPERATURE_ZERO_SEED)
+    if temperature == 1 or "t_min" in explicit or "t_max" in explicit:
+        return params
+    return dataclasses.replace(params, t_min=params.t_min * temperature, t_max=params.t_max * temperature)

@@ -3,7 +3,10 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
 
     GET  /v1/health/live, /v1/health/ready   200 / 503 (NIM-style probes; no auth)
     GET  /metrics (also /v1/metrics)          Prometheus text (no auth)
-    GET  /v1/models                           the served name and aliases
+    GET  /health                              200 / 503 as readiness (vLLM's route; no auth)
+    GET  /version                             {"version": the dgserve version} (no auth)
+    GET  /v1/models, /v1/models/{id}          the served name and aliases; one of them (404 for another)
+    POST /tokenize, /detokenize               vLLM's shapes (tokens.py)
     POST /v1/completions                      prompt: string or token ids; stream: SSE
     POST /v1/chat/completions                 messages through the checkpoint's chat template; stream: SSE
 
@@ -23,7 +26,10 @@ from prometheus_client import Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgserve import __version__
+
 from .. import errors
+from . import tokens
 from .access_log import AccessLog
 from .errors import HttpError, error_response
 from .gate import Gate
@@ -56,8 +62,13 @@ def build_app(gate: Gate) -> FastAPI:
         return _health(gate.live(), "live")
 
     @app.get("/v1/health/ready")
+    @app.get("/health")
     async def ready():
         return _health(gate.ready(), "ready")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     @app.get("/v1/metrics")
@@ -70,6 +81,28 @@ def build_app(gate: Gate) -> FastAPI:
         gate.authorize(request)
         gate.state.ready_engine()
         return _model_list(gate)
+
+    @app.get("/v1/models/{model_id:path}")
+    @_openai_errors
+    async def model(request: Request):
+        gate.authorize(request)
+        gate.state.ready_engine()
+        name = request.path_params["model_id"]
+        gate.state.check_model(name)  # 404 naming the served ones
+        found = [m for m in _model_list(gate)["data"] if m["id"] == name]
+        if not found:
+            raise ValueError("model: give a model id, e.g. GET /v1/models/" + gate.state.names[0])
+        return found[0]
+
+    @app.post("/tokenize")
+    @_openai_errors
+    async def tokenize(request: Request):
+        return await tokens.tokenize(gate, request)
+
+    @app.post("/detokenize")
+    @_openai_errors
+    async def detokenize(request: Request):
+        return await tokens.detokenize(gate, request)
 
     @app.post("/v1/completions")
     @_openai_errors

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
 from dgserve.engine.engine import ChatPrompt, Prompt
-from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams
+from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
 from dgserve.structured import ResponseFormat
 
 from .. import events
@@ -31,7 +31,18 @@ from ..errors import clip
 # bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
 OPENAI_NAMES = {"max_new_tokens": ("max_tokens", "max_completion_tokens")}
 KNOBS = tuple(name for name in SCALAR_KNOBS if name not in OPENAI_NAMES)
-COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "user", "drafts", "response_format", *KNOBS}
+COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "stop",
+    "user",
+    "drafts",
+    "response_format",
+    "temperature",
+    *KNOBS,
+}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
@@ -52,7 +63,6 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "functions": ([],),
 }
 WHY = {
-    "temperature": "the sampler follows a temperature schedule: set t_min and t_max instead",
     "n": "one completion per request",
     "best_of": "one completion per request",
     "logprobs": "log-probabilities are not returned",
@@ -148,7 +158,10 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
     if fmt is not None:
         kw["response_format"] = fmt
     try:
-        return dataclasses.replace(defaults, **kw)
+        params = dataclasses.replace(defaults, **kw)
+        if body.get("temperature") is not None:  # OpenAI's temperature on the schedule; explicit t_min/t_max win
+            params = with_temperature(params, body["temperature"], {k for k in ("t_min", "t_max") if k in kw})
+        return params
     except ValueError as e:
         message = str(e)
         for ours, theirs in names.items():

@@ -186,7 +186,8 @@ def test_request_id_in_and_out(server):
     "extra, param",
     [
         ({"max_tokens": 0}, "max_tokens"),
-        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
         ({"n": 2}, "n"),
         ({"logprobs": 2}, "logprobs"),
         ({"top_p": 0.9}, "top_p"),

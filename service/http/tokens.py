@@ -1,0 +1,107 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes: what a client needs to count and read tokens as the model does.
+
+    POST /tokenize    {"prompt": str} or {"messages": [...], "add_generation_prompt"?, "chat_template_kwargs"?},
+                      "add_special_tokens"? (text: default true, as generation encodes a prompt), "model"?,
+                      "return_token_strs"? → {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"tokens": [int], "model"?} → {"prompt": str}
+
+A chat is rendered by the checkpoint's chat template exactly as /v1/chat/completions renders it; text is encoded as
+a completion's prompt is. At most max_model_len tokens (a longer prompt could never be used; refused with bounded
+work). Errors are OpenAI error bodies naming the field, as for generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from dgserve.engine.engine import ChatPrompt
+
+from .. import events
+from ..errors import clip
+from .body import read_json
+from .gate import Gate
+from .protocol import CHAT_KWARGS
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_FIELDS |= {"chat_template_kwargs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+async def tokenize(gate: Gate, request: Request) -> dict:
+    gate.authorize(request)
+    body = _fields(await read_json(request, gate.max_body_bytes), TOKENIZE_FIELDS)
+    engine = gate.state.ready_engine()
+    gate.state.check_model(_flag(body, "model", str, ""))
+    info = gate.state.info
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("prompt: this model has no tokenizer; /tokenize needs one")
+    special = _flag(body, "add_special_tokens", bool, True)
+    if ("prompt" in body) == ("messages" in body):
+        raise ValueError("prompt: give exactly one of prompt (a string) and messages (a chat)")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        if special:
+            ids = await engine.tokenize(prompt)
+        else:
+            ids = await asyncio.to_thread(tok.encode, prompt, False, info.max_model_len)
+    else:
+        ids = await engine.tokenize(_chat(body))
+    strs = (
+        [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if _flag(body, "return_token_strs", bool, False)
+        else None
+    )
+    return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def detokenize(gate: Gate, request: Request) -> dict:
+    gate.authorize(request)
+    body = _fields(await read_json(request, gate.max_body_bytes), DETOKENIZE_FIELDS)
+    engine = gate.state.ready_engine()
+    gate.state.check_model(_flag(body, "model", str, ""))
+    info = gate.state.info
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ValueError("tokens must be a non-empty list of token ids")
+    ids = events.token_ids(tokens, info.vocab_size, "tokens", info.max_model_len)
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("tokens: this model has no tokenizer; /detokenize needs one")
+    return {"prompt": await asyncio.to_thread(tok.decode, ids)}
+
+
+def _chat(body: dict) -> ChatPrompt:
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    kwargs = _flag(body, "chat_template_kwargs", dict, {})
+    for key, value in kwargs.items():
+        if key not in CHAT_KWARGS:
+            raise ValueError(f"chat_template_kwargs.{clip(key)}: not supported (supported: {', '.join(CHAT_KWARGS)})")
+        if not isinstance(value, bool):
+            raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
+    generation_prompt = _flag(body, "add_generation_prompt", bool, kwargs.get("add_generation_prompt", True))
+    return ChatPrompt(tuple(messages), generation_prompt, kwargs.get("enable_thinking", False))
+
+
+def _fields(body, known: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    for name in body:
+        if name not in known:
+            raise ValueError(f"{clip(name)}: unknown field (known: {', '.join(sorted(known))})")
+    return body
+
+
+def _flag(body: dict, name: str, kind: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"{name} must be a {'boolean' if kind is bool else kind.__name__}")
+    return value
