@@ -66,6 +66,13 @@ def token_ids(ids: Sequence[int], vocab_size: int, field: str, max_len: int | No
 # ---------------------------------------------------------------------------------------------- numbers
 
 
+def fills_context(limit_given: bool, params: SamplingParams) -> bool:
+    """Whether a request may generate up to the room left in its context (``Engine.make_request``): one that set
+    no token limit and whose output a grammar ends (response_format), so that it is not cut short at the default
+    max_new_tokens (vLLM's rule for a request without max_tokens). Both doors ask this."""
+    return not limit_given and params.response_format is not None
+
+
 def finite(x: float) -> float:
     """x, or 0.0 for NaN and infinities (no wire format here carries them)."""
     return x if math.isfinite(x) else 0.0

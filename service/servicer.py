@@ -14,7 +14,7 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
-from .events import ErrorEvent, Events
+from .events import ErrorEvent, Events, fills_context
 from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
 
@@ -67,6 +67,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             timeout_s=call.time_remaining(),
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,
+            fill_context=fills_context(request.params.HasField("max_new_tokens"), params),
         )
         feed = Events(stream)
         self.state.streams.enter()

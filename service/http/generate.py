@@ -25,7 +25,14 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     engine = gate.state.ready_engine()
     call = _parse(body, engine.default_params(), gate.state.info, chat)
     gate.state.check_model(call.model)
-    stream = await engine.submit(call.prompt, call.params, request.state.request_id, drafts=call.drafts, owner=owner)
+    stream = await engine.submit(
+        call.prompt,
+        call.params,
+        request.state.request_id,
+        drafts=call.drafts,
+        owner=owner,
+        fill_context=call.fill_context,
+    )
     feed = events.Events(stream)
     out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)
     headers = {"X-Dgserve-Seed": str(out.seed)}

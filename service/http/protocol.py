@@ -85,6 +85,7 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     drafts: DraftSpec | None = None
+    fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -135,7 +136,9 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
         include_usage = options.get("include_usage", False)
     drafts = _drafts(body.get("drafts"), stream)
     model = _optional(body, "model", str) or ""
-    return Call(prompt, sampling_params(body, defaults, limit_field), model, stream, include_usage, drafts)
+    params = sampling_params(body, defaults, limit_field)
+    fill = events.fills_context(body.get(limit_field) is not None, params)
+    return Call(prompt, params, model, stream, include_usage, drafts, fill)
 
 
 def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "max_tokens") -> SamplingParams:

@@ -117,3 +117,22 @@ def test_tokenize_a_chat_as_chat_completions_renders_it(url, stub, local_engine)
 def test_token_routes_name_the_bad_field(url, route, body, param):
     r = httpx.post(url + route, json=body, timeout=30)
     assert r.status_code == (404 if param is None else 400) and r.json()["error"]["param"] == param, r.text
+
+
+# ---------------------------------------------------------------------------------------------- max_tokens omitted
+
+
+def test_structured_request_without_max_tokens_fills_the_context():
+    """No token limit + a response_format: the request may use the room left in its context (as vLLM does), so a
+    grammar's document is not cut at the default max_new_tokens; with a limit, or free text, nothing changes."""
+    from dgserve.sampling_params import SamplingParams
+    from dgserve.service.http import protocol
+
+    d = SamplingParams()
+    fmt = {"response_format": {"type": "json_object"}}
+    assert protocol.completion_request({"prompt": "x", **fmt}, d, 300).fill_context
+    assert not protocol.completion_request({"prompt": "x", "max_tokens": 9, **fmt}, d, 300).fill_context
+    assert not protocol.completion_request({"prompt": "x"}, d, 300).fill_context
+    chat = {"messages": [{"role": "user", "content": "x"}], **fmt}
+    assert protocol.chat_request(chat, d).fill_context
+    assert not protocol.chat_request({**chat, "max_completion_tokens": 9}, d).fill_context

@@ -297,10 +297,12 @@ class AsyncEngine:
         timeout_s: float | None = None,
         drafts: DraftSpec | None = None,
         owner: str | None = None,
+        fill_context: bool = False,
     ) -> RequestStream:
         """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
         NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
-        queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``)."""
+        queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``).
+        ``fill_context``: no max_new_tokens was given; the request may use the room left (``Engine.make_request``)."""
         if request_id is not None:
             check_request_id(request_id)
         if not self.running:
@@ -312,7 +314,7 @@ class AsyncEngine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         make = lambda: self.engine.make_request(  # noqa: E731
-            prompt, params, request_id, deadline=deadline, owner=owner, drafts=drafts
+            prompt, params, request_id, deadline=deadline, owner=owner, drafts=drafts, fill_context=fill_context
         )
         structured = params is not None and params.response_format is not None
         if isinstance(prompt, (list, tuple)) and not structured:

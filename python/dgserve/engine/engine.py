@@ -252,17 +252,25 @@ class Engine:
         deadline: float | None = None,
         owner: str | None = None,
         drafts: DraftSpec | None = None,
+        fill_context: bool = False,
     ) -> Request:
         """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
         the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
         field. ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any
         model work (its last block: finish_reason "cancelled"). ``owner``: who may abort it (``abort``). ``drafts``:
-        the previews the caller wants (the async engine streams them)."""
+        the previews the caller wants (the async engine streams them). ``fill_context``: the caller set no
+        max_new_tokens, and the request may use the room left in the context (``room_left``) instead of
+        ``params.max_new_tokens``, as vLLM does for a request without max_tokens: a structured or tool-calling
+        output is then ended by its grammar or EOS, not cut short."""
         params = params or self.default_params()
         if request_id is not None:
             check_request_id(request_id)
+        if fill_context:  # at least one canvas must fit; the room is known once the prompt is tokenized
+            params = dataclasses.replace(params, max_new_tokens=self.model.config.canvas_length)
         self.check_work(params)
         prompt_ids = self.request_prompt_ids(prompt, params.max_new_tokens)
+        if fill_context:
+            params = dataclasses.replace(params, max_new_tokens=self.room_left(len(prompt_ids), params))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
             params = dataclasses.replace(params, seed=secrets.randbits(64))
@@ -476,6 +484,15 @@ class Engine:
             raise
         self.check_context(len(ids), max_new_tokens)
         return ids
+
+    def room_left(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """The most tokens a request of ``prompt_tokens`` may generate: the whole canvases left in its context (the
+        window, or the KV cache slot when that is smaller), and at most ``max_request_steps`` of work."""
+        C: int = self.model.config.canvas_length
+        canvases = (min(self.max_model_len, self.runner.slot_len) - prompt_tokens) // C
+        if self.max_request_steps is not None:
+            canvases = min(canvases, self.max_request_steps // params.max_denoising_steps)
+        return int(max(1, canvases) * C)
 
     def canvases(self, max_new_tokens: int) -> int:
         """How many canvases (blocks) a request of ``max_new_tokens`` may generate: the ceiling of tokens / C."""
