@@ -30,14 +30,8 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 async def tokenize(gate: Gate, request: Request) -> dict:
-    gate.authorize(request)
-    body = _fields(await read_json(request, gate.max_body_bytes), TOKENIZE_FIELDS)
-    engine = gate.state.ready_engine()
-    gate.state.check_model(_flag(body, "model", str, ""))
+    body, engine, tok = await _open(gate, request, TOKENIZE_FIELDS, "prompt")
     info = gate.state.info
-    tok = engine.tokenizer
-    if tok is None:
-        raise ValueError("prompt: this model has no tokenizer; /tokenize needs one")
     special = _flag(body, "add_special_tokens", bool, True)
     if ("prompt" in body) == ("messages" in body):
         raise ValueError("prompt: give exactly one of prompt (a string) and messages (a chat)")
@@ -60,19 +54,24 @@ async def tokenize(gate: Gate, request: Request) -> dict:
 
 
 async def detokenize(gate: Gate, request: Request) -> dict:
-    gate.authorize(request)
-    body = _fields(await read_json(request, gate.max_body_bytes), DETOKENIZE_FIELDS)
-    engine = gate.state.ready_engine()
-    gate.state.check_model(_flag(body, "model", str, ""))
+    body, _, tok = await _open(gate, request, DETOKENIZE_FIELDS, "tokens")
     info = gate.state.info
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise ValueError("tokens must be a non-empty list of token ids")
     ids = events.token_ids(tokens, info.vocab_size, "tokens", info.max_model_len)
-    tok = engine.tokenizer
-    if tok is None:
-        raise ValueError("tokens: this model has no tokenizer; /detokenize needs one")
     return {"prompt": await asyncio.to_thread(tok.decode, ids)}
+
+
+async def _open(gate: Gate, request: Request, fields: set[str], field: str):
+    """(body, engine, tokenizer) of an authorized call to a ready server for a served model."""
+    gate.authorize(request)
+    body = _fields(await read_json(request, gate.max_body_bytes), fields)
+    engine = gate.state.ready_engine()
+    gate.state.check_model(_flag(body, "model", str, ""))
+    if engine.tokenizer is None:
+        raise ValueError(f"{field}: this model has no tokenizer; {request.url.path} needs one")
+    return body, engine, engine.tokenizer
 
 
 def _chat(body: dict) -> ChatPrompt:
