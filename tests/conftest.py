@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random DiffusionGemma checkpoints written by transformers' save_pretrained.
 
-transformers is a test-only dependency; it is the reference we must match (spec §6).
+transformers is a test-only dependency; it is the reference we must match (docs/exactness.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The architecture's boundaries (DESIGN.md, Layout), checked on the source tree."""
+"""The architecture's boundaries (docs/architecture.md), checked on the source tree."""
 
 from __future__ import annotations
 

@@ -105,6 +105,10 @@ def test_thinking_requests_keep_their_markers(special_marker_engine):
     assert ChatPrompt(ask, enable_thinking=True).output_parser(kept).push(text).reasoning_content == "plan"
     plain = e.make_request(ChatPrompt(ask), e.default_params(max_new_tokens=32))
     assert plain.tracker.add_block(block)[1] == "thought\nplanok"
+    no_calls = ChatPrompt(ask, tools=ToolSet.from_openai([{"type": "function", "function": {"name": "f"}}], "none"))
+    assert (
+        e.make_request(no_calls, e.default_params(max_new_tokens=32)).tracker.add_block(block)[1] == "thought\nplanok"
+    )
     tracker = OutputTracker(32, frozenset({1}), False, (), tok, skip_special_tokens=False)
     assert tracker.add_block([*block, 1])[1] == "<|channel>thought\nplan<channel|>ok"  # EOS still cut, never shown
 

@@ -484,9 +484,9 @@ def engine() -> Engine:
     return Engine.from_pretrained(SHIPPED)
 
 
-def _run(engine: Engine, prompt: ChatPrompt, seed: int):
+def _run(engine: Engine, prompt: ChatPrompt, seed: int, max_new_tokens: int = 48):
     """(result, parsed message) of one request; small budgets keep the CPU suite fast."""
-    params = engine.default_params(seed=seed, max_new_tokens=48, max_denoising_steps=4)
+    params = engine.default_params(seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=4)
     req = engine.add(engine.make_request(prompt, params))
     while not req.finished:
         engine.step()
@@ -526,7 +526,7 @@ def test_named_function_is_the_one_called_and_seeded_runs_repeat(engine):
 def test_auto_gives_text_or_valid_calls(engine):
     prompt = ChatPrompt(ASK, tools=ToolSet.from_openai([WEATHER, TIME]))
     for seed in (0, 1):
-        result, msg = _run(engine, prompt, seed)
+        result, msg = _run(engine, prompt, seed, max_new_tokens=32)
         assert result.finish_reason in ("eos", "length")
         assert TOOL_CALL_BEGIN not in msg.content
         for call in msg.tool_calls:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Train the small DiffusionGemma shipped in `python/dgserve/models/small/` (issue 8, DESIGN.md Decision 10).
+"""Train the small DiffusionGemma shipped in `python/dgserve/models/small/` (its card: README.md there).
 
 Three stages, all driven by this one script (each is skipped when its output already exists):
 
-1. corpus: `--corpus modern` (the shipped model since issue 16): documentation prose from Debian packages
+1. corpus: `--corpus modern` (the shipped model): documentation prose from Debian packages
    (python3.11-doc, git-doc, debian-reference-en; see tools/modern_corpus.py), whole documents held out (every 20th),
    plus chat examples built from consecutive sentences of a train paragraph. `--corpus kjv` (the model shipped
    before): the King James Bible from Debian's `bible-kjv-text` package (public domain), extracted with the
@@ -12,7 +12,7 @@ Three stages, all driven by this one script (each is skipped when its output alr
 2. tokenizer: a byte-level BPE trained with `tokenizers` on the train split only, with a `<bos> $A` post-processor
    (tokenizer_config.json says add_bos_token, so every tokenizer path adds exactly one BOS, as the training
    documents `<bos>...<eos>` have);
-3. training: the uniform-noise block-diffusion objective of spec §10 with transformers'
+3. training: the uniform-noise block-diffusion objective (docs/generation.md) with transformers'
    `DiffusionGemmaForBlockDiffusion` (the reference implementation) on CPU (or CUDA if available):
    prefix encoded causally by the encoder (it writes the KV cache, with gradients), canvas = the next C tokens,
    corrupted per example with probability t (t = u ** t_power, u ~ U(0, 1]) by uniform random ids,
@@ -150,7 +150,7 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
 def build_modern_corpus(work: pathlib.Path, seed: int) -> dict:
-    """Modern English documentation prose from Debian packages (tools/modern_corpus.py; issue 16 item 3), plus chat
+    """Modern English documentation prose from Debian packages (tools/modern_corpus.py), plus chat
     exchanges built from consecutive sentences of one train paragraph (user: a sentence, model: the next one or
     two)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -1,5 +1,5 @@
 """What generation returns: per-block outputs with stats, the final result, and the output rules
-(DESIGN Decision 4): cut at max_new_tokens, after the first EOS (kept) unless ignore_eos, and at stop
+(docs/generation.md, 'Output rules'): cut at max_new_tokens, after the first EOS (kept) unless ignore_eos, and at stop
 strings (text cut before the match; token_ids end with the token that completed it). Text never
 includes EOS. Block token_ids partition the result's token_ids.
 """
@@ -37,7 +37,7 @@ class BlockOutput:
 
     @property
     def denoising_steps(self) -> int:
-        """Decoder forwards run for this block (the DESIGN contract's ``blocks[i].denoising_steps``)."""
+        """Decoder forwards run for this block (the API's ``blocks[i].denoising_steps``)."""
         return self.stats.denoising_steps
 
 

@@ -66,8 +66,8 @@ class ChatPrompt:
 
     ``tools`` (docs/tools.md): the request's tools, tool_choice and parallel_tool_calls. The prompt declares the
     tools (unless tool_choice is "none"), and ``Engine.make_request`` turns them into the request's output
-    constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools or
-    ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
+    constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools it may call
+    or ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
     reasoning, content and tool calls."""
 
     messages: tuple[dict[str, Any], ...]
@@ -77,8 +77,9 @@ class ChatPrompt:
 
     @property
     def keeps_markers(self) -> bool:
-        """Whether the output is decoded with special tokens kept (tools or thinking: the parsers read markers)."""
-        return self.tools is not None or self.enable_thinking
+        """Whether the output is decoded with special tokens kept: tools it may call, or thinking (the parsers
+        read the markers)."""
+        return (self.tools is not None and self.tools.calls) or self.enable_thinking
 
     def output_parser(self, request: Request) -> ChatOutputParser:
         """The parser of ``request``'s output (made from this prompt): tool calls when it may call tools,

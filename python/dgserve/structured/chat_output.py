@@ -4,8 +4,8 @@ calls, all at once (``parse_chat_output``) or block by block (``ChatOutputParser
 The text goes through the reasoning splitter first (``dgserve.text.reasoning``, when the prompt enabled thinking)
 and its content through the tool-call parser (``dgserve.structured.tool_parser``, when the request may call
 tools), so reasoning comes first, then content and calls. The parsers need the markers in the text: a request
-with tools or thinking decodes its output with special tokens kept (``Engine.make_request`` does this for a
-``ChatPrompt`` with either).
+that may call tools or thinks decodes its output with special tokens kept (``Engine.make_request`` does this for
+such a ``ChatPrompt``).
 """
 
 from __future__ import annotations
