@@ -30,6 +30,34 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def special_marker_engine(tmp_path_factory):
+    """An Engine on a tiny random model whose vocabulary has Gemma 4's tool and channel markers as special tokens,
+    as the real model's does (the shipped small model spells them in ordinary tokens)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from dgserve import Engine
+    from dgserve.model.default_model import add_bos_post_processor
+    from dgserve.model.tiny import make_random_checkpoint
+
+    path = tmp_path_factory.mktemp("special-markers")
+    make_random_checkpoint(path, "tiny")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    markers = ["<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", "<|tool_response>", "<tool_response|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", *markers],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["call get weather city Paris Oslo days zone UTC time thought plan"], trainer=trainer)
+    add_bos_post_processor(tok).save(str(path / "tokenizer.json"))
+    return Engine.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
 def hf_model_loader():
     """hf_model_loader(path, dtype) -> transformers DiffusionGemmaForBlockDiffusion in eval mode."""
     from transformers import DiffusionGemmaForBlockDiffusion

@@ -98,10 +98,26 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.v1",
                 "dgserve.v1.*",
                 "dgserve.text.token_bounds",
+                "dgserve.text.gemma4",  # the Gemma 4 markers and the built-in format's tool pieces
+                "dgserve.text.messages",
+                "dgserve.text.reasoning",
                 "dgserve.structured.schema_check",
             ),
-            ("dgserve.text", "dgserve.text.tokenizer", "dgserve.structured.response_format"),
-            ("dgserve.sampling_params", "dgserve.outputs", "dgserve.structured", "dgserve.structured.grammar"),
+            (
+                "dgserve.text",
+                "dgserve.text.tokenizer",
+                "dgserve.structured.response_format",
+                "dgserve.structured.tool_parser",
+            ),
+            (
+                "dgserve.sampling_params",
+                "dgserve.outputs",
+                "dgserve.structured",
+                "dgserve.structured.grammar",
+                "dgserve.structured.tools",
+                "dgserve.structured.tool_grammar",
+                "dgserve.structured.chat_output",
+            ),
             ("dgserve.structured.constrained",),  # the grammar-verified step the sampler calls
         ),
     ),

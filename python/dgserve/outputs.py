@@ -70,7 +70,13 @@ class OutputTracker:
     """
 
     def __init__(
-        self, max_new_tokens: int, eos_ids: frozenset[int], ignore_eos: bool, stop: tuple[str, ...], tokenizer=None
+        self,
+        max_new_tokens: int,
+        eos_ids: frozenset[int],
+        ignore_eos: bool,
+        stop: tuple[str, ...],
+        tokenizer=None,
+        skip_special_tokens: bool = True,
     ):
         if stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
@@ -79,7 +85,8 @@ class OutputTracker:
         self.all_eos = eos_ids
         self.stop = stop
         self.tokenizer = tokenizer
-        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        # skip_special_tokens False keeps marker tokens in the text (tool calls and reasoning, docs/tools.md)
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.text = ""  # text emitted so far
         self.finish_reason: str | None = None

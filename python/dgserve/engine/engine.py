@@ -45,10 +45,12 @@ from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampling_params import SamplingParams
+from dgserve.structured.tools import ToolSet
 from dgserve.text.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
     from dgserve.model.runtime import RuntimePlan
+    from dgserve.structured.chat_output import ChatOutputParser
     from dgserve.structured.constrained import StructuredRow
     from dgserve.structured.grammar import GrammarCompiler
     from dgserve.text.tokenizer import Tokenizer
@@ -60,11 +62,34 @@ log = logging.getLogger("dgserve.engine.engine")
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt."""
+    """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt.
+
+    ``tools`` (docs/tools.md): the request's tools, tool_choice and parallel_tool_calls. The prompt declares the
+    tools (unless tool_choice is "none"), and ``Engine.make_request`` turns them into the request's output
+    constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools it may call
+    or ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
+    reasoning, content and tool calls."""
 
     messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     enable_thinking: bool = False
+    tools: ToolSet | None = None
+
+    @property
+    def keeps_markers(self) -> bool:
+        """Whether the output is decoded with special tokens kept: tools it may call, or thinking (the parsers
+        read the markers)."""
+        return (self.tools is not None and self.tools.calls) or self.enable_thinking
+
+    def output_parser(self, request: Request) -> ChatOutputParser:
+        """The parser of ``request``'s output (made from this prompt): tool calls when it may call tools,
+        reasoning when thinking is enabled, call ids seeded by its seed and prompt."""
+        from dgserve.structured.chat_output import ChatOutputParser
+        from dgserve.structured.tool_parser import call_id_seed
+
+        seed = request.params.seed if request.params.seed is not None else 0
+        calls = self.tools is not None and self.tools.calls
+        return ChatOutputParser(calls, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
 
 
 Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
@@ -256,13 +281,14 @@ class Engine:
     ) -> Request:
         """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
         the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
-        field. ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any
-        model work (its last block: finish_reason "cancelled"). ``owner``: who may abort it (``abort``). ``drafts``:
-        the previews the caller wants (the async engine streams them). ``fill_context``: the caller set no
-        max_new_tokens, and the request may use the room left in the context (``room_left``) instead of
-        ``params.max_new_tokens``, as vLLM does for a request without max_tokens: a structured or tool-calling
-        output is then ended by its grammar or EOS, not cut short."""
-        params = params or self.default_params()
+        field. A ``ChatPrompt`` with tools gets their output constraint (``with_tools``). ``deadline``
+        (time.monotonic() seconds): a request still waiting then is dropped before any model work (its last block:
+        finish_reason "cancelled"). ``owner``: who may abort it (``abort``). ``drafts``: the previews the caller
+        wants (the async engine streams them). ``fill_context``: the caller set no max_new_tokens, and the request
+        may use the room left in the context (``room_left``) instead of ``params.max_new_tokens``, as vLLM does
+        for a request without max_tokens: a structured or tool-calling output is then ended by its grammar or EOS,
+        not cut short."""
+        params = with_tools(prompt, params or self.default_params())
         if request_id is not None:
             check_request_id(request_id)
         if fill_context:  # at least one canvas must fit; the room is known once the prompt is tokenized
@@ -274,7 +300,10 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
             params = dataclasses.replace(params, seed=secrets.randbits(64))
-        tracker = OutputTracker(params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer)
+        keep = isinstance(prompt, ChatPrompt) and prompt.keeps_markers
+        tracker = OutputTracker(
+            params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer, not keep
+        )
         grammar = self._structured_row(params)
         return Request(rid, prompt_ids, params, tracker, deadline=deadline, owner=owner, grammar=grammar, drafts=drafts)
 
@@ -458,8 +487,13 @@ class Engine:
             if isinstance(prompt, str):
                 ids = tok.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
             else:
+                tools = prompt.tools.rendered() if prompt.tools is not None else None
                 ids = tok.encode_chat(
-                    list(prompt.messages), prompt.add_generation_prompt, prompt.enable_thinking, max_tokens=max_tokens
+                    list(prompt.messages),
+                    prompt.add_generation_prompt,
+                    prompt.enable_thinking,
+                    max_tokens=max_tokens,
+                    tools=tools,
                 )
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
@@ -522,6 +556,26 @@ class Engine:
                 f"{self.max_model_len} positions"
             )
         self.runner.check_fits(prompt_tokens + n_blocks * C)
+
+
+def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:
+    """``params`` with the output constraint of a ``ChatPrompt``'s tools (docs/tools.md): a tool_calls
+    ``ResponseFormat`` unless tool_choice is "none". A request that may call tools cannot also ask for a
+    response_format, stop strings or ignore_eos (ValueError naming that field): the tool grammar decides where the
+    output ends (EOS after the calls, or where the text ends)."""
+    if not isinstance(prompt, ChatPrompt) or prompt.tools is None:
+        return params
+    fmt = prompt.tools.response_format(thinking=prompt.enable_thinking)
+    if fmt is None:
+        return params
+    why = "cannot be combined with tools unless tool_choice is none (the tool grammar shapes the output)"
+    if params.response_format is not None:
+        raise ValueError(f"response_format: {why}")
+    if params.stop:
+        raise ValueError(f"stop: {why}")
+    if params.ignore_eos:
+        raise ValueError(f"ignore_eos: {why}")
+    return dataclasses.replace(params, response_format=fmt)
 
 
 def check_request_id(value: str, field: str = "request_id") -> None:

@@ -4,11 +4,13 @@
 ``ResponseFormat`` once (an LRU cache keyed by ``ResponseFormat.key()``); ``matcher`` hands out a fresh matcher
 per request. Compile work is bounded: the schema text is capped in ``ResponseFormat`` and llguidance's parser
 limits cap the grammar size and the lexer work (``LIMITS``). Every rejection is a ``GrammarError`` (a
-ValueError) naming ``response_format``: the service maps it to INVALID_ARGUMENT / HTTP 400.
+ValueError) naming ``response_format`` (for the tool grammar of a request with tools, ``tools[i].function.parameters``
+or ``tools``, docs/tools.md): the service maps it to INVALID_ARGUMENT / HTTP 400.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -20,7 +22,9 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import numpy as np
 
-from dgserve.structured.response_format import ResponseFormat
+from dgserve.structured.response_format import TOOL_CALLS, ResponseFormat
+from dgserve.structured.tool_grammar import tool_lark
+from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOOL_CALL_END
 
 if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions
@@ -32,6 +36,7 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separato
 MAX_GRAMMAR_SYMBOLS = 50_000  # llguidance default 500k; a 32 KiB schema stays well below this
 INITIAL_LEXER_FUEL = 500_000  # ~10 ms of regex analysis (llguidance: ~50k/ms); default 1M
 CACHE_SIZE = 128
+MARKERS = (TOOL_CALL_BEGIN, TOOL_CALL_END, CHANNEL_BEGIN, CHANNEL_END)  # written as tokens where they are special
 # Numbers are bounded like whitespace (a weak model would otherwise write digits until max_new_tokens): a number or
 # integer schema without its own bounds gets |x| <= 10^15, and a number without multipleOf at most 6 decimals (no
 # exponent). Every document produced still validates against the request's schema (a subset of its numbers).
@@ -119,14 +124,14 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         t0 = time.perf_counter()
+        where, what = ("tools", "tool grammar") if fmt.type == TOOL_CALLS else ("response_format", fmt.type)
         try:
-            text = grammar_text(fmt)
+            text = self._tool_grammar(fmt) if fmt.type == TOOL_CALLS else grammar_text(fmt)
         except ValueError as e:
-            raise GrammarError(f"response_format: invalid {fmt.type}: {e}") from None
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=_limits())
-        if failed:
-            raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(messages[0])}")
-        self._check_start(fmt, text)
+            if isinstance(e, GrammarError):
+                raise
+            raise GrammarError(f"{where}: invalid {what}: {e}") from None
+        self._validate(text, where, what, may_be_empty=fmt.type in ("regex", TOOL_CALLS))
         log.debug("compiled a %s grammar in %.1f ms", fmt.type, 1e3 * (time.perf_counter() - t0))
         with self._lock:
             self.compiles += 1
@@ -135,22 +140,54 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return text
 
-    def _check_start(self, fmt: ResponseFormat, text: str) -> None:
-        """GrammarError unless the grammar's first state admits a first token: a grammar that fails there, admits
-        nothing, or (for JSON and choices, which are never empty) admits only the end of the output can never give
-        a valid result, and is refused now rather than failing (or ending empty) mid-request."""
+    def _validate(self, text: str, where: str, what: str, may_be_empty: bool) -> None:
+        """GrammarError naming ``where`` unless llguidance accepts the grammar and its first state admits a first
+        token: a grammar that fails there, admits nothing, or (unless ``may_be_empty``: JSON and choices are never
+        empty) admits only the end of the output can never give a valid result, and is refused now rather than
+        failing (or ending empty) mid-request."""
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=_limits())
+        if failed:
+            raise GrammarError(f"{where}: invalid {what}: {_first_line(messages[0])}")
         m = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
         forced = m.compute_ff_tokens() if not m.is_error() else []
         words = np.frombuffer(m.compute_bitmask(), dtype=np.int32) if not m.is_error() and not forced else None
         if m.is_error():
-            raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(m.get_error())}")
+            raise GrammarError(f"{where}: invalid {what}: {_first_line(m.get_error())}")
         if words is None:
             return  # a forced first token: the output starts
         allowed = set(allowed_tokens(words, self.vocab_size).tolist())
         if not allowed:
-            raise GrammarError(f"response_format: the {fmt.type} admits no output at all (unsatisfiable)")
-        if fmt.type != "regex" and allowed <= self.eos_ids:
-            raise GrammarError(f"response_format: the {fmt.type} admits only an empty output (unsatisfiable)")
+            raise GrammarError(f"{where}: the {what} admits no output at all (unsatisfiable)")
+        if not may_be_empty and allowed <= self.eos_ids:
+            raise GrammarError(f"{where}: the {what} admits only an empty output (unsatisfiable)")
+
+    def _tool_grammar(self, fmt: ResponseFormat) -> str:
+        """The grammar of a tool_calls format (``dgserve.structured.tool_grammar``). Each function's parameters
+        schema is compiled and checked on its own first, so an error names it: ``tools[i].function.parameters``."""
+        assert fmt.tools is not None
+        schemas: dict[str, dict] = {}
+        for f in fmt.tools.functions:
+            where = f"tools[{f.index}].function.parameters"
+            schema = json.loads(f.schema)
+            bound_numbers(schema)  # in place
+            try:
+                text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise GrammarError(f"{where}: invalid schema: {e}") from None
+            self._validate(text, where, "schema", may_be_empty=False)
+            schemas[f.name] = {**schema, "x-guidance": dict(JSON_OPTIONS)}
+        return llg.LLMatcher.grammar_from_lark(tool_lark(fmt.tools, schemas, self.special_markers))
+
+    @functools.cached_property
+    def special_markers(self) -> frozenset[str]:
+        """The Gemma 4 markers that are single special tokens of this vocabulary (the tool grammar writes those as
+        tokens, the others as text)."""
+        out = set()
+        for marker in MARKERS:
+            ids = self.tokenizer.tokenize_str(marker, parse_special=True)
+            if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+                out.add(marker)
+        return frozenset(out)
 
     def matcher(self, fmt: ResponseFormat) -> llg.LLMatcher:
         """A fresh matcher at the start of the document (one per request)."""

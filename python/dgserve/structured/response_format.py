@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from dgserve.structured import schema_check
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice")  # what a request may send
+TOOL_CALLS = "tool_calls"  # built from a request's tools (dgserve.structured.tools), never sent
 MAX_SCHEMA_BYTES = 32 * 1024  # bounds compile time and grammar size before the engine sees the schema
 MAX_REGEX_LENGTH = 4096
 MAX_CHOICES = 256
@@ -21,11 +22,42 @@ MAX_NAME_LENGTH = 256
 
 
 @dataclass(frozen=True)
+class ToolSchema:
+    """One function as the tool grammar sees it: its position in the request's ``tools`` (errors name
+    ``tools[index]``), its name and its parameters schema (JSON text of an object schema)."""
+
+    index: int
+    name: str
+    schema: str
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """The constraint of a request with tools (docs/tools.md, "The grammar"), built by
+    ``dgserve.structured.tools.ToolSet``, which validates it.
+
+    functions: every tool of the request (each schema is compiled, so a bad one is refused whichever is chosen).
+    required: at least one call (tool_choice "required" or a named function); else text or calls ("auto").
+    only: the one function that may be called (a named tool_choice), else None (any of them).
+    parallel: more than one call may be made (parallel_tool_calls); a named function is called once.
+    thinking: a thought channel may come first (the prompt enabled thinking).
+    """
+
+    functions: tuple[ToolSchema, ...]
+    required: bool = False
+    only: str | None = None
+    parallel: bool = True
+    thinking: bool = False
+
+
+@dataclass(frozen=True)
 class ResponseFormat:
     """A constraint on the generated text.
 
     type: "json_schema" (``schema``: JSON Schema text), "json_object" (any JSON object), "regex" (``regex``: the
-    whole output matches it) or "choice" (``choices``: the output is exactly one of them).
+    whole output matches it), "choice" (``choices``: the output is exactly one of them) or "tool_calls" (``tools``:
+    text or calls of the request's functions in Gemma 4's call syntax, docs/tools.md; built from a request's tools,
+    never sent as a response_format).
     name, strict: OpenAI's json_schema fields, kept for the record (the output always follows the schema).
     """
 
@@ -35,9 +67,10 @@ class ResponseFormat:
     strict: bool = False
     regex: str | None = None
     choices: tuple[str, ...] = field(default_factory=tuple)
+    tools: ToolCallFormat | None = None
 
     def __post_init__(self) -> None:
-        if self.type not in KINDS:
+        if self.type not in (*KINDS, TOOL_CALLS):
             raise ValueError(f"response_format: type must be one of {', '.join(KINDS)}, got {self.type!r}")
         object.__setattr__(self, "choices", tuple(self.choices))
         if not isinstance(self.name, str) or len(self.name) > MAX_NAME_LENGTH:
@@ -46,8 +79,9 @@ class ResponseFormat:
             "schema": self.schema is not None,
             "regex": self.regex is not None,
             "choices": bool(self.choices),
+            "tools": self.tools is not None,
         }
-        wanted = {"json_schema": "schema", "regex": "regex", "choice": "choices"}.get(self.type)
+        wanted = {"json_schema": "schema", "regex": "regex", "choice": "choices", TOOL_CALLS: "tools"}.get(self.type)
         for name, present in given.items():
             if present and name != wanted:
                 raise ValueError(f"response_format: {name} is not used by type {self.type!r}")
@@ -60,10 +94,14 @@ class ResponseFormat:
                 raise ValueError(f"response_format: regex is {len(self.regex)} characters; at most {MAX_REGEX_LENGTH}")
         elif self.type == "choice":
             _check_choices(self.choices)
+        elif self.type == TOOL_CALLS and not isinstance(self.tools, ToolCallFormat):
+            raise ValueError(
+                f"response_format: type {TOOL_CALLS!r} is made from a request's tools; send tools and tool_choice"
+            )
 
     def key(self) -> tuple:
         """The grammar cache key: everything that changes the compiled grammar."""
-        return (self.type, self.schema, self.regex, self.choices)
+        return (self.type, self.schema, self.regex, self.choices, self.tools)
 
 
 def _check_schema(schema: object) -> None:

@@ -37,14 +37,15 @@ def depth(value: object) -> int:
     return deepest
 
 
-def check_depth(schema: object) -> None:
+def check_depth(schema: object, field: str = "response_format") -> None:
+    """ValueError naming ``field`` when ``schema`` nests deeper than MAX_SCHEMA_DEPTH."""
     n = depth(schema)
     if n > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"response_format: schema nests {n} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
+        raise ValueError(f"{field}: schema nests {n} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
 
 
-def check_productive(schema: object) -> None:
-    """ValueError naming response_format when ``schema`` admits no finite JSON document (see the module doc)."""
+def check_productive(schema: object, field: str = "response_format") -> None:
+    """ValueError naming ``field`` when ``schema`` admits no finite JSON document (see the module doc)."""
     nodes = _subschemas(schema)
     productive: set[int] = set()
     changed = True
@@ -56,7 +57,7 @@ def check_productive(schema: object) -> None:
                 changed = True
     if id(schema) not in productive:
         raise ValueError(
-            "response_format: the schema admits no finite JSON document (a required part refers back to itself, "
+            f"{field}: the schema admits no finite JSON document (a required part refers back to itself, "
             "directly or through $ref; make the recursion optional, e.g. minItems 0 or a property not required)"
         )
 

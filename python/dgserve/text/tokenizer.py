@@ -29,11 +29,12 @@ import jinja2.sandbox
 import jinja2.utils
 import tokenizers
 
+from dgserve.text import gemma4
+from dgserve.text.messages import check_unicode, message_text, validate_messages
 from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
 log = logging.getLogger("dgserve")
 
-ROLES = ("system", "user", "assistant", "model")
 DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -190,26 +191,38 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> str:
         """Render `messages` as a prompt string.
 
-        `messages` is a non-empty list of `{"role": r, "content": c}` with r in system | user | assistant | model
-        (system only as the first message) and c a str or a list of `{"type": "text", "text": str}` parts; other
-        keys are passed through to a checkpoint template. Invalid input raises ValueError naming the field
-        (`messages[i].role`, ...); a non-text part raises NotImplementedError naming `messages[i].content[j].type`.
+        `messages` is a non-empty list of `{"role": r, "content": c}` with r in system | user | assistant | model |
+        tool (system only as the first message) and c a str or a list of `{"type": "text", "text": str}` parts;
+        assistant messages may carry `tool_calls` (content then may be None) and tool messages `tool_call_id`
+        (`dgserve.text.messages`); other keys are passed through to a checkpoint template. Invalid input raises
+        ValueError naming the field (`messages[i].role`, ...); a non-text part raises NotImplementedError naming
+        `messages[i].content[j].type`. `tools`: OpenAI-shaped function tools (`{"type": "function", "function":
+        {"name", "description", "parameters"}}`, see `dgserve.structured.tools`) the prompt declares; None or
+        empty: none.
 
-        With a checkpoint template: rendered in jinja2's ImmutableSandboxedEnvironment with `messages`,
-        `add_generation_prompt`, `enable_thinking`, `bos_token`, `eos_token`, `pad_token` and transformers'
-        helpers (`raise_exception`, `tojson`, `strftime_now`, `namespace`); a template error raises ValueError
-        with jinja's message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
+        With a checkpoint template: rendered in jinja2's ImmutableSandboxedEnvironment with `messages`, `tools`
+        (None when there are none), `add_generation_prompt`, `enable_thinking`, `bos_token`, `eos_token`,
+        `pad_token` and transformers' helpers (`raise_exception`, `tojson`, `strftime_now`, `namespace`), as
+        transformers does; tool call arguments are objects there. A template error raises ValueError with jinja's
+        message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
         """
         plain = validate_messages(messages)
+        plain_tools = _plain_tools(tools)
         if self._template is None:
-            return render_gemma4(plain, self.bos_token or "<bos>", add_generation_prompt, enable_thinking)
+            bos = self.bos_token or "<bos>"
+            return render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
         try:
             return self._template.render(
                 messages=plain,
+                tools=plain_tools or None,
                 add_generation_prompt=bool(add_generation_prompt),
                 enable_thinking=bool(enable_thinking),
                 bos_token=self.bos_token or "",
@@ -225,12 +238,30 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
         max_tokens: int | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
         template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
-        `max_tokens`: as for `encode`, applied to the rendered text."""
-        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking)
+        `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`."""
+        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+
+
+def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
+    """A plain-JSON copy of `tools`, each checked for the shape templates read (`tools[i].function.name` a str);
+    the full checks of a request's tools are `dgserve.structured.tools`'."""
+    if not tools:
+        return []
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError("tools must be a list of function tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": str, ...}}}}')
+    try:
+        return json.loads(json.dumps(list(tools)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tools must hold only JSON data ({e})") from e
 
 
 # ---------------------------------------------------------------------- files
@@ -313,67 +344,16 @@ def _template_from_files(root: pathlib.Path, config: dict) -> tuple[str | None, 
     return value, source
 
 
-# ---------------------------------------------------------------------- messages
+# ---------------------------------------------------------------------- the built-in format
 
 
-def validate_messages(messages: list[dict]) -> list[dict]:
-    """Check chat messages (see `Tokenizer.apply_chat_template`) and return a plain-JSON deep copy of them, so a
-    template sees only dicts, lists, strings and numbers and never the caller's objects."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-        if role == "system" and i != 0:
-            raise ValueError(f"messages[{i}].role: a system message is only allowed first")
-        _validate_content(msg.get("content"), f"messages[{i}].content")
-    try:
-        return json.loads(json.dumps(list(messages)))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"messages must hold only JSON data ({e})") from e
-
-
-def check_unicode(text: str, field: str, what: str = "") -> None:
-    """ValueError naming `field` when `text` holds a lone surrogate (a str can, e.g. from a JSON "\\ud800"
-    escape; it has no UTF-8 form, so a tokenizer, a regex engine or a log line would fail on it). `what` names
-    the text within the field when that is not plain (e.g. "field name")."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{field}: {f'{what} is ' if what else ''}not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} "
-            f"at character {e.start})"
-        ) from None
-
-
-def _validate_content(content, field: str) -> None:
-    if isinstance(content, str):
-        check_unicode(content, field)
-        return
-    if not isinstance(content, (list, tuple)):
-        raise ValueError(f"{field} must be a string or a list of text parts")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise ValueError(f"{field}[{j}] must be a dict")
-        kind = part.get("type")
-        if kind != "text":
-            raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: v1 accepts text parts only")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"{field}[{j}].text must be a string")
-        check_unicode(part["text"], f"{field}[{j}].text")
-
-
-def message_text(content) -> str:
-    """The text of validated content: the string itself, or the text parts concatenated with no separator."""
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
-
-
-def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: bool, enable_thinking: bool) -> str:
+def render_gemma4(
+    messages: list[dict],
+    bos_token: str,
+    add_generation_prompt: bool,
+    enable_thinking: bool,
+    tools: list[dict] | None = None,
+) -> str:
     """The built-in Gemma 4 turn format (docs/architecture.md, "Chat template"), for validated messages.
 
     `{bos}` then one `<|turn>{role}\\n{text}<turn|>\\n` per message, role "assistant" written "model"; text is
@@ -381,19 +361,69 @@ def render_gemma4(messages: list[dict], bos_token: str, add_generation_prompt: b
     `<|channel>thought\\n<channel|>` unless thinking is enabled. With `enable_thinking`, `<|think|>` opens the
     system turn, right after `<|turn>system\\n`; when there is no system message, a system turn holding only
     `<|think|>` is created (as the Gemma 4 templates do), so the model always sees the switch.
+
+    Tools (docs/tools.md): each of `tools` (OpenAI-shaped) is declared at the end of the system turn (created when
+    there is no system message) as `<|tool>declaration:NAME{...}<tool|>`. An assistant message with tool_calls
+    writes its reasoning_content (only in the turn after the last user message) as a thought channel, then each
+    call `<|tool_call>call:NAME{...}<tool_call|>`, then each result of the tool messages that follow it
+    `<|tool_response>response:NAME{"value":...}<tool_response|>`, then its text. After results and no text the
+    model's turn stays open: the next assistant message continues it (no new header), and the generation prompt is
+    empty (the model goes on right after the results). Calls without results end with `<|tool_response>`, where the
+    model stops after calling. Bodies are compact JSON (`dgserve.text.gemma4`).
     """
+    tools = tools or []
     parts = [bos_token]
-    if enable_thinking and messages[0]["role"] != "system":
-        parts.append("<|turn>system\n<|think|><turn|>\n")
-    for msg in messages:
-        role = "model" if msg["role"] == "assistant" else msg["role"]
-        think = "<|think|>" if enable_thinking and role == "system" else ""
-        parts.append(f"<|turn>{role}\n{think}{message_text(msg['content'])}<turn|>\n")
-    if add_generation_prompt:
+    has_system = messages[0]["role"] == "system"
+    if enable_thinking or tools or has_system:
+        think = "<|think|>" if enable_thinking else ""
+        system = message_text(messages[0]["content"]) if has_system else ""
+        declared = "".join(gemma4.declaration(t) for t in tools)
+        parts.append(f"<|turn>system\n{think}{system}{declared}<turn|>\n")
+    rest = messages[1:] if has_system else messages
+    last_user = max((i for i, m in enumerate(rest) if m["role"] == "user"), default=-1)
+    open_turn = False  # the model's turn goes on (after tool results, or calls waiting for results)
+    for i, msg in enumerate(rest):
+        if msg["role"] == "tool":
+            continue  # written next to the call it answers
+        if msg["role"] not in ("assistant", "model"):
+            parts.append(f"<|turn>{msg['role']}\n{message_text(msg['content'])}<turn|>\n")
+            open_turn = False
+            continue
+        if not open_turn:
+            parts.append("<|turn>model\n")
+        open_turn = _model_message(msg, rest[i + 1 :], i > last_user, parts)
+    if add_generation_prompt and not open_turn:
         parts.append("<|turn>model\n")
         if not enable_thinking:
             parts.append("<|channel>thought\n<channel|>")
     return "".join(parts)
+
+
+def _model_message(msg: dict, after: list[dict], current: bool, parts: list[str]) -> bool:
+    """Append an assistant message's body (see `render_gemma4`) to `parts`; True when the model's turn stays open.
+    `after`: the messages after it (its results are the tool messages right after it); `current`: it comes after
+    the last user message (its reasoning is written back)."""
+    calls = msg.get("tool_calls") or []
+    reasoning = msg.get("reasoning_content")
+    if calls and reasoning and current:
+        parts.append(gemma4.thought(reasoning))
+    parts.extend(gemma4.tool_call(c) for c in calls)
+    names = {c["id"]: c["function"]["name"] for c in calls}
+    results = 0
+    for r in after if calls else []:
+        if r["role"] != "tool":
+            break
+        parts.append(gemma4.tool_response(names[r["tool_call_id"]], message_text(r["content"])))
+        results += 1
+    text = message_text(msg.get("content"))
+    parts.append(text)
+    if calls and not results:
+        parts.append(gemma4.TOOL_RESPONSE_BEGIN)
+        return True
+    if results and not text:
+        return True
+    parts.append("<turn|>\n")
+    return False
 
 
 # ---------------------------------------------------------------------- sandboxed jinja
