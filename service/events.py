@@ -66,11 +66,11 @@ def token_ids(ids: Sequence[int], vocab_size: int, field: str, max_len: int | No
 # ---------------------------------------------------------------------------------------------- numbers
 
 
-def fills_context(limit_given: bool, params: SamplingParams) -> bool:
+def fills_context(limit_given: bool, params: SamplingParams, calls_tools: bool = False) -> bool:
     """Whether a request may generate up to the room left in its context (``Engine.make_request``): one that set
-    no token limit and whose output a grammar ends (response_format), so that it is not cut short at the default
-    max_new_tokens (vLLM's rule for a request without max_tokens). Both doors ask this."""
-    return not limit_given and params.response_format is not None
+    no token limit and whose output a grammar ends (a response_format, or tools it may call), so that it is not
+    cut short at the default max_new_tokens (vLLM's rule for a request without max_tokens). Both doors ask this."""
+    return not limit_given and (params.response_format is not None or calls_tools)
 
 
 def finite(x: float) -> float:

@@ -13,6 +13,8 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dgserve.engine.engine import ChatPrompt
+
 from .. import events
 from . import protocol, responses, sse
 from .body import read_json
@@ -35,6 +37,8 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     )
     feed = events.Events(stream)
     out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)
+    if isinstance(call.prompt, ChatPrompt):  # reasoning, content and tool calls out of the text
+        out.parser = call.prompt.output_parser(stream.request)
     headers = {"X-Dgserve-Seed": str(out.seed)}
     gate.calls.enter()
     if call.stream:
@@ -59,7 +63,7 @@ async def _complete(request: Request, feed: events.Events, out: responses.Output
             if isinstance(event, events.BlockEvent):
                 out.add_block(event)
             elif isinstance(event, events.FinishEvent):
-                out.finished = event
+                out.finish(event)
             elif isinstance(event, events.ErrorEvent):
                 raise event.error  # an OpenAI error body (the route's handler)
         if out.finished is None:  # cancelled: the client went away, nobody reads this

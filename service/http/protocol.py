@@ -22,6 +22,7 @@ from dgserve.engine.async_engine import DraftSpec
 from dgserve.engine.engine import ChatPrompt, Prompt
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
 from dgserve.structured import ResponseFormat
+from dgserve.structured.tools import ToolSet
 
 from .. import events
 from ..errors import clip
@@ -44,7 +45,15 @@ COMMON = {
     *KNOBS,
 }
 COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+}
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
 NO_OP: dict[str, tuple[object, ...]] = {
     "n": (1,),
@@ -56,9 +65,6 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (False,),
     "suffix": ("",),
     "functions": ([],),
 }
@@ -68,9 +74,7 @@ WHY = {
     "logprobs": "log-probabilities are not returned",
     "top_logprobs": "log-probabilities are not returned",
     "top_p": "the diffusion sampler has no nucleus truncation",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "tool calling is not supported",
+    "functions": "the deprecated functions field is not supported: send tools",
 }
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
 
@@ -114,11 +118,27 @@ def chat_request(body, defaults: SamplingParams, max_len: int | None = None) -> 
             raise ValueError(f"chat_template_kwargs.{clip(key)}: not supported (supported: {', '.join(CHAT_KWARGS)})")
         if not isinstance(value, bool):
             raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
-    prompt = ChatPrompt(
-        tuple(messages), kwargs.get("add_generation_prompt", True), kwargs.get("enable_thinking", False)
-    )
+    tools = ToolSet.from_openai(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    thinking = kwargs.get("enable_thinking", _reasoning_effort(body.get("reasoning_effort")))
+    prompt = ChatPrompt(tuple(messages), kwargs.get("add_generation_prompt", True), thinking, tools=tools)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _call(body, prompt, defaults, limit)
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def _reasoning_effort(value) -> bool:
+    """OpenAI's ``reasoning_effort`` → Gemma 4's thinking switch: any effort but "none" enables the thought
+    channel (the model has one level of thinking); absent or "none": no thinking. Explicit
+    ``chat_template_kwargs.enable_thinking`` wins."""
+    if value is None or value == "none":
+        return False
+    if value not in REASONING_EFFORTS:
+        raise ValueError(
+            f"reasoning_effort must be one of none, {', '.join(REASONING_EFFORTS)}; got {clip(str(value))!r}"
+        )
+    return True
 
 
 def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str) -> Call:
@@ -137,7 +157,8 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     drafts = _drafts(body.get("drafts"), stream)
     model = _optional(body, "model", str) or ""
     params = sampling_params(body, defaults, limit_field)
-    fill = events.fills_context(body.get(limit_field) is not None, params)
+    calls = isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.calls
+    fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     return Call(prompt, params, model, stream, include_usage, drafts, fill)
 
 

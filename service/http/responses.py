@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from dgserve.structured.chat_output import ChatDelta, ChatOutputParser
 
 from .. import events
 
@@ -19,7 +20,10 @@ from .. import events
 FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
 
 
-def finish_reason(reason: str) -> str:
+def finish_reason(reason: str, called: bool = False) -> str:
+    """OpenAI's finish reason; "tool_calls" when the output ended (EOS) after the tool calls it made."""
+    if called and reason == FINISH_EOS:
+        return "tool_calls"
     return FINISH_REASONS.get(reason, reason)
 
 
@@ -35,17 +39,28 @@ class Output:
     text: str = ""
     blocks: list[dict] = dataclasses.field(default_factory=list)
     finished: events.FinishEvent | None = None
+    parser: ChatOutputParser | None = None  # chat: the output as reasoning, content and tool calls
+
+    @property
+    def called(self) -> bool:
+        return self.parser is not None and bool(self.parser.tool_calls)
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add_block(self, block: events.BlockEvent) -> dict:
-        """Append the block's text and stats; returns the stats (the chunk's ``dgserve.block``)."""
+    def add_block(self, block: events.BlockEvent) -> tuple[dict, ChatDelta | None]:
+        """Append the block's text and stats; returns the stats (the chunk's ``dgserve.block``) and, for a chat,
+        what of the message became final with it."""
         stats = block_stats(block)
         self.text += block.text
         self.blocks.append(stats)
-        return stats
+        return stats, (self.parser.push(block.text) if self.parser is not None else None)
+
+    def finish(self, event: events.FinishEvent) -> ChatDelta | None:
+        """The end: what the chat parser held back (a partial marker is text after all)."""
+        self.finished = event
+        return self.parser.finish() if self.parser is not None else None
 
 
 def block_stats(b: events.BlockEvent) -> dict:
@@ -95,8 +110,8 @@ def response(out: Output) -> dict:
     f = out.finished
     if f is None:
         raise RuntimeError(f"response: request {out.request_id!r} has not finished")
-    content = {"message": {"role": "assistant", "content": out.text}} if out.chat else {"text": out.text}
-    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason)}
+    content = {"message": message(out)} if out.chat else {"text": out.text}
+    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason, out.called)}
     return {
         "id": out.request_id,
         "object": out.object,
@@ -109,11 +124,40 @@ def response(out: Output) -> dict:
     }
 
 
+def message(out: Output) -> dict:
+    """A chat's assistant message: content (null when empty and there are tool calls), reasoning_content (when
+    the output had a thought channel), tool_calls (when it made calls)."""
+    if out.parser is None:
+        return {"role": "assistant", "content": out.text}
+    m = out.parser.message()
+    body: dict = {"role": "assistant", "content": m.content if m.content or not m.tool_calls else None}
+    if m.reasoning_content:
+        body["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        body["tool_calls"] = [c.to_openai() for c in m.tool_calls]
+    return body
+
+
+def chat_delta(d: ChatDelta | None, text: str | None) -> dict:
+    """A chunk's ``delta``: the parser's pieces (content, reasoning_content, tool_calls), or the plain text."""
+    if d is None:
+        return {} if text is None else {"content": text}
+    out: dict = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+    return out
+
+
 def chunk(
     out: Output,
     delta: str | None = None,
     *,
     role: bool = False,
+    chat: ChatDelta | None = None,
     finish: str | None = None,
     extra: dict | None = None,
     usage_: dict | None = None,
@@ -130,7 +174,7 @@ def chunk(
     if no_choices:
         body["choices"] = []
     elif out.chat:
-        d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+        d = {"role": "assistant", "content": ""} if role else chat_delta(chat, delta)
         body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
     else:
         body["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]

@@ -1,7 +1,8 @@
 """Chat messages, validated once before any template sees them (docs/tools.md, "Conversations").
 
-A message is ``{"role": r, "content": c}`` with r in system | user | assistant | model | tool (system only first)
-and c a str or a list of ``{"type": "text", "text": str}`` parts. Tool use adds OpenAI's two shapes:
+A message is ``{"role": r, "content": c}`` with r in system | developer | user | assistant | model | tool (system
+or developer only first: "developer" is OpenAI's current name for the system role, and templates see it as
+"system") and c a str or a list of ``{"type": "text", "text": str}`` parts. Tool use adds OpenAI's two shapes:
 
 * an assistant (or model) message may carry ``tool_calls``: a non-empty list of ``{"id": str, "type":
   "function", "function": {"name": str, "arguments": JSON object text or an object}}``; its content may then be
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import json
 
-ROLES = ("system", "user", "assistant", "model", "tool")
+ROLES = ("system", "developer", "user", "assistant", "model", "tool")
+SYSTEM_ROLES = ("system", "developer")
 ASSISTANT_ROLES = ("assistant", "model")
 
 
@@ -34,8 +36,8 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         role = msg.get("role")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-        if role == "system" and i != 0:
-            raise ValueError(f"messages[{i}].role: a system message is only allowed first")
+        if role in SYSTEM_ROLES and i != 0:
+            raise ValueError(f"messages[{i}].role: a {role} message is only allowed first")
         if role == "tool":
             _check_id(msg.get("tool_call_id"), f"messages[{i}].tool_call_id")
         if msg.get("tool_calls") not in (None, []):  # an empty list is no calls, as some clients send it
@@ -52,6 +54,8 @@ def validate_messages(messages: list[dict]) -> list[dict]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"messages must hold only JSON data ({e})") from e
     for msg in plain:
+        if msg["role"] == "developer":
+            msg["role"] = "system"
         for call in msg.get("tool_calls") or ():
             fn = call["function"]
             if isinstance(fn["arguments"], str):
