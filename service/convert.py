@@ -14,6 +14,7 @@ checked (an O(1) ``len``) before any per-item Python work, and refused when it c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import torch
@@ -25,6 +26,9 @@ from dgserve.engine.engine import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat
+from dgserve.structured.chat_output import ChatDelta
+from dgserve.structured.tool_parser import ToolCall
+from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
 
 from . import events
@@ -114,9 +118,51 @@ def chat(msg: pb.Chat, max_len: int | None = None) -> ChatPrompt:
             content = [_part(p, f"chat.messages[{i}].parts[{j}]") for j, p in enumerate(m.parts)]
         else:
             content = m.content
-        messages.append({"role": m.role, "content": content})
+        messages.append(_message(m, content))
     add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
-    return ChatPrompt(tuple(messages), add, msg.enable_thinking)
+    return ChatPrompt(tuple(messages), add, msg.enable_thinking, tools=tools(msg))
+
+
+def _message(m: pb.ChatMessage, content: str | list[dict]) -> dict:
+    """One ChatMessage as the chat template's dict (OpenAI's shape: tool_calls, tool_call_id, reasoning_content)."""
+    out: dict = {"role": m.role, "content": content}
+    if m.tool_calls:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+        out["tool_calls"] = calls
+        if content == "":
+            out["content"] = None
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.HasField("reasoning_content"):
+        out["reasoning_content"] = m.reasoning_content
+    return out
+
+
+def tools(msg: pb.Chat) -> ToolSet | None:
+    """Chat.tools / tool_choice / parallel_tool_calls → the ToolSet (ValueError naming chat.tools..., as OpenAI's)."""
+    listed: list[dict] = []
+    for t in msg.tools:
+        fn: dict = {"name": t.name, "description": t.description}
+        if t.parameters_json:
+            try:
+                fn["parameters"] = json.loads(t.parameters_json)
+            except ValueError as e:
+                raise ValueError(f"chat.tools[{len(listed)}].parameters_json: not JSON ({e})") from None
+        listed.append({"type": "function", "function": fn})
+    choice: object = None
+    kind = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
+    if kind == "mode":
+        choice = msg.tool_choice.mode
+    elif kind == "function":
+        choice = {"type": "function", "function": {"name": msg.tool_choice.function}}
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else None
+    try:
+        return ToolSet.from_openai(listed or None, choice, parallel)
+    except ValueError as e:
+        raise ValueError(f"chat.{e}") from None
 
 
 def _check_chat_size(msg: pb.Chat, max_len: int) -> None:
@@ -172,6 +218,27 @@ def draft(d: events.DraftEvent) -> pb.Draft:
     return pb.Draft(
         block_index=d.block_index, step=d.step, token_ids=d.token_ids, mean_entropy=d.mean_entropy, text=d.text
     )
+
+
+def chat_block(b: events.BlockEvent, delta: ChatDelta) -> pb.Block:
+    """A block of a parsed chat: its content as text, its reasoning and tool-call deltas apart."""
+    msg = block(b)
+    msg.text, msg.reasoning = delta.content, delta.reasoning_content
+    msg.tool_calls.extend(
+        pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
+        for d in delta.tool_calls
+    )
+    return msg
+
+
+def chat_finished(f: events.FinishEvent, rest: ChatDelta, calls: list[ToolCall]) -> pb.Finished:
+    """Finished of a parsed chat: every call whole, what the parser held back, TOOL_CALLS after calls and EOS."""
+    msg = finished(f)
+    msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+    msg.text, msg.reasoning = rest.content, rest.reasoning_content
+    if calls and f.reason == FINISH_EOS:
+        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+    return msg
 
 
 def block(b: events.BlockEvent) -> pb.Block:
