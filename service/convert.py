@@ -22,7 +22,7 @@ import torch
 import dgserve
 from dgserve import sampling_params as sp
 from dgserve.engine.async_engine import AsyncEngine, DraftSpec
-from dgserve.engine.engine import ChatPrompt, Prompt
+from dgserve.engine.prompt import ChatPrompt, Prompt
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from dgserve.engine.async_engine import ABORT_CANCELLED, AsyncEngine
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 

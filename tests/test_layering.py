@@ -136,7 +136,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
         (
             ("dgserve.engine.block", "dgserve.engine.cache_config"),
             ("dgserve.engine.request",),  # the one per-request record
-            ("dgserve.engine.scheduler", "dgserve.engine.sampler"),
+            ("dgserve.engine.scheduler", "dgserve.engine.sampler", "dgserve.engine.prompt"),
             ("dgserve.engine.model_runner",),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 from dgserve.outputs import OutputTracker
 from dgserve.structured.chat_output import ChatOutputParser, parse_chat_output
 from dgserve.structured.tools import ToolSet

@@ -16,7 +16,7 @@ import torch
 from hf_reference import Margins, hf_generate
 
 from dgserve import DiffusionGemma, Engine, SamplingParams, Tokenizer
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 
 SMALL = pathlib.Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
 LEXICON = pathlib.Path(__file__).resolve().parent / "data" / "modern_train_words.txt"

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 from dgserve.model.default_model import SHIPPED
 from dgserve.structured import ResponseFormat
 from dgserve.structured.grammar import GrammarCompiler

@@ -184,7 +184,7 @@ def main(argv=None):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from dgserve import Engine
-    from dgserve.engine.engine import ChatPrompt
+    from dgserve.engine.prompt import ChatPrompt
 
     work = pathlib.Path(args.work)
     corpus = json.loads((work / "corpus.json").read_text())

@@ -141,7 +141,7 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
     import torch
 
     from dgserve import Engine
-    from dgserve.engine.engine import ChatPrompt, Prompt
+    from dgserve.engine.prompt import ChatPrompt, Prompt
     from dgserve.model.default_model import default_model_path
 
     engine = Engine.from_pretrained(

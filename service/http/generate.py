@@ -13,7 +13,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 
 from .. import events
 from . import protocol, responses, sse

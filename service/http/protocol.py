@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
-from dgserve.engine.engine import ChatPrompt, Prompt
+from dgserve.engine.prompt import ChatPrompt, Prompt
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
 from dgserve.structured import ResponseFormat
 from dgserve.structured.tools import ToolSet

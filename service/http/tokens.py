@@ -16,7 +16,7 @@ import asyncio
 
 from fastapi import Request
 
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 
 from .. import events
 from ..errors import clip

@@ -10,7 +10,7 @@ import pytest
 from service_helpers import params
 
 from dgserve import SamplingParams
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 from dgserve.v1 import text_generation_pb2 as pb
 
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 import dgserve
-from dgserve.engine.engine import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt
 from dgserve.v1 import text_generation_pb2 as pb
 
 KNOBS = {"max_denoising_steps": 4}

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dgserve.engine.engine import DraftOutput, Engine, Prompt, StepOutput, check_request_id
+from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
+from dgserve.engine.prompt import Prompt
 from dgserve.engine.request import DraftSpec, Request
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams

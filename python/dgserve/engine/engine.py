@@ -40,17 +40,16 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.prompt import ChatPrompt, Prompt, with_tools
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, RequestKey
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
 from dgserve.sampling_params import SamplingParams
-from dgserve.structured.tools import ToolSet
 from dgserve.text.token_bounds import PromptTooLongError
 
 if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a checkpoint has one
     from dgserve.model.runtime import RuntimePlan
-    from dgserve.structured.chat_output import ChatOutputParser
     from dgserve.structured.constrained import StructuredRow
     from dgserve.structured.grammar import GrammarCompiler
     from dgserve.text.tokenizer import Tokenizer
@@ -58,41 +57,6 @@ if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a 
 MAX_REQUEST_ID_LENGTH = 256
 REMEMBER_FINISHED = 10_000  # finished ids kept for Abort's "already finished" answer
 log = logging.getLogger("dgserve.engine.engine")
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt.
-
-    ``tools`` (docs/tools.md): the request's tools, tool_choice and parallel_tool_calls. The prompt declares the
-    tools (unless tool_choice is "none"), and ``Engine.make_request`` turns them into the request's output
-    constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools it may call
-    or ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
-    reasoning, content and tool calls."""
-
-    messages: tuple[dict[str, Any], ...]
-    add_generation_prompt: bool = True
-    enable_thinking: bool = False
-    tools: ToolSet | None = None
-
-    @property
-    def keeps_markers(self) -> bool:
-        """Whether the output is decoded with special tokens kept: tools it may call, or thinking (the parsers
-        read the markers)."""
-        return (self.tools is not None and self.tools.calls) or self.enable_thinking
-
-    def output_parser(self, request: Request) -> ChatOutputParser:
-        """The parser of ``request``'s output (made from this prompt): tool calls when it may call tools,
-        reasoning when thinking is enabled, call ids seeded by its seed and prompt."""
-        from dgserve.structured.chat_output import ChatOutputParser
-        from dgserve.structured.tool_parser import call_id_seed
-
-        seed = request.params.seed if request.params.seed is not None else 0
-        calls = self.tools is not None and self.tools.calls
-        return ChatOutputParser(calls, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
-
-
-Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -556,26 +520,6 @@ class Engine:
                 f"{self.max_model_len} positions"
             )
         self.runner.check_fits(prompt_tokens + n_blocks * C)
-
-
-def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:
-    """``params`` with the output constraint of a ``ChatPrompt``'s tools (docs/tools.md): a tool_calls
-    ``ResponseFormat`` unless tool_choice is "none". A request that may call tools cannot also ask for a
-    response_format, stop strings or ignore_eos (ValueError naming that field): the tool grammar decides where the
-    output ends (EOS after the calls, or where the text ends)."""
-    if not isinstance(prompt, ChatPrompt) or prompt.tools is None:
-        return params
-    fmt = prompt.tools.response_format(thinking=prompt.enable_thinking)
-    if fmt is None:
-        return params
-    why = "cannot be combined with tools unless tool_choice is none (the tool grammar shapes the output)"
-    if params.response_format is not None:
-        raise ValueError(f"response_format: {why}")
-    if params.stop:
-        raise ValueError(f"stop: {why}")
-    if params.ignore_eos:
-        raise ValueError(f"ignore_eos: {why}")
-    return dataclasses.replace(params, response_format=fmt)
 
 
 def check_request_id(value: str, field: str = "request_id") -> None:
