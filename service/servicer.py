@@ -125,4 +125,4 @@ def _call(context) -> CallInfo:
 
 
 def _calls_tools(prompt) -> bool:
-    return isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.calls
+    return isinstance(prompt, ChatPrompt) and prompt.calls_tools

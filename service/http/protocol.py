@@ -107,22 +107,35 @@ def chat_request(body, defaults: SamplingParams, max_len: int | None = None) -> 
     context window): more messages, or content parts in all, are refused (each renders to at least a token)."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
+    messages = chat_messages(body, max_len)
+    kwargs = chat_template_kwargs(body)
+    tools = ToolSet.from_openai(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    thinking = kwargs.get("enable_thinking", _reasoning_effort(body.get("reasoning_effort")))
+    prompt = ChatPrompt(messages, kwargs.get("add_generation_prompt", True), thinking, tools=tools)
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _call(body, prompt, defaults, limit)
+
+
+def chat_messages(body: dict, max_len: int | None = None) -> tuple:
+    """The body's ``messages``, a non-empty list; with ``max_len`` (the context window), more messages or content
+    parts in all are refused (each renders to at least a token)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     if max_len is not None:
         _check_chat_size(messages, max_len)
+    return tuple(messages)
+
+
+def chat_template_kwargs(body: dict) -> dict:
+    """The body's ``chat_template_kwargs`` ({} when absent): the supported switches, booleans."""
     kwargs = _optional(body, "chat_template_kwargs", dict) or {}
     for key, value in kwargs.items():
         if key not in CHAT_KWARGS:
             raise ValueError(f"chat_template_kwargs.{clip(key)}: not supported (supported: {', '.join(CHAT_KWARGS)})")
         if not isinstance(value, bool):
             raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
-    tools = ToolSet.from_openai(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-    thinking = kwargs.get("enable_thinking", _reasoning_effort(body.get("reasoning_effort")))
-    prompt = ChatPrompt(tuple(messages), kwargs.get("add_generation_prompt", True), thinking, tools=tools)
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _call(body, prompt, defaults, limit)
+    return kwargs
 
 
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -157,7 +170,7 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     drafts = _drafts(body.get("drafts"), stream)
     model = _optional(body, "model", str) or ""
     params = sampling_params(body, defaults, limit_field)
-    calls = isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.calls
+    calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     return Call(prompt, params, model, stream, include_usage, drafts, fill)
 

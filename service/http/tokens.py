@@ -20,9 +20,9 @@ from dgserve.engine.prompt import ChatPrompt
 
 from .. import events
 from ..errors import clip
+from . import protocol
 from .body import read_json
 from .gate import Gate
-from .protocol import CHAT_KWARGS
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_FIELDS |= {"chat_template_kwargs"}
@@ -44,12 +44,10 @@ async def tokenize(gate: Gate, request: Request) -> dict:
         else:
             ids = await asyncio.to_thread(tok.encode, prompt, False, info.max_model_len)
     else:
-        ids = await engine.tokenize(_chat(body))
-    strs = (
-        [tok.decode([t], skip_special_tokens=False) for t in ids]
-        if _flag(body, "return_token_strs", bool, False)
-        else None
-    )
+        ids = await engine.tokenize(_chat(body, info.max_model_len))
+    strs = None
+    if _flag(body, "return_token_strs", bool, False):  # one decode per token, up to max_model_len: off the loop
+        strs = await asyncio.to_thread(lambda: [tok.decode([t], skip_special_tokens=False) for t in ids])
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
 
 
@@ -74,18 +72,12 @@ async def _open(gate: Gate, request: Request, fields: set[str], field: str):
     return body, engine, engine.tokenizer
 
 
-def _chat(body: dict) -> ChatPrompt:
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    kwargs = _flag(body, "chat_template_kwargs", dict, {})
-    for key, value in kwargs.items():
-        if key not in CHAT_KWARGS:
-            raise ValueError(f"chat_template_kwargs.{clip(key)}: not supported (supported: {', '.join(CHAT_KWARGS)})")
-        if not isinstance(value, bool):
-            raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
+def _chat(body: dict, max_len: int) -> ChatPrompt:
+    """The chat as /v1/chat/completions reads it (the same checks), without tools."""
+    messages = protocol.chat_messages(body, max_len)
+    kwargs = protocol.chat_template_kwargs(body)
     generation_prompt = _flag(body, "add_generation_prompt", bool, kwargs.get("add_generation_prompt", True))
-    return ChatPrompt(tuple(messages), generation_prompt, kwargs.get("enable_thinking", False))
+    return ChatPrompt(messages, generation_prompt, kwargs.get("enable_thinking", False))
 
 
 def _fields(body, known: set[str]) -> dict:

@@ -34,10 +34,15 @@ class ChatPrompt:
     tools: ToolSet | None = None
 
     @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call tools (tools given, and tool_choice is not "none")."""
+        return self.tools is not None and self.tools.calls
+
+    @property
     def keeps_markers(self) -> bool:
         """Whether the output is decoded with special tokens kept: tools it may call, or thinking (the parsers
         read the markers)."""
-        return (self.tools is not None and self.tools.calls) or self.enable_thinking
+        return self.calls_tools or self.enable_thinking
 
     def output_parser(self, request: Request) -> ChatOutputParser:
         """The parser of ``request``'s output (made from this prompt): tool calls when it may call tools,
@@ -46,8 +51,7 @@ class ChatPrompt:
         from dgserve.structured.tool_parser import call_id_seed
 
         seed = request.params.seed if request.params.seed is not None else 0
-        calls = self.tools is not None and self.tools.calls
-        return ChatOutputParser(calls, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
+        return ChatOutputParser(self.calls_tools, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
 
 
 Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
