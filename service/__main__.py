@@ -167,6 +167,13 @@ SWITCHES = [  # (flag, environment variable, field, value when set, help)
     ("--json-logs", "NIM_JSONL_LOGGING", "json_logs", True, "JSON-lines logs with the request id on every line"),
     ("--no-reflection", "DGSERVE_NO_REFLECTION", "reflection", False, "do not serve gRPC reflection"),
     ("--no-warm-up", "DGSERVE_NO_WARM_UP", "warm_up", False, "skip the warm-up generation before readiness"),
+    (
+        "--no-prefix-caching",
+        "DGSERVE_NO_PREFIX_CACHING",
+        "prefix_caching",
+        False,
+        "do not reuse the KV of prompt prefixes across requests (docs/prefix-caching.md)",
+    ),
 ]
 
 

@@ -46,6 +46,7 @@ class ServiceConfig:
     max_connections: int | None = None  # both ports together; None = from the open-file limit (service/connections)
     reflection: bool = True
     warm_up: bool = True
+    prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (docs/prefix-caching.md)
 
     def __post_init__(self) -> None:
         for name, lo, hi in (

@@ -263,6 +263,7 @@ def finished(f: events.FinishEvent) -> pb.Finished:
             total_tokens=u.total_tokens,
             blocks=u.blocks,
             denoising_steps=u.denoising_steps,
+            cached_tokens=u.cached_tokens,
         ),
         timing=pb.Timing(queue_ms=t.queue_ms, first_block_ms=t.first_block_ms, total_ms=t.total_ms),
     )

@@ -84,6 +84,7 @@ class Usage:
     completion_tokens: int
     blocks: int  # committed canvases
     denoising_steps: int  # decoder forwards, all blocks together
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV the prefix cache supplied
 
     @property
     def total_tokens(self) -> int:
@@ -182,7 +183,7 @@ def block(b: BlockOutput) -> BlockEvent:
 
 
 def finish(f: Finished) -> FinishEvent:
-    usage = Usage(f.prompt_tokens, f.completion_tokens, f.blocks, f.denoising_steps)
+    usage = Usage(f.prompt_tokens, f.completion_tokens, f.blocks, f.denoising_steps, f.cached_tokens)
     timing = Timing(f.queue_seconds * 1e3, finite(f.first_block_seconds) * 1e3, f.total_seconds * 1e3)
     return FinishEvent(f.finish_reason, usage, timing)
 

@@ -58,6 +58,13 @@ class Metrics(EngineObserver):
             registry=r,
         )
         self.connections = ConnectionsCollector()
+        # prefix caching (docs/prefix-caching.md): tokens, as vLLM counts them (hit rate = hits / queries)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV reused)", registry=r
+        )
         r.register(self.connections)
         r.register(NvmlCollector())
         r.register(NativeOpsCollector())
@@ -70,6 +77,10 @@ class Metrics(EngineObserver):
     # EngineObserver
     def on_started(self, queue_seconds: float) -> None:
         self.queue_time.observe(queue_seconds)
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries.inc(queried_tokens)
+        self.prefix_hits.inc(hit_tokens)
 
     def on_block(self, block: BlockOutput, first: bool, seconds_since_arrival: float) -> None:
         if first:

@@ -134,7 +134,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     (
         "engine",
         (
-            ("dgserve.engine.block", "dgserve.engine.cache_config"),
+            ("dgserve.engine.block", "dgserve.engine.cache_config", "dgserve.engine.prefix_cache"),
             ("dgserve.engine.request",),  # the one per-request record
             ("dgserve.engine.scheduler", "dgserve.engine.sampler", "dgserve.engine.prompt"),
             ("dgserve.engine.model_runner",),

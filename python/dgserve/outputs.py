@@ -52,6 +52,7 @@ class GenerationResult:
     seed: int
     prompt_tokens: int
     blocks: list[BlockOutput] = field(default_factory=list)
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV the prefix cache supplied (docs/prefix-caching.md)
 
     @property
     def denoising_steps(self) -> int:

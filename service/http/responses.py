@@ -76,7 +76,13 @@ def block_stats(b: events.BlockEvent) -> dict:
 
 
 def usage(u: events.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
 def draft(d: events.DraftEvent) -> dict:

@@ -67,6 +67,7 @@ class Started:
     prompt_tokens: int
     params: SamplingParams
     queue_seconds: float
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,14 @@ class Finished:
     queue_seconds: float
     first_block_seconds: float  # NaN when no block was committed
     total_seconds: float
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache supplied
 
 
 class EngineObserver:
     """Hooks for metrics; every method runs on the event loop and must be cheap."""
 
     def on_started(self, queue_seconds: float) -> None: ...
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
     def on_block(self, block: BlockOutput, first: bool, seconds_since_arrival: float) -> None: ...
     def on_finished(self, finished: Finished) -> None: ...
     def on_abort(self, reason: str) -> None: ...
@@ -365,7 +368,15 @@ class AsyncEngine:
         admitted = req.admitted_at if req.admitted_at is not None else now
         first = req.first_block_at - req.arrival if req.first_block_at is not None else float("nan")
         return Finished(
-            reason, req.prompt_len, completion, blocks, steps, admitted - req.arrival, first, now - req.arrival
+            reason,
+            req.prompt_len,
+            completion,
+            blocks,
+            steps,
+            admitted - req.arrival,
+            first,
+            now - req.arrival,
+            req.cached_tokens,
         )
 
     # ---------------------------------------------------------------- engine thread
@@ -438,7 +449,9 @@ class AsyncEngine:
         admitted = req.admitted_at if req.admitted_at is not None else time.monotonic()
         queue = admitted - req.arrival
         self.observer.on_started(queue)
-        stream._push(Started(req.request_id, req.seed, req.prompt_len, req.params, queue))
+        if self.engine.prefix_caching:
+            self.observer.on_prefix_cache(req.prompt_len, req.cached_tokens)
+        stream._push(Started(req.request_id, req.seed, req.prompt_len, req.params, queue, req.cached_tokens))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
         req = stream.request

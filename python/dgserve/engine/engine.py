@@ -40,6 +40,7 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.prefix_cache import prefix_hashes
 from dgserve.engine.prompt import ChatPrompt, Prompt, with_tools
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, RequestKey
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -90,7 +91,9 @@ class Engine:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
     None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
     the slots that fit. max_request_steps: the most denoising steps one request may ask for (max_denoising_steps
-    times its canvases), so that no request can hold a slot for hours; None: no limit.
+    times its canvases), so that no request can hold a slot for hours; None: no limit. prefix_caching: keep the
+    KV of full prompt chunks in what the slots leave of the cache budget and reuse it for prompts that start with
+    the same tokens (docs/prefix-caching.md); a request's tokens are the same either way.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,
         cache_config: CacheConfig | None = None,
         max_request_steps: int | None = None,
+        prefix_caching: bool = True,
     ):
         from dgserve.ops.native_check import run_self_check
 
@@ -123,10 +127,12 @@ class Engine:
         self.max_request_steps = max_request_steps
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         sched = scheduler_config or SchedulerConfig()
-        self.runner = ModelRunner(model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config)
+        self.runner = ModelRunner(
+            model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config, prefix_caching
+        )
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
-        self.scheduler = Scheduler(sched)
+        self.scheduler = Scheduler(sched, cached_prefix=self.runner.match_prefix if prefix_caching else None)
         self._finished_ids: OrderedDict[RequestKey, None] = OrderedDict()  # recently finished keys
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
@@ -269,7 +275,19 @@ class Engine:
             params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer, not keep
         )
         grammar = self._structured_row(params)
-        return Request(rid, prompt_ids, params, tracker, deadline=deadline, owner=owner, grammar=grammar, drafts=drafts)
+        # prefix-cache keys, salted with the caller's identity: no block is shared across callers
+        hashes = prefix_hashes(prompt_ids, self.runner.prefill_chunk, owner) if self.runner.prefix is not None else ()
+        return Request(
+            rid,
+            prompt_ids,
+            params,
+            tracker,
+            deadline=deadline,
+            owner=owner,
+            grammar=grammar,
+            drafts=drafts,
+            prefix_hashes=hashes,
+        )
 
     def add(self, req: Request) -> Request:
         """Queue a request made by ``make_request``. Raises ``DuplicateRequestError`` (a ValueError) for an id in
@@ -321,6 +339,11 @@ class Engine:
         return len(self.scheduler) > 0
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether prompts reuse the KV of cached prefixes (docs/prefix-caching.md)."""
+        return self.runner.prefix is not None
+
+    @property
     def num_running(self) -> int:
         return self.scheduler.num_running
 
@@ -341,7 +364,7 @@ class Engine:
             self.runner.admit(req)
         out.admitted = plan.admitted
         for req, start, end in plan.prefill:
-            self.runner.prefill(req, req.prompt_ids[start:end])
+            self.runner.prefill(req, start, end)
         for r in plan.decode:
             if r.block is None:
                 self.runner.start_block(r)

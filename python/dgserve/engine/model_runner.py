@@ -17,7 +17,10 @@ no allocation proportional to the context; capturing it in CUDA graphs is the GP
 
 Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the device's free memory); it decides how
 many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does and
-``check_fits`` rejects a request that needs more.
+``check_fits`` rejects a request that needs more. What the slots leave of the budget holds the prefix cache
+(engine/prefix_cache.py, docs/prefix-caching.md): each full prompt chunk is copied out of the slot once encoded,
+and a request whose prompt starts with cached chunks gets them copied into its slot at admission (``match_prefix``
+then ``admit``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from dgserve.config import ConfigError
 from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.prefix_cache import PrefixCache
 from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
@@ -79,6 +83,7 @@ class ModelRunner:
         max_model_len: int,
         prefill_chunk: int,
         cache_config: CacheConfig | None = None,
+        prefix_caching: bool = True,
     ):
         cc = cache_config or CacheConfig()
         self.model = model
@@ -88,6 +93,12 @@ class ModelRunner:
         self.num_slots, self.slot_len = plan_slots(model, max_num_seqs, max_model_len, self.chunk, budget)
         self.cache = SlotCache(cfg, self.num_slots, self.slot_len, self.chunk, model.dtype, dev, zero=model.batch_rows)
         self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
+        self.prefill_chunk = prefill_chunk
+        # the prefix cache: one block per full prompt chunk, in what the slots leave of the budget
+        self.prefix: PrefixCache | None = None
+        if prefix_caching:
+            block_bytes = prefill_chunk * SlotCache.position_bytes(cfg, model.dtype)
+            self.prefix = PrefixCache(prefill_chunk, block_bytes, budget - self.cache_bytes)
         self.sampler = Sampler(model.dtype)
         S = self.num_slots
 
@@ -130,8 +141,20 @@ class ModelRunner:
             p.confidence_threshold,
         )
         self.cache.lengths[s] = 0
+        if req.prefix_hit:  # the cached chunks ``match_prefix`` found, copied into the slot
+            self.cache.copy_in(s, [(b.keys, b.values) for b in req.prefix_hit])
+        req.prefix_hit = None
         req.slot = s
         self.occupants.append(req)
+
+    def match_prefix(self, req: Request) -> int:
+        """At admission (``Scheduler.schedule``, before ``admit``): the prompt tokens the prefix cache holds for
+        ``req`` (whole chunks), kept on the request for ``admit`` to copy; 0 without prefix caching."""
+        if self.prefix is None or not req.prefix_hashes:
+            return 0
+        hit = self.prefix.match(req.prefix_hashes, req.prompt_len)
+        req.prefix_hit = hit
+        return len(hit) * self.prefill_chunk
 
     def release(self, req: Request) -> None:
         """Free a request's slot; the last occupied slot moves into it (cache with its lengths, knobs: once)."""
@@ -157,9 +180,25 @@ class ModelRunner:
     # ------------------------------------------------------------------ passes
 
     @torch.inference_mode()
-    def prefill(self, req: Request, ids: list[int]) -> None:
-        """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
+    def prefill(self, req: Request, start: int, end: int) -> None:
+        """Encode prompt tokens start .. end − 1 (one chunk, after what the slot holds); a full chunk is then
+        offered to the prefix cache."""
         assert req.slot is not None, "prefill of a request without a slot"
+        assert self.cache.lengths[req.slot] == start, "prompt chunks are encoded in order"
+        self._encode(req, req.prompt_ids[start:end])
+        c, off = divmod(start, self.prefill_chunk)
+        if self.prefix is None or off or end - start != self.prefill_chunk or c >= len(req.prefix_hashes):
+            return
+        key, parent = req.prefix_hashes[c], req.prefix_hashes[c - 1] if c else None
+        if key not in self.prefix:
+            keys, values = self.cache.copy_out(req.slot, start, end)
+            self.prefix.store(key, parent, keys, values)
+        else:
+            self.prefix.store(key, parent, [], [])  # cached already: marked as used only
+
+    def _encode(self, req: Request, ids: list[int]) -> None:
+        """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
+        assert req.slot is not None
         t0 = time.perf_counter()
         self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), self.cache.view(req.slot))
         req.encode_seconds += time.perf_counter() - t0
@@ -171,7 +210,7 @@ class ModelRunner:
         assert req.slot is not None, "a block for a request without a slot"
         if req.pending is not None:
             req.encode_seconds = 0.0
-            self.prefill(req, req.pending)
+            self._encode(req, req.pending)
         req.denoise_seconds, req.pending = 0.0, None
         cfg = self.model.config
         req.block = BlockState.start(req.seed, req.block_index, cfg.canvas_length, cfg.vocab_size, self.model.device)

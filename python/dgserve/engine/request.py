@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dgserve.engine.block import BlockState
+    from dgserve.engine.prefix_cache import PrefixBlock
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
@@ -53,10 +54,13 @@ class Request:
     owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
     grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
     drafts: DraftSpec | None = None  # previews wanted by the caller
+    prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
     # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING
-    prefilled: int = 0  # prompt tokens planned for encoding so far
+    prefilled: int = 0  # prompt tokens planned for encoding so far (from cached_tokens on)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
+    prefix_hit: list[PrefixBlock] | None = None  # the cached blocks to copy into its slot at admission (PrefixBlock)
     admitted_at: float | None = None
     # model runner
     slot: int | None = None  # its KV cache slot while running
@@ -113,5 +117,11 @@ class Request:
         if t.finish_reason is None:
             raise RuntimeError(f"request {self.request_id!r} has not finished")
         return GenerationResult(
-            list(t.token_ids), t.text, t.finish_reason, self.seed, len(self.prompt_ids), list(self.blocks)
+            list(t.token_ids),
+            t.text,
+            t.finish_reason,
+            self.seed,
+            len(self.prompt_ids),
+            list(self.blocks),
+            self.cached_tokens,
         )

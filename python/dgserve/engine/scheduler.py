@@ -4,7 +4,9 @@ A request is *waiting* (queued) until a running slot is free, then *running* unt
 Each ``schedule()`` call plans one engine iteration:
 
 * admit waiting requests FIFO while fewer than ``max_num_seqs`` run; drop waiting requests whose deadline has
-  passed (they never cost model work);
+  passed (they never cost model work); at admission, ``cached_prefix`` (when given) says how many leading prompt
+  tokens the prefix cache holds, and prefill starts after them (a multiple of ``prefill_chunk``, so the chunk
+  boundaries stay those of the prompt alone);
 * chunked prefill: a running request's prompt is encoded in fixed chunks of ``prefill_chunk`` tokens (the chunk
   boundaries depend on the prompt alone, never on the batch, so a request's numbers do not depend on who else
   runs); at most ``max_prefill_tokens`` prompt tokens are planned per iteration (always at least one chunk), so
@@ -85,9 +87,17 @@ class ScheduleOutput:
 class Scheduler:
     """Waiting queue + running set with admission control and chunked-prefill planning."""
 
-    def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        cached_prefix: Callable[[Request], int] | None = None,
+    ):
+        """cached_prefix(req): the prompt tokens already encoded for a request being admitted (the prefix cache's
+        hit, a multiple of ``prefill_chunk``); prefill is planned from there."""
         self.config = config or SchedulerConfig()
         self.clock = clock
+        self.cached_prefix = cached_prefix
         self._waiting: OrderedDict[RequestKey, Request] = OrderedDict()
         self._running: OrderedDict[RequestKey, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
@@ -192,6 +202,8 @@ class Scheduler:
             key, seq = self._waiting.popitem(last=False)
             seq.admitted_at, seq.status = now, RUNNING
             self._running[key] = seq
+            if self.cached_prefix is not None:
+                seq.prefilled = seq.cached_tokens = self.cached_prefix(seq)
             out.admitted.append(seq)
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:

@@ -74,6 +74,13 @@ class SlotCache:
             n += 2 * config.num_kv_heads(i) * cap * config.head_dim(i)  # keys + values
         return n * size
 
+    @staticmethod
+    def position_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one position's keys and values over every layer (what a prefix block holds per token)."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        per = sum(2 * config.num_kv_heads(i) * config.head_dim(i) for i in range(config.num_hidden_layers))
+        return per * size
+
     @classmethod
     def stack(cls, caches: Sequence[SlotCache]) -> SlotCache:
         """A new cache holding the slots of ``caches`` in order, copied, each with its own length: a batch of
@@ -165,6 +172,31 @@ class SlotCache:
             k, v = other.read(src, layer, start, n)
             self.write(dst, layer, start, k, v)
         self.lengths[dst] = n
+
+    def copy_out(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of positions start .. end−1 of ``slot`` on every layer: (keys, values), each a per-layer list of
+        [nkv, end − start, hd] tensors. The positions must still be held (on sliding layers: within the ring)."""
+        keys, values = [], []
+        for layer in range(len(self.sliding)):
+            k, v = self.read(slot, layer, start, end)
+            keys.append(k.clone())
+            values.append(v.clone())
+        return keys, values
+
+    def copy_in(self, slot: int, blocks: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """Fill ``slot`` with a prefix given as consecutive blocks of positions from 0 (each as ``copy_out``
+        returns it) and set its length to their total: full layers get every position, sliding layers the blocks
+        that hold the last W − 1 positions (all the next pass sees; the rest would only be overwritten)."""
+        sizes = [keys[0].shape[1] for keys, _ in blocks]
+        n = sum(sizes)
+        p0 = 0
+        for (keys, values), size in zip(blocks, sizes, strict=True):
+            for layer, sliding in enumerate(self.sliding):
+                if sliding and p0 + size <= self.visible_start(layer, n):
+                    continue
+                self.write(slot, layer, p0, keys[layer], values[layer])
+            p0 += size
+        self.lengths[slot] = n
 
 
 class SlotView:

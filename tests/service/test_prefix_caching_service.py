@@ -1,0 +1,123 @@
+"""Prefix caching on a real server (docs/prefix-caching.md): a conversation's second turn reuses the first's prompt
+whichever door each came through, reports it (HTTP ``usage.prompt_tokens_details.cached_tokens``, gRPC
+``Usage.cached_tokens``, Prometheus queried/hit token counters), returns the same tokens as without reuse, and never
+shares blocks between authenticated callers."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+from service_helpers import ServerThread, base_config
+
+from dgserve.v1 import text_generation_pb2 as pb
+from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+
+CHUNK = 8  # the servers' prefill chunk: the prefix cache's block
+SYSTEM = "You are a careful assistant. " * 12
+KNOBS = {"max_denoising_steps": 4, "seed": 11}
+
+
+def _chat(turns: int) -> list[dict]:
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"question number {i}"})
+        if i < turns - 1:
+            msgs.append({"role": "assistant", "content": f"answer number {i}"})
+    return msgs
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("prefix-auth") / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    made = {
+        "on": ServerThread(base_config(model_dir, prefill_chunk=CHUNK)),
+        "off": ServerThread(base_config(model_dir, prefill_chunk=CHUNK, prefix_caching=False)),
+        "auth": ServerThread(base_config(model_dir, prefill_chunk=CHUNK, auth_token_file=str(tokens))),
+    }
+    yield made
+    for s in made.values():
+        s.stop()
+
+
+def _url(s: ServerThread) -> str:
+    return f"http://127.0.0.1:{s.server.http_port}"
+
+
+def _chat_call(s: ServerThread, messages: list[dict], token: str = "unused"):
+    with openai.OpenAI(base_url=_url(s) + "/v1", api_key=token, max_retries=0, timeout=60) as client:
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, extra_body=KNOBS)
+
+
+def _shared(s: ServerThread, a: list[dict], b: list[dict]) -> int:
+    """How many leading tokens two chats' rendered prompts share (``/tokenize`` renders as chat completions does)."""
+    ids = [httpx.post(_url(s) + "/tokenize", json={"messages": m}, timeout=30).json()["tokens"] for m in (a, b)]
+    n = 0
+    while n < min(map(len, ids)) and ids[0][n] == ids[1][n]:
+        n += 1
+    return n
+
+
+def _metric(s: ServerThread, name: str) -> float:
+    body = urllib.request.urlopen(_url(s) + "/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_second_turn_reuses_the_first_and_says_so(servers):
+    on, off = servers["on"], servers["off"]
+    q0, h0 = _metric(on, "dgserve_prefix_cache_queries_total"), _metric(on, "dgserve_prefix_cache_hits_total")
+    first = _chat_call(on, _chat(1))
+    second = _chat_call(on, _chat(2))
+    u1, u2 = first.usage, second.usage
+    assert u1.prompt_tokens_details.cached_tokens == 0
+    cached = u2.prompt_tokens_details.cached_tokens
+    # the whole chunks the two rendered prompts share (the template renders the first reply after the point where
+    # the first prompt's generation prompt ends, so they share a little less than the first prompt)
+    assert cached == _shared(on, _chat(1), _chat(2)) // CHUNK * CHUNK > 0
+    assert cached < u2.prompt_tokens
+    assert _metric(on, "dgserve_prefix_cache_queries_total") - q0 == u1.prompt_tokens + u2.prompt_tokens
+    assert _metric(on, "dgserve_prefix_cache_hits_total") - h0 == cached
+    # the same tokens as a server that reuses nothing
+    plain = _chat_call(off, _chat(2))
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert plain.choices[0].message.content == second.choices[0].message.content
+    assert _metric(off, "dgserve_prefix_cache_queries_total") == 0
+
+
+def test_reuse_crosses_the_doors_and_streams_report_it(servers):
+    on = servers["on"]
+    prompt = "a prompt long enough for a few chunks of the prefix cache, shared by both doors " * 3
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, **KNOBS}
+    r = httpx.post(_url(on) + "/v1/completions", json=body, timeout=60).json()
+    n = r["usage"]["prompt_tokens"]
+    with grpc.insecure_channel(on.target) as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        p = pb.SamplingParams(max_new_tokens=16, max_denoising_steps=4, seed=11)
+        events = list(stub.Generate(pb.GenerateRequest(prompt=prompt, params=p)))
+    fin = events[-1].finished
+    assert fin.usage.prompt_tokens == n and fin.usage.cached_tokens == n // CHUNK * CHUNK > 0
+    streamed = httpx.post(
+        _url(on) + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    ).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    (usage,) = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": n // CHUNK * CHUNK}
+
+
+def test_authenticated_callers_never_share_blocks(servers):
+    s = servers["auth"]
+    msgs = _chat(1) + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "isolation"}]
+    assert _chat_call(s, msgs, "token-a").usage.prompt_tokens_details.cached_tokens == 0
+    assert _chat_call(s, msgs, "token-b").usage.prompt_tokens_details.cached_tokens == 0
+    again = _chat_call(s, msgs, "token-a").usage
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens // CHUNK * CHUNK > 0

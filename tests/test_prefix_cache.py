@@ -1,0 +1,251 @@
+"""Prefix caching (docs/prefix-caching.md): the block keys, the LRU-of-leaves eviction, the slot copies, and the
+promise that matters: a request's tokens are the same with or without reuse, alone or batched, with reuse ending at
+every chunk boundary, inside the sliding layers' rings, and against transformers on the parity fixtures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import Margins, hf_generate
+
+from dgserve import Engine, SamplingParams
+from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.prefix_cache import PrefixCache, prefix_hashes
+from dgserve.engine.scheduler import SchedulerConfig
+from dgserve.model.cache import SlotCache
+
+CHUNK = 4  # prefill chunk of the engines below: many chunk boundaries in short prompts
+
+
+def _engine(path, prefix_caching=True, chunk=CHUNK, **kw) -> Engine:
+    sched = SchedulerConfig(max_num_seqs=8, prefill_chunk=chunk, max_prefill_tokens=chunk)
+    kw.setdefault("cache_config", CacheConfig(memory=64 << 20))
+    return Engine.from_pretrained(path, scheduler_config=sched, prefix_caching=prefix_caching, **kw)
+
+
+def _params(seed: int, **kw) -> SamplingParams:
+    kw = {"max_new_tokens": 20, "max_denoising_steps": 6, "t_min": 0.4, "t_max": 0.8, "seed": seed} | kw
+    return SamplingParams(**kw)
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+
+
+def test_keys_chain_over_whole_blocks_and_are_salted():
+    ids = list(range(3, 14))  # 11 tokens: two full blocks of 4, the partial third has no key
+    keys = prefix_hashes(ids, 4)
+    assert len(keys) == 2 and len(set(keys)) == 2
+    assert prefix_hashes(ids[:8], 4) == keys  # a key names its prefix, nothing after it
+    other = prefix_hashes([99, *ids[1:]], 4)
+    assert other[0] != keys[0] and other[1] != keys[1]  # a change in block 0 changes every later key
+    assert prefix_hashes(ids[:4] + [98, *ids[5:]], 4)[0] == keys[0]
+    assert prefix_hashes(ids, 4, "alice") != keys  # callers never share keys...
+    assert prefix_hashes(ids, 4, "alice") != prefix_hashes(ids, 4, "bob")
+    assert prefix_hashes(ids, 4, "") != keys  # ...and the empty identity is not "no identity"
+    assert prefix_hashes(ids[:3], 4) == ()
+
+
+def _kv(x: float):
+    return [torch.full((1, 2, 1), x)], [torch.full((1, 2, 1), -x)]
+
+
+def test_match_returns_the_longest_cached_run_and_counts_tokens():
+    pc = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=100)
+    a, b, c = prefix_hashes([5, 6, 7, 8, 9, 10], 2)
+    assert pc.store(a, None, *_kv(1)) and pc.store(b, a, *_kv(2)) and pc.store(c, b, *_kv(3))
+    assert [blk.key for blk in pc.match([a, b, c], 7)] == [a, b, c]
+    other = prefix_hashes([5, 6, 0, 0], 2)
+    assert [blk.key for blk in pc.match(other, 4)] == [a]
+    assert pc.match(prefix_hashes([1, 1], 2), 2) == []
+    assert (pc.queried_tokens, pc.hit_tokens) == (13, 8)
+    assert pc.held_bytes == 30 and len(pc) == 3
+
+
+def test_eviction_takes_the_least_recently_used_leaf_and_never_orphans_a_block():
+    pc = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=35)  # room for 3 blocks
+    a, b = prefix_hashes([1, 2, 3, 4], 2)
+    x = prefix_hashes([7, 7], 2)[0]
+    assert pc.store(a, None, *_kv(1)) and pc.store(b, a, *_kv(2)) and pc.store(x, None, *_kv(3))
+    pc.match([a], 2)  # a is now the most recent, but it has a child: b goes before it
+    y = prefix_hashes([8, 8], 2)[0]
+    assert pc.store(y, None, *_kv(4))
+    assert a in pc and b not in pc and x in pc and y in pc  # b (LRU leaf) went, not x, and a is no orphan maker
+    assert pc.evicted_blocks == 1
+    # a block whose parent is gone is not kept (it could never be reached)
+    assert not pc.store(prefix_hashes([1, 2, 3, 4, 5, 6], 2)[2], b, *_kv(5))
+    # the parent of the block being stored is never the one evicted for it
+    pc2 = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=10)
+    assert pc2.store(a, None, *_kv(1))
+    assert not pc2.store(b, a, *_kv(2)) and a in pc2
+
+
+def test_no_room_caches_nothing():
+    pc = PrefixCache(block_tokens=4, block_bytes=100, capacity_bytes=99)
+    assert pc.capacity_blocks == 0
+    assert not pc.store(prefix_hashes([1] * 4, 4)[0], None, *_kv(1))
+    assert len(pc) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- slot copies
+
+
+@pytest.mark.parametrize("n", [4, 8, 12, 28, 44])  # within the window, past it, and past the ring's wrap (R = 23)
+def test_copy_in_gives_the_slot_what_encoding_gave_it(tiny_checkpoint, n):
+    from dgserve.model import DiffusionGemma
+
+    m = DiffusionGemma.from_pretrained(tiny_checkpoint("base"))
+    cfg = m.config
+    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+    src = SlotCache(cfg, 1, 64, 16, m.dtype, m.device)
+    blocks = []
+    with torch.inference_mode():
+        for p in range(0, n, CHUNK):
+            m.encode_row(ids[p : p + CHUNK], src.view(0))
+            blocks.append(src.copy_out(0, p, p + CHUNK))
+    dst = SlotCache(cfg, 2, 64, 16, m.dtype, m.device, zero=True)
+    dst.copy_in(1, blocks)
+    assert dst.lengths[1] == n
+    for layer in range(cfg.num_hidden_layers):  # what the next pass sees: identical bits
+        start = src.visible_start(layer, n)
+        for a, b in zip(src.read(0, layer, start, n), dst.read(1, layer, start, n), strict=True):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    path = tiny_checkpoint("base")
+    return _engine(path, prefix_caching=False), path
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_reuse_ending_at_every_chunk_boundary_gives_the_same_tokens(engines):
+    cold, path = engines
+    prompt = _prompt(47, 1)  # 11 full chunks: boundaries inside the window (W − 1 = 7) and past the ring (23)
+    want = cold.generate(prompt, _params(7))
+    warm = _engine(path)
+    assert warm.runner.prefix is not None
+    for k in range(1, len(prompt) // CHUNK + 1):
+        warm.runner.prefix.clear()
+        warm.generate(prompt[: k * CHUNK] + _prompt(5, 100 + k), _params(3, max_new_tokens=4))  # shares k chunks
+        got = warm.generate(prompt, _params(7))
+        assert got.cached_tokens == k * CHUNK, k
+        assert got.token_ids == want.token_ids, f"reuse of {k} chunks changed the tokens"
+        assert got.finish_reason == want.finish_reason
+
+
+def test_whole_prompt_cached_and_batched_with_others(engines):
+    cold, path = engines
+    prompts = [_prompt(32, 2), _prompt(32, 2)[:24] + _prompt(9, 3), _prompt(13, 4)]
+    params = [_params(11), _params(12, max_new_tokens=33), _params(13)]
+    want = [cold.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    warm = _engine(path)
+    warm.generate(prompts[0], _params(1, max_new_tokens=4))  # caches all 8 chunks of prompt 0
+    got = warm.generate_batch(prompts, params)
+    assert [r.cached_tokens for r in got] == [32, 24, 0]  # a whole prompt, a shared head, nothing
+    assert [r.token_ids for r in got] == want
+    again = warm.generate_batch(prompts, params)  # now every full chunk of every prompt is cached
+    assert [r.cached_tokens for r in again] == [32, 32, 12]
+    assert [r.token_ids for r in again] == want
+
+
+def test_callers_do_not_share_blocks(engines):
+    _, path = engines
+    warm = _engine(path)
+    prompt = _prompt(20, 5)
+    first = warm.add(warm.make_request(prompt, _params(1), owner="alice"))
+    while not first.finished:
+        warm.step()
+    for owner, hit in (("bob", 0), (None, 0), ("alice", 20)):
+        req = warm.add(warm.make_request(prompt, _params(1), owner=owner))
+        while not req.finished:
+            warm.step()
+        assert req.cached_tokens == hit, owner
+
+
+def test_turned_off_or_without_room_nothing_is_reused(engines):
+    cold, path = engines
+    prompt = _prompt(20, 6)
+    for e in (
+        cold,
+        _engine(
+            path,
+            cache_config=CacheConfig(
+                memory=SlotCache.bytes_per_slot(cold.model.config, cold.max_model_len, 16, cold.model.dtype) * 8
+            ),
+        ),
+    ):
+        e.generate(prompt, _params(1))
+        assert e.generate(prompt, _params(1)).cached_tokens == 0
+    assert cold.runner.prefix is None
+
+
+def test_eviction_under_pressure_keeps_results_exact(engines):
+    cold, path = engines
+    block = CHUNK * SlotCache.position_bytes(cold.model.config, cold.model.dtype)
+    slots = 8 * SlotCache.bytes_per_slot(cold.model.config, cold.max_model_len, 16, cold.model.dtype)
+    e = _engine(path, cache_config=CacheConfig(memory=slots + 5 * block))  # room for 5 blocks
+    assert e.runner.prefix is not None and e.runner.prefix.capacity_blocks == 5
+    prompts = [_prompt(24, 20 + i) for i in range(3)]  # 6 blocks each, 5 fit
+    for _ in range(2):
+        for i, p in enumerate(prompts):
+            r = e.generate(p, _params(i))
+            assert r.token_ids == cold.generate(p, _params(i)).token_ids
+            assert len(e.runner.prefix) <= 5
+    assert e.runner.prefix.evicted_blocks > 0
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+
+
+def test_reused_prefix_matches_transformers_generate(tiny_checkpoint, hf_model_loader):
+    """The parity fixtures' check (transformers' generate with the noise contract, margins away from near-ties)
+    on prompts whose head the engine has cached: reuse ends at every chunk boundary of the prompt."""
+    path = tiny_checkpoint("base")
+    hf = hf_model_loader(path, torch.float32, attn="sdpa")
+    engine = _engine(path)
+    g = torch.Generator().manual_seed(42)
+    case = dict(max_new_tokens=20, steps=8, t_min=0.4, t_max=0.8, entropy_bound=0.1)
+    for seed, n in ((0, 29), (2**40 + 3, 45)):
+        prompt = torch.randint(3, 300, (n,), generator=g).tolist()
+        margins = Margins()
+        ref, _ = hf_generate(
+            hf,
+            prompt,
+            seed,
+            max_new_tokens=case["max_new_tokens"],
+            steps=case["steps"],
+            t_min=case["t_min"],
+            t_max=case["t_max"],
+            entropy_bound=case["entropy_bound"],
+            stability_threshold=1,
+            confidence_threshold=0.005,
+            eos_ids=(1,),
+            pad_id=0,
+            margins=margins,
+        )
+        assert margins.worst() > 1, f"seed {seed}: near-tie {margins}"
+        params = SamplingParams(
+            max_new_tokens=case["max_new_tokens"],
+            max_denoising_steps=case["steps"],
+            t_min=case["t_min"],
+            t_max=case["t_max"],
+            entropy_bound=case["entropy_bound"],
+            stability_threshold=1,
+            confidence_threshold=0.005,
+            seed=seed,
+        )
+        for k in range(n // CHUNK + 1):
+            prefix = engine.runner.prefix
+            assert prefix is not None
+            prefix.clear()
+            if k:
+                engine.generate(prompt[: k * CHUNK] + [5, 6, 7], _params(9, max_new_tokens=4))
+            res = engine.generate(prompt, params)
+            assert res.cached_tokens == k * CHUNK
+            assert res.token_ids == ref[: len(res.token_ids)], f"seed {seed}, reuse of {k} chunks"
