@@ -633,6 +633,8 @@ def test_inference_pool_selects_the_dgserve_pods_and_names_its_picker():
     (vol,) = [v for v in epp["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
     (key,) = m[("ConfigMap", vol["configMap"]["name"])]["data"]
     assert args["config-file"] == f"{mount['mountPath']}/{key}"
+    grace = [d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for d in (epp, dep)]
+    assert grace[0] >= grace[1], "the picker outlives the longest drain of the pool's pods"
     # RBAC: the picker watches the pool and its pods
     rules = m[("Role", "dgserve-epp")]["rules"]
     granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
