@@ -2,6 +2,9 @@
 ``/metrics`` (also ``/v1/metrics``) by the HTTP front door (service/http/).
 
 Names follow the NIM / vLLM conventions with a ``dgserve_`` prefix; "first token" is the first committed block.
+The three gauges an inference gateway's endpoint picker scores replicas on (requests waiting, requests running, KV
+cache utilisation) are also served under the vLLM names the picker reads by default (``VLLM_ALIASES``,
+docs/deployment.md "Inference gateway").
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 _TPF = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+# The model-server protocol of the Gateway API Inference Extension: the gauges its endpoint picker (llm-d-router's
+# EPP) reads when a pod carries no engine-type label, by dgserve gauge. kv_cache_usage_perc is a fraction in [0, 1]
+# despite its name; pickers before GAIE v1.3 read gpu_cache_usage_perc instead (docs/deployment.md).
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "dgserve_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "dgserve_num_requests_running": ("vllm:num_requests_running",),
+    "dgserve_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+
 
 class Metrics(EngineObserver):
     """Every service metric; an EngineObserver for the engine-side ones, ``on_rpc`` for call outcomes."""
@@ -27,8 +39,18 @@ class Metrics(EngineObserver):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         p = "dgserve_"
-        self.running = Gauge(p + "num_requests_running", "Requests running (holding a slot)", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot", registry=r)
+        engine_gauges = {  # read from the engine at scrape time (track_engine)
+            p + "num_requests_running": "Requests running (holding a slot)",
+            p + "num_requests_waiting": "Requests waiting for a slot",
+            p + "kv_cache_usage_perc": "KV cache utilisation, a fraction in [0, 1]: positions held by the running "
+            "requests over the positions of every slot",
+        }
+        self.gauges = {name: [Gauge(name, doc, registry=r)] for name, doc in engine_gauges.items()}
+        for ours, names in VLLM_ALIASES.items():
+            self.gauges[ours] += [
+                Gauge(n, f"{engine_gauges[ours]} ({ours} under vLLM's name)", registry=r) for n in names
+            ]
+        self.running, self.waiting, self.kv_cache_usage = (self.gauges[n][0] for n in engine_gauges)
         self.max_running = Gauge(p + "num_request_max", "Running slots (max_num_seqs)", registry=r)
         self.queue_time = Histogram(
             p + "request_queue_time_seconds", "Time waiting for a slot", buckets=_LATENCY, registry=r
@@ -69,9 +91,24 @@ class Metrics(EngineObserver):
         r.register(NvmlCollector())
         r.register(NativeOpsCollector())
 
-    def track_engine(self, num_running: Callable[[], int], num_waiting: Callable[[], int], max_num_seqs: int):
-        self.running.set_function(num_running)
-        self.waiting.set_function(num_waiting)
+    def track_engine(
+        self,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        max_num_seqs: int,
+        kv_cache_usage: Callable[[], float] | None = None,
+    ):
+        """Read the engine's gauges at scrape time: each callable runs on the scraping thread, so it may read only
+        what is safe there (host ints, Engine.kv_cache_usage)."""
+        sources: dict[str, Callable[[], float]] = {
+            "dgserve_num_requests_running": num_running,
+            "dgserve_num_requests_waiting": num_waiting,
+        }
+        if kv_cache_usage is not None:
+            sources["dgserve_kv_cache_usage_perc"] = kv_cache_usage
+        for name, read in sources.items():
+            for g in self.gauges[name]:
+                g.set_function(read)
         self.max_running.set(max_num_seqs)
 
     # EngineObserver

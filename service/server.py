@@ -220,7 +220,9 @@ class Server:
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
             self.state.info = convert.model_info(aengine, self.state.names)
-            self.metrics.track_engine(lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs)
+            self.metrics.track_engine(
+                lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs, engine.kv_cache_usage
+            )
             self.state.engine = aengine
             if not self.state.draining:
                 await self._set_ready(SERVING)

@@ -398,12 +398,15 @@ def test_wheel_carries_stubs_model_and_extension(tmp_path):
 
 
 def manifests() -> dict[tuple[str, str], dict]:
+    """Every resource under deploy/kubernetes/ (the folder and its gateway/ and autoscaling/ sets), by (kind, name)."""
     yaml = pytest.importorskip("yaml", reason="PyYAML parses the manifests (installed with transformers, [test])")
-    out = {}
-    for f in sorted(K8S.glob("*.yaml")):
+    out: dict[tuple[str, str], dict] = {}
+    for f in sorted(K8S.rglob("*.yaml")):
         for doc in yaml.safe_load_all(f.read_text()):
             if doc:
-                out[(doc["kind"], doc["metadata"]["name"])] = doc
+                key = (doc["kind"], doc["metadata"]["name"])
+                assert key not in out, f"{key} twice in deploy/kubernetes/"
+                out[key] = doc
     return out
 
 
@@ -517,6 +520,200 @@ def test_envoy_config_balances_grpc_per_call_with_health_checks_and_retries():
     hcm = cfg["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     route_checks(hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"])
     assert ("Service", "dgserve-lb") in m
+
+
+# ------------------------------------------------------------------------------------------------ schemas
+# Built-in kinds against Kubernetes' own OpenAPI schemas (kubernetes-validate, strict: unknown fields fail), custom
+# resources against the openAPIV3Schema of their published CRDs (tests/data/k8s/*.schema.json, each naming its
+# source and version), made strict the same way, and the endpoint picker's configuration against a schema written
+# from its Go types. docs/deployment.md, "Inference gateway".
+
+K8S_VERSIONS = ("1.30.0", "1.37.0")  # the oldest Kubernetes the manifests target and the newest schemas at hand
+SCHEMAS = ROOT / "tests" / "data" / "k8s"
+CRD_SCHEMAS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.schema.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.schema.json",
+    ("gateway.networking.k8s.io/v1", "Gateway"): "gateway-v1.schema.json",
+}
+
+
+def strict(schema):
+    """A copy of a structural schema in which an object with listed properties takes no others (the API server
+    would drop them silently: a typo would pass)."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validator(api_version: str, kind: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((SCHEMAS / CRD_SCHEMAS[(api_version, kind)]).read_text())
+    return jsonschema.Draft7Validator(strict(schema))
+
+
+def schema_errors(validator, doc) -> list[str]:
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_builtin_resources_match_the_kubernetes_schemas():
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate==1.37.0 ([test] extra)")
+    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}, "spec": {"replicas": "two"}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, K8S_VERSIONS[-1], strict=True)
+    checked = []
+    for (kind, name), doc in manifests().items():
+        if (doc["apiVersion"], kind) in CRD_SCHEMAS:
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{kind} {name} against Kubernetes {version}: {'.'.join(map(str, e.path))}: {e.message}")
+        checked.append(kind)
+    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler", "Role"} <= set(checked)
+
+
+def test_custom_resources_match_their_published_crd_schemas():
+    m = manifests()
+    pool = m[("InferencePool", "dgserve")]
+    validator = crd_validator(pool["apiVersion"], "InferencePool")
+    typo = {**pool, "spec": {**pool["spec"], "targetPort": 8000}}
+    assert schema_errors(validator, typo), "a misspelt field passed: the schema checks nothing"
+    seen = set()
+    for (kind, name), doc in m.items():
+        if (doc["apiVersion"], kind) in CRD_SCHEMAS:
+            assert schema_errors(crd_validator(doc["apiVersion"], kind), doc) == [], f"{kind} {name}"
+            seen.add(kind)
+    assert seen == {"InferencePool", "HTTPRoute", "Gateway"}
+
+
+def epp_config(m) -> dict:
+    yaml = pytest.importorskip("yaml")
+    (text,) = m[("ConfigMap", "dgserve-epp")]["data"].values()
+    return yaml.safe_load(text)
+
+
+def served_metric_names() -> set[str]:
+    from dgserve.service.metrics import Metrics
+
+    return {s.name for family in Metrics().registry.collect() for s in family.samples}
+
+
+def test_inference_pool_selects_the_dgserve_pods_and_names_its_picker():
+    m = manifests()
+    pool = m[("InferencePool", "dgserve")]["spec"]
+    dep = m[("Deployment", "dgserve")]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pool["selector"]["matchLabels"].items() <= labels.items()
+    http = {p["name"]: p["containerPort"] for p in container(dep)["ports"]}["http"]
+    assert [p["number"] for p in pool["targetPorts"]] == [http], "the picker routes and scrapes the HTTP port"
+    assert pool.get("appProtocol", "http") == "http"
+    ref = pool["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    svc = m[("Service", ref["name"])]
+    assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"]}
+    epp = m[("Deployment", "dgserve-epp")]
+    assert svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    (picker,) = epp["spec"]["template"]["spec"]["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in picker["args"])
+    assert args["pool-name"] == m[("InferencePool", "dgserve")]["metadata"]["name"]
+    assert args["pool-group"] == "inference.networking.k8s.io"
+    assert int(args["grpc-port"]) == ref["port"]["number"]
+    # its configuration file is the ConfigMap's key, mounted where --config-file points
+    (mount,) = picker["volumeMounts"]
+    (vol,) = [v for v in epp["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    (key,) = m[("ConfigMap", vol["configMap"]["name"])]["data"]
+    assert args["config-file"] == f"{mount['mountPath']}/{key}"
+    grace = [d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for d in (epp, dep)]
+    assert grace[0] >= grace[1], "the picker outlives the longest drain of the pool's pods"
+    # RBAC: the picker watches the pool and its pods
+    rules = m[("Role", "dgserve-epp")]["rules"]
+    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools")} <= granted
+    binding = m[("RoleBinding", "dgserve-epp")]
+    assert binding["subjects"][0]["name"] == epp["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+def test_endpoint_picker_config_reads_gauges_the_server_serves():
+    jsonschema = pytest.importorskip("jsonschema")
+    m = manifests()
+    cfg = epp_config(m)
+    schema = json.loads((SCHEMAS / "endpointpickerconfig-v1alpha1.schema.json").read_text())
+    assert schema_errors(jsonschema.Draft7Validator(schema), cfg) == []
+    plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
+    for ptype, sub in schema["definitions"].items():
+        for p in cfg["plugins"]:
+            if p["type"] == ptype:
+                assert schema_errors(jsonschema.Draft7Validator(sub), p.get("parameters", {})) == [], ptype
+    refs = [p["pluginRef"] for prof in cfg["schedulingProfiles"] for p in prof["plugins"]]
+    refs += [s["pluginRef"] for s in cfg["dataLayer"]["sources"]]
+    refs += [e["pluginRef"] for s in cfg["dataLayer"]["sources"] for e in s["extractors"]]
+    assert set(refs) <= set(plugins), set(refs) - set(plugins)
+    scorers = {
+        plugins[r]["type"] for prof in cfg["schedulingProfiles"] for r in (p["pluginRef"] for p in prof["plugins"])
+    }
+    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scorers
+    # the engine named by the pods' label maps to dgserve's own gauges, which the server serves
+    (extractor,) = [p for p in cfg["plugins"] if p["type"] == "core-metrics-extractor"]
+    params = extractor["parameters"]
+    label_key = params.get("engineLabelKey", "llm-d.ai/engine-type")
+    engine = m[("Deployment", "dgserve")]["spec"]["template"]["metadata"]["labels"][label_key]
+    (ours,) = [e for e in params["engineConfigs"] if e["name"] == engine]
+    served = served_metric_names()
+    specs = {k: v for k, v in ours.items() if k.endswith("Spec")}
+    assert set(specs) == {"queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"}
+    assert set(specs.values()) <= served, set(specs.values()) - served
+    # a picker without that mapping falls back to vLLM's names: served too
+    vllm = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
+    assert vllm | {"vllm:gpu_cache_usage_perc"} <= served
+    (source,) = [p for p in cfg["plugins"] if p["type"] == "metrics-data-source"]
+    assert source["parameters"]["path"] == "/metrics"
+
+
+def test_http_route_sends_the_openai_api_to_the_pool():
+    m = manifests()
+    route = m[("HTTPRoute", "dgserve")]["spec"]
+    (parent,) = route["parentRefs"]
+    assert (parent["kind"], parent["name"]) in {("Gateway", n) for k, n in m if k == "Gateway"}
+    (rule,) = route["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+    assert ("InferencePool", backend["name"]) in m
+    assert any(match["path"]["value"] in ("/", "/v1/", "/v1") for match in rule["matches"])
+
+
+def adapter_rule() -> dict:
+    """The prometheus-adapter rule in docs/deployment.md."""
+    yaml = pytest.importorskip("yaml")
+    (snippet,) = [s for s in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S) if "seriesQuery" in s]
+    (rule,) = yaml.safe_load(snippet)["rules"]["custom"]
+    return rule
+
+
+def test_autoscaler_scales_the_deployment_on_the_waiting_gauge():
+    m = manifests()
+    hpa = m[("HorizontalPodAutoscaler", "dgserve")]["spec"]
+    target = hpa["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "dgserve") and ("Deployment", "dgserve") in m
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    assert name == "dgserve_num_requests_waiting" and name in served_metric_names()
+    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    rule = adapter_rule()
+    assert rule["seriesQuery"].startswith(name + "{")
+    assert re.fullmatch(rule["name"]["matches"], name) and rule["name"].get("as", name) == name
+    assert {"namespace", "pod"} <= set(rule["resources"]["overrides"])
+    assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
 
 
 # ------------------------------------------------------------------------------------------------ docs

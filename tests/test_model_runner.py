@@ -107,3 +107,23 @@ def test_one_record_steps_left_goes_down_once_per_step(tiny_checkpoint):
     assert [s[0] for s in seen] == [0] * N + [1] * N
     assert [b.stats.denoising_steps for b in req.blocks] == [N, N]
     assert req.seed == 3 and req.params.seed == 3
+
+
+def test_kv_cache_usage_is_the_held_fraction(tiny_checkpoint):
+    """Positions the occupied slots hold over every slot's positions: the prompts once admitted, growing with each
+    committed block, 0 again when the requests are done (the metrics gauge reads it: docs/deployment.md)."""
+    eng = Engine.from_pretrained(tiny_checkpoint("base"), scheduler_config=SchedulerConfig(max_num_seqs=2))
+    r = eng.runner
+    assert eng.kv_cache_usage() == 0.0
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    sp = SamplingParams(max_new_tokens=48, max_denoising_steps=2, seed=1, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, sp)
+    eng.step()
+    capacity = r.num_slots * r.slot_len
+    assert eng.kv_cache_usage() == sum(map(len, prompts)) / capacity
+    seen = [eng.kv_cache_usage()]
+    while eng.has_unfinished():
+        eng.step()
+        seen.append(eng.kv_cache_usage())
+    assert max(seen) > seen[0] and all(0 <= u <= 1 for u in seen) and seen[-1] == 0.0

@@ -544,6 +544,11 @@ class Engine:
             )
         self.runner.check_fits(prompt_tokens + n_blocks * C)
 
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache the running requests hold, in [0, 1] (``ModelRunner.kv_cache_usage``: a
+        snapshot of host ints, safe to read from the metrics scrape while the engine thread steps)."""
+        return self.runner.kv_cache_usage()
+
 
 def check_request_id(value: str, field: str = "request_id") -> None:
     """ValueError naming ``field`` unless ``value`` is 1 to 256 printable characters. Ids end up in logs, metrics

@@ -266,3 +266,11 @@ class ModelRunner:
         if slots == list(range(len(slots))):
             return slice(0, len(slots))
         return torch.tensor(slots, dtype=torch.int64, device=self.model.device)
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache held, in [0, 1]: positions encoded in the occupied slots over every slot's
+        positions (``num_slots * slot_len``); 0 when idle. Safe to call from another thread (the metrics scrape):
+        it reads host ints only, ``len(occupants)`` and one copy of ``cache.lengths`` taken under the GIL, so it is
+        a snapshot that may straddle a step (a slot being moved or released) and is clamped to [0, 1]."""
+        held = sum(self.cache.lengths[: len(self.occupants)])
+        return min(1.0, max(0.0, held / (self.num_slots * self.slot_len)))
