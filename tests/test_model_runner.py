@@ -110,9 +110,12 @@ def test_one_record_steps_left_goes_down_once_per_step(tiny_checkpoint):
 
 
 def test_kv_cache_usage_is_the_held_fraction(tiny_checkpoint):
-    """Positions the occupied slots hold over every slot's positions: the prompts once admitted, growing with each
-    committed block, 0 again when the requests are done (the metrics gauge reads it: docs/deployment.md)."""
-    eng = Engine.from_pretrained(tiny_checkpoint("base"), scheduler_config=SchedulerConfig(max_num_seqs=2))
+    """Positions the occupied slots hold over every slot's positions (without prefix caching): the prompts once
+    admitted, growing with each committed block, 0 again when the requests are done (the metrics gauge reads it:
+    docs/deployment.md)."""
+    eng = Engine.from_pretrained(
+        tiny_checkpoint("base"), scheduler_config=SchedulerConfig(max_num_seqs=2), prefix_caching=False
+    )
     r = eng.runner
     assert eng.kv_cache_usage() == 0.0
     prompts = [[5, 6, 7], list(range(3, 30))]
@@ -121,9 +124,24 @@ def test_kv_cache_usage_is_the_held_fraction(tiny_checkpoint):
         eng.add_request(p, sp)
     eng.step()
     capacity = r.num_slots * r.slot_len
-    assert eng.kv_cache_usage() == sum(map(len, prompts)) / capacity
+    assert eng.kv_cache_usage() == pytest.approx(sum(map(len, prompts)) / capacity, rel=1e-12)
     seen = [eng.kv_cache_usage()]
     while eng.has_unfinished():
         eng.step()
         seen.append(eng.kv_cache_usage())
     assert max(seen) > seen[0] and all(0 <= u <= 1 for u in seen) and seen[-1] == 0.0
+
+
+def test_kv_cache_usage_counts_the_prefix_cache_blocks(tiny_checkpoint):
+    """With prefix caching the budget has two parts: what a finished request leaves in the prefix cache still
+    counts (its blocks, over the slots' bytes plus the prefix cache's capacity)."""
+    sched = SchedulerConfig(max_num_seqs=2, prefill_chunk=4, max_prefill_tokens=4)
+    eng = Engine.from_pretrained(
+        tiny_checkpoint("base"), scheduler_config=sched, cache_config=CacheConfig(memory=8 << 20)
+    )
+    r, prefix = eng.runner, eng.runner.prefix
+    assert prefix is not None and eng.kv_cache_usage() == 0.0
+    eng.generate(list(range(3, 30)), SamplingParams(max_new_tokens=8, max_denoising_steps=2, seed=1))
+    assert len(prefix) == 27 // 4
+    want = prefix.held_bytes / (r.cache_bytes + prefix.capacity_bytes)
+    assert eng.kv_cache_usage() == pytest.approx(want, rel=1e-12) and want > 0

@@ -545,8 +545,9 @@ class Engine:
         self.runner.check_fits(prompt_tokens + n_blocks * C)
 
     def kv_cache_usage(self) -> float:
-        """The fraction of the KV cache the running requests hold, in [0, 1] (``ModelRunner.kv_cache_usage``: a
-        snapshot of host ints, safe to read from the metrics scrape while the engine thread steps)."""
+        """The fraction of the KV cache budget held, in [0, 1]: the running requests' positions and the prefix
+        cache's blocks (``ModelRunner.kv_cache_usage``: a snapshot of host ints, safe to read from the metrics
+        scrape while the engine thread steps)."""
         return self.runner.kv_cache_usage()
 
 

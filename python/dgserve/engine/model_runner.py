@@ -268,9 +268,17 @@ class ModelRunner:
         return torch.tensor(slots, dtype=torch.int64, device=self.model.device)
 
     def kv_cache_usage(self) -> float:
-        """The fraction of the KV cache held, in [0, 1]: positions encoded in the occupied slots over every slot's
-        positions (``num_slots * slot_len``); 0 when idle. Safe to call from another thread (the metrics scrape):
-        it reads host ints only, ``len(occupants)`` and one copy of ``cache.lengths`` taken under the GIL, so it is
-        a snapshot that may straddle a step (a slot being moved or released) and is clamped to [0, 1]."""
-        held = sum(self.cache.lengths[: len(self.occupants)])
-        return min(1.0, max(0.0, held / (self.num_slots * self.slot_len)))
+        """The fraction of the KV cache budget held, in [0, 1], in bytes: the slots' share for the positions encoded
+        in the occupied slots (of ``num_slots * slot_len``), plus the prefix cache's held blocks, over the slots'
+        bytes plus the prefix cache's capacity (the budget's two parts; held prefix blocks are evicted when a new
+        block needs room, so a full prefix cache is not pressure on the slots). 0 when idle with an empty prefix
+        cache. Safe to call from another thread (the metrics scrape): it reads host ints only, ``len(occupants)``,
+        one copy of ``cache.lengths`` and the prefix cache's block count, taken under the GIL, so it is a snapshot
+        that may straddle a step (a slot being moved or released) and is clamped to [0, 1]."""
+        positions = sum(self.cache.lengths[: len(self.occupants)])
+        held = self.cache_bytes * positions / (self.num_slots * self.slot_len)
+        total = self.cache_bytes
+        if self.prefix is not None:
+            held += self.prefix.held_bytes
+            total += self.prefix.capacity_bytes
+        return min(1.0, max(0.0, held / total))
