@@ -13,6 +13,10 @@
 #   docker run --gpus all -v /data/ckpt:/models:ro -e NIM_MODEL_PATH=/models dgserve
 #   docker run --rm dgserve --dry-run                                       # print the resolved configuration
 #
+# The same file builds a CPU image from a Debian base (DEVICE=cpu, BUILDER_IMAGE / RUNTIME_IMAGE, a CPU torch):
+# scripts/build_image.sh --cpu does that with buildah and podman where no CUDA image can be pulled
+# (docs/deployment.md, "Building the image here").
+#
 # Versions (see docs/deployment.md): CUDA 13.0 toolkit, and torch from the matching cu130 wheel index.
 # TORCH_VERSION must equal pyproject.toml's `torch==` pin, or installing the dgserve wheel would replace the
 # CUDA torch with another build (tests/test_container.py checks that they agree). The lent GPU machines run
@@ -20,16 +24,24 @@
 
 ARG CUDA_VERSION=13.0.1
 ARG UBUNTU=ubuntu24.04
+# The two bases: CUDA devel for the builder, the slim CUDA base for the runtime. A CPU image passes one Debian
+# (or Ubuntu) image with python3, python3-venv and ca-certificates for both, and DEVICE=cpu.
+ARG BUILDER_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU}
+ARG RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-${UBUNTU}
 
 # ------------------------------------------------------------------------------------------------ builder
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS builder
+FROM ${BUILDER_IMAGE} AS builder
 
+# cuda: a CUDA torch and the CUDA build of _C (the production image); cpu: a CPU torch and a CPU-only _C.
+ARG DEVICE=cuda
 ARG TORCH_VERSION=2.13.0
+# A CPU build passes an index (or find-links) that serves a CPU build of the same torch version.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 ARG SETUPTOOLS_VERSION=84.2.1
-# sm_90a = Hopper (H100/H200) with its arch-specific features, sm_100a = Blackwell (B200/GB200).
+# sm_90a = Hopper (H100/H200) with its arch-specific features, sm_100a = Blackwell (B200/GB200); unused when
+# DEVICE=cpu.
 ARG CUDA_ARCHES=sm_90a,sm_100a
-# 0 skips the CPU test suite (quicker local iteration; CI images keep the default).
+# 0 skips the CPU test suite and the [test] extra (quicker local iteration; CI images keep the default).
 ARG RUN_TESTS=1
 ARG DEBIAN_FRONTEND=noninteractive
 
@@ -48,29 +60,33 @@ ENV TORCH_CUDA_ARCH_LIST="9.0a;10.0a" \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/build-venv/bin:${PATH}
 
-# The build venv: CUDA torch first, frozen into a constraint, so that no later install swaps it for another build.
+# The build venv: torch first, frozen into a constraint, so that no later install swaps it for another build.
 RUN --mount=type=cache,target=/root/.cache/pip \
     python3 -m venv /opt/build-venv \
     && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
     && pip install "setuptools==${SETUPTOOLS_VERSION}" \
     && pip freeze | grep -E '^(torch|setuptools)==' > /opt/constraints.txt \
-    && python -c "import torch; assert torch.version.cuda, 'torch is not a CUDA build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+    && DEVICE="${DEVICE}" python -c "import os, torch; assert bool(torch.version.cuda) == (os.environ['DEVICE'] == 'cuda'), 'torch is not a ' + os.environ['DEVICE'] + ' build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
-# Dependencies + the [test] extra, from pyproject.toml alone (a layer that survives source edits).
+# Dependencies + the [test] extra (when the tests run), from pyproject.toml alone (a layer that survives source
+# edits).
 WORKDIR /src
 COPY pyproject.toml ./
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['test']))" > /tmp/requirements.txt \
+    RUN_TESTS="${RUN_TESTS}" python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + (p['optional-dependencies']['test'] if os.environ['RUN_TESTS'] == '1' else [])))" > /tmp/requirements.txt \
     && pip install -c /opt/constraints.txt -r /tmp/requirements.txt
 
 COPY . .
 
-# Stubs + the CUDA extension (fail if the CUDA path was not taken), then the CPU tests on this tree.
-RUN python build.py --arch "${CUDA_ARCHES}" | tee /tmp/build.log \
-    && grep -q "ext: CUDA (" /tmp/build.log \
+# Stubs + the extension (fail if the CUDA path was not taken when DEVICE=cuda), then the CPU tests on this tree.
+RUN if [ "${DEVICE}" = "cuda" ]; then \
+        python build.py --arch "${CUDA_ARCHES}" | tee /tmp/build.log && grep -q "ext: CUDA (" /tmp/build.log; \
+    else \
+        python build.py --cpu-only | tee /tmp/build.log && grep -q "ext: CPU build" /tmp/build.log; \
+    fi \
     && pip install --no-cache-dir -c /opt/constraints.txt --no-deps --no-build-isolation -e . \
-    && python -c "import dgserve._C"
-RUN if [ "${RUN_TESTS}" = "1" ]; then python -m pytest -q -m "not cuda" -p no:cacheprovider; fi
+    && python -c "import torch, dgserve._C"
+RUN if [ "${RUN_TESTS}" = "1" ]; then python -m pytest -q -m "not cuda and not image" -p no:cacheprovider; fi
 
 # The wheel (must carry _C, the generated stubs and the shipped small model), then the runtime venv from it.
 RUN --mount=type=cache,target=/root/.cache/pip \
@@ -84,15 +100,17 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # ------------------------------------------------------------------------------------------------ runtime
 # `base` (CUDA runtime + the container toolkit's NVIDIA_* settings) rather than `runtime`: torch's cu130 wheels
 # bring cuBLAS, cuDNN and NCCL as pip packages, so the larger image would only duplicate them.
-FROM nvidia/cuda:${CUDA_VERSION}-base-${UBUNTU} AS runtime
+FROM ${RUNTIME_IMAGE} AS runtime
 
+ARG DEVICE=cuda
 ARG DEBIAN_FRONTEND=noninteractive
 
 LABEL org.opencontainers.image.title="dgserve" \
       org.opencontainers.image.description="gRPC serving for DiffusionGemma (block-diffusion Gemma 4 MoE)" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# python3 for the venv (same /usr/bin/python3.12 as the builder), libgomp1 for the OpenMP CPU ops of _C.
+# python3 for the venv (the /usr/bin/python3 of the builder: the same base release), libgomp1 for the OpenMP CPU
+# ops of _C.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 libgomp1 \
@@ -116,7 +134,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
     DGSERVE_GRPC_PORT=50051 \
     NIM_SERVER_PORT=8000 \
     NIM_LOG_LEVEL=INFO \
-    DGSERVE_DEVICE=cuda \
+    DGSERVE_DEVICE=${DEVICE} \
     DGSERVE_DRAIN_TIMEOUT=30
 
 VOLUME ["/models"]

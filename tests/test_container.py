@@ -61,18 +61,25 @@ def instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def stages() -> tuple[dict[str, str], list[tuple[str, list[tuple[str, str]]]]]:
-    """(global ARG defaults, [(FROM arguments with those ARGs substituted, the stage's instructions)])."""
+def substitute(text: str, args: dict[str, str], strict: bool = True) -> str:
+    """``${NAME}`` replaced by ``args[NAME]`` (strict: every name must be there; else unknown names stay)."""
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)] if strict or m.group(1) in args else m.group(0), text)
+
+
+def stages(
+    build_args: dict[str, str] | None = None,
+) -> tuple[dict[str, str], list[tuple[str, list[tuple[str, str]]]]]:
+    """(global ARG defaults, or ``build_args`` where given, [(FROM arguments with those ARGs substituted, the
+    stage's instructions)])."""
     global_args: dict[str, str] = {}
     result: list[tuple[str, list[tuple[str, str]]]] = []
     for word, rest in instructions(DOCKERFILE.read_text()):
         if word == "FROM":
-            image = re.sub(r"\$\{(\w+)\}", lambda m: global_args[m.group(1)], rest)
-            result.append((image, []))
+            result.append((substitute(rest, global_args), []))
         elif not result:
             if word == "ARG" and "=" in rest:
                 k, v = rest.split("=", 1)
-                global_args[k] = v
+                global_args[k] = (build_args or {}).get(k, substitute(v, global_args))
         else:
             result[-1][1].append((word, rest))
     return global_args, result
@@ -89,13 +96,15 @@ def args_of(body) -> dict[str, str]:
     return dict(rest.split("=", 1) for word, rest in body if word == "ARG" and "=" in rest)
 
 
-def env_of(body) -> dict[str, str]:
-    """ENV key=value pairs (the quoted value form used in the Dockerfile)."""
+def env_of(body, build_args: dict[str, str] | None = None) -> dict[str, str]:
+    """ENV key=value pairs (the quoted value form used in the Dockerfile), the stage's ARGs substituted (their
+    defaults, or ``build_args`` where given)."""
+    args = {**args_of(body), **{k: v for k, v in (build_args or {}).items() if k in args_of(body)}}
     env: dict[str, str] = {}
     for word, rest in body:
         if word == "ENV":
             for k, v in re.findall(r'(\w+)=("[^"]*"|\S+)', rest):
-                env[k] = v.strip('"')
+                env[k] = substitute(v.strip('"'), args, strict=False)
     return env
 
 
@@ -143,10 +152,17 @@ def test_builder_builds_the_cuda_extension_runs_cpu_tests_and_checks_the_wheel()
     body = stage("builder")
     runs = "\n".join(rest for word, rest in body if word == "RUN")
     assert args_of(body)["CUDA_ARCHES"] == "sm_90a,sm_100a"
+    assert args_of(body)["DEVICE"] == "cuda", "the production image is the CUDA one unless asked otherwise"
     assert env_of(body)["TORCH_CUDA_ARCH_LIST"] == "9.0a;10.0a"
-    assert 'python build.py --arch "${CUDA_ARCHES}"' in runs
-    assert 'grep -q "ext: CUDA ("' in runs, "the build must fail when build.py fell back to a CPU-only _C"
-    assert re.search(r'pytest -q -m "not cuda"', runs)
+    # DEVICE=cuda: the CUDA arches, and a CPU-only _C fails the build; DEVICE=cpu: --cpu-only, checked the same way
+    cuda = re.search(r'if \[ "\$\{DEVICE\}" = "cuda" \]; then (.*?); else (.*?); fi', runs)
+    assert cuda, "the extension step branches on DEVICE"
+    assert 'python build.py --arch "${CUDA_ARCHES}"' in cuda.group(1)
+    assert 'grep -q "ext: CUDA ("' in cuda.group(1), "the build must fail when build.py fell back to a CPU-only _C"
+    assert "python build.py --cpu-only" in cuda.group(2) and 'grep -q "ext: CPU build"' in cuda.group(2)
+    assert 'python -c "import torch, dgserve._C"' in runs, "_C loads only once torch's libraries are loaded"
+    assert "bool(torch.version.cuda) == (os.environ['DEVICE'] == 'cuda')" in runs, "torch must match DEVICE"
+    assert re.search(r'pytest -q -m "not cuda and not image"', runs), "the CPU suite, less GPU and image-building tests"
     assert "pip wheel" in runs and "docker/check_wheel.py --require-ext" in runs
     assert re.search(r"/opt/venv/bin/pip install -c /opt/constraints.txt /dist/dgserve-\*\.whl", runs)
     assert 'torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
@@ -189,6 +205,31 @@ def test_image_environment_defaults_are_known_and_resolve():
     assert cfg["model"] is None
     assert (cfg["port"], cfg["http_port"], cfg["device"], cfg["log_level"]) == (50051, 8000, "cuda", "INFO")
     assert cfg["drain_timeout"] == 30.0
+    # the CPU image (DEVICE=cpu, scripts/build_image.sh --cpu) serves on the CPU by default
+    assert env_of(stage("runtime"), {"DEVICE": "cpu"})["DGSERVE_DEVICE"] == "cpu"
+
+
+# ------------------------------------------------------------------------------------------------ build script
+
+BUILD_SCRIPT = ROOT / "scripts" / "build_image.sh"
+
+
+def test_build_script_parses_and_passes_only_declared_build_args():
+    """scripts/build_image.sh: strict bash that parses; every --build-arg it passes is an ARG of the Dockerfile
+    (buildah ignores an undeclared one with a warning only), and its CPU bases replace both CUDA images."""
+    text = BUILD_SCRIPT.read_text()
+    assert os.access(BUILD_SCRIPT, os.X_OK) and text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    r = subprocess.run(["bash", "-n", str(BUILD_SCRIPT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    passed = set(re.findall(r'--build-arg "?(\w+)=', text))
+    declared = {rest.split("=", 1)[0] for word, rest in instructions(DOCKERFILE.read_text()) if word == "ARG"}
+    assert passed and passed <= declared, passed - declared
+    assert {"DEVICE", "BUILDER_IMAGE", "RUNTIME_IMAGE", "TORCH_VERSION", "RUN_TESTS"} <= passed
+    base = "localhost/dgserve-base:bookworm"
+    images = [image for image, _ in stages({"BUILDER_IMAGE": base, "RUNTIME_IMAGE": base})[1]]
+    assert images == [f"{base} AS builder", f"{base} AS runtime"], images
+    assert "--isolation" in text and "--format docker" in text, "chroot isolation here; docker format keeps HEALTHCHECK"
 
 
 # ------------------------------------------------------------------------------------------------ entrypoint
