@@ -49,20 +49,26 @@ def _kv(x: float):
     return [torch.full((1, 2, 1), x)], [torch.full((1, 2, 1), -x)]
 
 
+def _full_only(capacity_bytes: int) -> PrefixCache:
+    """Blocks of 2 tokens, 10 bytes, one full-attention layer."""
+    return PrefixCache(2, [10], [False], 8, capacity_bytes)
+
+
 def test_match_returns_the_longest_cached_run_and_counts_tokens():
-    pc = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=100)
+    pc = _full_only(100)
     a, b, c = prefix_hashes([5, 6, 7, 8, 9, 10], 2)
     assert pc.store(a, None, *_kv(1)) and pc.store(b, a, *_kv(2)) and pc.store(c, b, *_kv(3))
-    assert [blk.key for blk in pc.match([a, b, c], 7)] == [a, b, c]
+    hit = pc.match([a, b, c], 7)
+    assert [float(k[0][0, 0, 0]) for k, _ in hit] == [1, 2, 3]
     other = prefix_hashes([5, 6, 0, 0], 2)
-    assert [blk.key for blk in pc.match(other, 4)] == [a]
+    assert len(pc.match(other, 4)) == 1
     assert pc.match(prefix_hashes([1, 1], 2), 2) == []
     assert (pc.queried_tokens, pc.hit_tokens) == (13, 8)
     assert pc.held_bytes == 30 and len(pc) == 3
 
 
 def test_eviction_takes_the_least_recently_used_leaf_and_never_orphans_a_block():
-    pc = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=35)  # room for 3 blocks
+    pc = _full_only(35)  # room for 3 blocks
     a, b = prefix_hashes([1, 2, 3, 4], 2)
     x = prefix_hashes([7, 7], 2)[0]
     assert pc.store(a, None, *_kv(1)) and pc.store(b, a, *_kv(2)) and pc.store(x, None, *_kv(3))
@@ -70,20 +76,50 @@ def test_eviction_takes_the_least_recently_used_leaf_and_never_orphans_a_block()
     y = prefix_hashes([8, 8], 2)[0]
     assert pc.store(y, None, *_kv(4))
     assert a in pc and b not in pc and x in pc and y in pc  # b (LRU leaf) went, not x, and a is no orphan maker
-    assert pc.evicted_blocks == 1
+    assert pc.evicted_blocks == 1 and pc.held_bytes == 30
     # a block whose parent is gone is not kept (it could never be reached)
     assert not pc.store(prefix_hashes([1, 2, 3, 4, 5, 6], 2)[2], b, *_kv(5))
     # the parent of the block being stored is never the one evicted for it
-    pc2 = PrefixCache(block_tokens=2, block_bytes=10, capacity_bytes=10)
+    pc2 = _full_only(10)
     assert pc2.store(a, None, *_kv(1))
     assert not pc2.store(b, a, *_kv(2)) and a in pc2
 
 
 def test_no_room_caches_nothing():
-    pc = PrefixCache(block_tokens=4, block_bytes=100, capacity_bytes=99)
-    assert pc.capacity_blocks == 0
-    assert not pc.store(prefix_hashes([1] * 4, 4)[0], None, *_kv(1))
-    assert len(pc) == 0
+    pc = _full_only(9)
+    assert not pc.store(prefix_hashes([1] * 2, 2)[0], None, *_kv(1))
+    assert len(pc) == 0 and pc.held_bytes == 0
+
+
+def _two_layers(x: float):
+    """Keys/values of a block on two layers: layer 0 sliding, layer 1 full."""
+    return [torch.full((1, 2, 1), x), torch.full((1, 2, 1), x + 0.5)], [torch.full((1, 2, 1), -x)] * 2
+
+
+def test_under_pressure_inner_blocks_drop_their_sliding_part_before_anything_is_evicted():
+    # blocks of 2 tokens: 6 bytes on the sliding layer (W = 3: a prefix needs it in its last block only) + 4 full
+    pc = PrefixCache(2, [6, 4], [True, False], 3, capacity_bytes=34)
+    keys = prefix_hashes(list(range(3, 11)), 2)  # a chain of 4 blocks
+    assert pc.store(keys[0], None, *_two_layers(0)) and pc.store(keys[1], keys[0], *_two_layers(1))
+    assert pc.store(keys[2], keys[1], *_two_layers(2))  # 30 bytes held
+    assert pc.store(keys[3], keys[2], *_two_layers(3))  # 40 > 34: block 0 (LRU, inner) drops its sliding part
+    assert pc.dropped_sliding == 1 and pc.evicted_blocks == 0 and pc.held_bytes == 34 and len(pc) == 4
+    # a prompt ending after block 0 can no longer be restored from it, one ending later can
+    assert pc.match(keys[:1], 2) == []
+    hit = pc.match(keys[:2], 4)
+    assert len(hit) == 2 and hit[0][0][0] is None and hit[0][0][1] is not None and hit[1][0][0] is not None
+    assert len(pc.match(keys, 8)) == 4
+
+
+def test_a_run_ends_where_its_window_still_has_the_sliding_part():
+    # W = 5: a prefix needs the sliding part of the blocks holding its last 4 positions (two blocks of 2)
+    pc = PrefixCache(2, [6, 4], [True, False], 5, capacity_bytes=1000)
+    keys = prefix_hashes(list(range(3, 11)), 2)
+    for i, k in enumerate(keys):
+        assert pc.store(k, keys[i - 1] if i else None, *_two_layers(i))
+    pc._blocks[keys[2]].sliding = False  # as if dropped
+    pc._blocks[keys[2]].keys = [None, pc._blocks[keys[2]].keys[1]]
+    assert len(pc.match(keys, 8)) == 2  # ends of 4 and 3 blocks need block 2's sliding part; 2 blocks do not
 
 
 # ---------------------------------------------------------------------------------------------------- slot copies
@@ -103,7 +139,7 @@ def test_copy_in_gives_the_slot_what_encoding_gave_it(tiny_checkpoint, n):
             m.encode_row(ids[p : p + CHUNK], src.view(0))
             blocks.append(src.copy_out(0, p, p + CHUNK))
     dst = SlotCache(cfg, 2, 64, 16, m.dtype, m.device, zero=True)
-    dst.copy_in(1, blocks)
+    dst.copy_in(1, blocks, CHUNK)
     assert dst.lengths[1] == n
     for layer in range(cfg.num_hidden_layers):  # what the next pass sees: identical bits
         start = src.visible_start(layer, n)
@@ -189,15 +225,37 @@ def test_eviction_under_pressure_keeps_results_exact(engines):
     cold, path = engines
     block = CHUNK * SlotCache.position_bytes(cold.model.config, cold.model.dtype)
     slots = 8 * SlotCache.bytes_per_slot(cold.model.config, cold.max_model_len, 16, cold.model.dtype)
-    e = _engine(path, cache_config=CacheConfig(memory=slots + 5 * block))  # room for 5 blocks
-    assert e.runner.prefix is not None and e.runner.prefix.capacity_blocks == 5
-    prompts = [_prompt(24, 20 + i) for i in range(3)]  # 6 blocks each, 5 fit
+    e = _engine(path, cache_config=CacheConfig(memory=slots + 5 * block))  # room for 5 whole blocks
+    prefix = e.runner.prefix
+    assert prefix is not None and prefix.capacity_bytes == 5 * block
+    prompts = [_prompt(24, 20 + i) for i in range(3)]  # 6 blocks each
     for _ in range(2):
         for i, p in enumerate(prompts):
+            hit = prefix.hit_tokens
             r = e.generate(p, _params(i))
             assert r.token_ids == cold.generate(p, _params(i)).token_ids
-            assert len(e.runner.prefix) <= 5
-    assert e.runner.prefix.evicted_blocks > 0
+            assert r.cached_tokens == prefix.hit_tokens - hit
+            assert prefix.held_bytes <= prefix.capacity_bytes
+    assert prefix.evicted_blocks > 0 and prefix.dropped_sliding > 0
+
+
+def test_reuse_from_blocks_without_their_sliding_part_is_exact(engines):
+    """A long shared head whose inner blocks gave up their sliding part (pressure) still restores exactly."""
+    cold, path = engines
+    e = _engine(path)
+    prefix = e.runner.prefix
+    assert prefix is not None
+    head = _prompt(40, 30)
+    e.generate(head, _params(1, max_new_tokens=4))  # 10 blocks of 4
+    while prefix._free_some(keep=None) and prefix.dropped_sliding < 8:  # strip the inner blocks
+        pass
+    assert prefix.dropped_sliding == 8 and prefix.evicted_blocks == 0
+    for tail_seed, n in ((31, 5), (32, 13)):
+        prompt = head + _prompt(n, tail_seed)
+        got = e.generate(prompt, _params(2))
+        # W − 1 = 7 positions: the prefix's last two blocks (8 .. 9) kept their sliding part
+        assert got.cached_tokens == 40
+        assert got.token_ids == cold.generate(prompt, _params(2)).token_ids
 
 
 # ---------------------------------------------------------------------------------------------------- parity

@@ -97,8 +97,10 @@ class ModelRunner:
         # the prefix cache: one block per full prompt chunk, in what the slots leave of the budget
         self.prefix: PrefixCache | None = None
         if prefix_caching:
-            block_bytes = prefill_chunk * SlotCache.position_bytes(cfg, model.dtype)
-            self.prefix = PrefixCache(prefill_chunk, block_bytes, budget - self.cache_bytes)
+            layer_bytes = [prefill_chunk * b for b in SlotCache.layer_position_bytes(cfg, model.dtype)]
+            self.prefix = PrefixCache(
+                prefill_chunk, layer_bytes, self.cache.sliding, cfg.sliding_window, budget - self.cache_bytes
+            )
         self.sampler = Sampler(model.dtype)
         S = self.num_slots
 
@@ -142,7 +144,7 @@ class ModelRunner:
         )
         self.cache.lengths[s] = 0
         if req.prefix_hit:  # the cached chunks ``match_prefix`` found, copied into the slot
-            self.cache.copy_in(s, [(b.keys, b.values) for b in req.prefix_hit])
+            self.cache.copy_in(s, req.prefix_hit, self.prefill_chunk)
         req.prefix_hit = None
         req.slot = s
         self.occupants.append(req)

@@ -14,10 +14,14 @@ c's token ids, starting from a root that holds the *salt*, the caller's identity
 callers. A key thus names the whole prefix up to its block, and callers with different identities never share a
 block (reuse across callers would tell one caller, by timing and by ``cached_tokens``, what another sent).
 
-Memory: the blocks come out of the KV cache budget: whatever the slots leave of it (``capacity_bytes``). When a
-new block does not fit, the least recently used block with no cached successor is evicted (a leaf: a prefix's
-tail goes before its head, so no cached block is ever unreachable). The slots are planned first and the cache
-only takes what they leave, so it never makes a request fail that would fit without it.
+Memory: the blocks come out of the KV cache budget: whatever the slots leave of it (``capacity_bytes``). Restoring a
+prefix of P tokens needs the sliding layers' keys and values only for the positions P − (W − 1) .. P − 1, so a
+block deep inside a cached prefix needs its sliding part only if some prompt ends right there. Under pressure the
+cache therefore frees memory from the least recently used block first: a leaf (no cached successor) is evicted
+whole, any other block drops its sliding part and keeps its full layers (a prefix's tail goes before its head, so
+no cached block is ever unreachable). A match ends at the longest run of cached blocks whose last W − 1 positions
+still have their sliding part. The slots are planned first and the cache only takes what they leave, so it never
+makes a request fail that would fit without it.
 
 Not thread-safe: the engine thread calls it (``ModelRunner``), and the lookup at admission runs under the engine's
 lock inside ``Scheduler.schedule``.
@@ -48,32 +52,49 @@ def prefix_hashes(ids: Sequence[int], block_tokens: int, salt: str | None = None
     return tuple(out)
 
 
+KV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]  # per layer keys, values; None: dropped
+
+
 @dataclass(eq=False)
 class PrefixBlock:
-    """One cached prompt chunk: per layer [nkv, block_tokens, hd] keys and values (``SlotCache.copy_out``)."""
+    """One cached prompt chunk: per layer [nkv, block_tokens, hd] keys and values (``SlotCache.copy_out``); the
+    sliding layers' entries are None once ``sliding`` is dropped."""
 
     key: bytes
     parent: PrefixBlock | None
-    keys: list[torch.Tensor] = field(repr=False)
-    values: list[torch.Tensor] = field(repr=False)
+    keys: list[torch.Tensor | None] = field(repr=False)
+    values: list[torch.Tensor | None] = field(repr=False)
+    sliding: bool = True  # the sliding layers' keys and values are held
     children: int = 0  # cached blocks whose parent this is: only a block without any may be evicted
 
 
 class PrefixCache:
-    """The cached blocks of one model runner, LRU-evicted within ``capacity_bytes``.
+    """The cached blocks of one model runner, within ``capacity_bytes`` (see the module docstring).
 
-    block_tokens: the prefill chunk. block_bytes: one block's keys and values over every layer. Counters for
-    metrics and tests: ``queried_tokens`` (prompt tokens looked up), ``hit_tokens`` (of those, found cached),
-    ``evicted_blocks``.
+    block_tokens: the prefill chunk. layer_bytes[l]: one block's keys and values on layer l. sliding[l]: layer l
+    is a sliding-window layer (window W). Counters for metrics and tests: ``queried_tokens`` (prompt tokens looked
+    up), ``hit_tokens`` (of those, found cached), ``evicted_blocks``, ``dropped_sliding`` (blocks that gave up
+    their sliding part).
     """
 
-    def __init__(self, block_tokens: int, block_bytes: int, capacity_bytes: int):
-        if block_tokens < 1 or block_bytes < 1:
-            raise ValueError(f"prefix cache: block of {block_tokens} tokens and {block_bytes} bytes")
-        self.block_tokens, self.block_bytes = block_tokens, block_bytes
-        self.capacity_blocks = max(0, capacity_bytes) // block_bytes
+    def __init__(
+        self,
+        block_tokens: int,
+        layer_bytes: Sequence[int],
+        sliding: Sequence[bool],
+        window: int,
+        capacity_bytes: int,
+    ):
+        if block_tokens < 1 or not layer_bytes or len(layer_bytes) != len(sliding) or min(layer_bytes) < 1:
+            raise ValueError(f"prefix cache: block of {block_tokens} tokens, layer bytes {list(layer_bytes)}")
+        self.block_tokens, self.window = block_tokens, window
+        self.sliding_layers = tuple(bool(x) for x in sliding)
+        self.block_bytes = sum(layer_bytes)  # a whole block
+        self.sliding_bytes = sum(b for b, s in zip(layer_bytes, self.sliding_layers, strict=True) if s)
+        self.capacity_bytes = max(0, capacity_bytes)
+        self.held_bytes = 0
         self._blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()  # least recently used first
-        self.queried_tokens = self.hit_tokens = self.evicted_blocks = 0
+        self.queried_tokens = self.hit_tokens = self.evicted_blocks = self.dropped_sliding = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -81,33 +102,35 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
-    @property
-    def held_bytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
+    def _first_needed(self, end: int) -> int:
+        """The first block whose sliding part a prefix of ``end`` blocks needs (the one holding P − (W − 1))."""
+        return max(0, end * self.block_tokens - (self.window - 1)) // self.block_tokens
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_blocks * self.block_bytes
-
-    def match(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[PrefixBlock]:
-        """The longest run of cached blocks from the start of a prompt with these block keys (``prefix_hashes``),
-        marked as just used; counts ``prompt_tokens`` as queried and the run's tokens as hit."""
+    def match(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[KV]:
+        """The keys and values of the longest run of cached blocks from the start of a prompt with these block keys
+        (``prefix_hashes``) that a slot can be restored from, marked as just used; counts ``prompt_tokens`` as
+        queried and the run's tokens as hit."""
         run: list[PrefixBlock] = []
         for key in hashes:
             block = self._blocks.get(key)
             if block is None:
                 break
             run.append(block)
+        end = len(run)
+        if self.sliding_bytes:  # the run must end where the last W − 1 positions still have their sliding part
+            while end and not all(b.sliding for b in run[self._first_needed(end) : end]):
+                end -= 1
+        run = run[:end]
         for block in reversed(run):  # the head ends most recent: it is what the most prompts share
             self._blocks.move_to_end(block.key)
         self.queried_tokens += prompt_tokens
-        self.hit_tokens += len(run) * self.block_tokens
-        return run
+        self.hit_tokens += end * self.block_tokens
+        return [(list(b.keys), list(b.values)) for b in run]
 
     def store(self, key: bytes, parent_key: bytes | None, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Cache one block (its keys and values, already copied) under ``key`` after ``parent_key`` (None: the
         prompt's first block). False when it is not kept: its parent is no longer cached (it could never be
-        reached), or there is no room even after evicting every other leaf. A key already cached is only marked
+        reached), or there is no room even after freeing what may be freed. A key already cached is only marked
         as used."""
         if key in self._blocks:
             self._blocks.move_to_end(key)
@@ -117,24 +140,35 @@ class PrefixCache:
             parent = self._blocks.get(parent_key)
             if parent is None:
                 return False
-        while len(self._blocks) >= self.capacity_blocks:
-            if not self._evict_one(keep=parent):
+        while self.held_bytes + self.block_bytes > self.capacity_bytes:
+            if not self._free_some(keep=parent):
                 return False
-        self._blocks[key] = PrefixBlock(key, parent, keys, values)
+        self._blocks[key] = PrefixBlock(key, parent, list(keys), list(values))
+        self.held_bytes += self.block_bytes
         if parent is not None:
             parent.children += 1
         return True
 
-    def _evict_one(self, keep: PrefixBlock | None) -> bool:
-        """Drop the least recently used leaf other than ``keep``; False when there is none."""
+    def _free_some(self, keep: PrefixBlock | None) -> bool:
+        """Free memory from the least recently used block that has some to give: evict it if it is a leaf (other
+        than ``keep``), else drop its sliding part. False when nothing can be freed."""
         for block in self._blocks.values():
             if block.children == 0 and block is not keep:
                 del self._blocks[block.key]
+                self.held_bytes -= self.block_bytes if block.sliding else self.block_bytes - self.sliding_bytes
                 if block.parent is not None:
                     block.parent.children -= 1
                 self.evicted_blocks += 1
+                return True
+            if block.sliding and self.sliding_bytes:
+                block.keys = [None if s else k for k, s in zip(block.keys, self.sliding_layers, strict=True)]
+                block.values = [None if s else v for v, s in zip(block.values, self.sliding_layers, strict=True)]
+                block.sliding = False
+                self.held_bytes -= self.sliding_bytes
+                self.dropped_sliding += 1
                 return True
         return False
 
     def clear(self) -> None:
         self._blocks.clear()
+        self.held_bytes = 0

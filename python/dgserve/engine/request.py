@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dgserve.engine.block import BlockState
-    from dgserve.engine.prefix_cache import PrefixBlock
+    from dgserve.engine.prefix_cache import KV
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
@@ -60,7 +60,7 @@ class Request:
     status: str = WAITING
     prefilled: int = 0  # prompt tokens planned for encoding so far (from cached_tokens on)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
-    prefix_hit: list[PrefixBlock] | None = None  # the cached blocks to copy into its slot at admission (PrefixBlock)
+    prefix_hit: list[KV] | None = None  # the cached blocks' keys and values to copy into its slot at admission
     admitted_at: float | None = None
     # model runner
     slot: int | None = None  # its KV cache slot while running

@@ -75,11 +75,15 @@ class SlotCache:
         return n * size
 
     @staticmethod
-    def position_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of one position's keys and values over every layer (what a prefix block holds per token)."""
+    def layer_position_bytes(config: ModelConfig, dtype: torch.dtype) -> list[int]:
+        """Per layer, the bytes of one position's keys and values (what a prefix block holds per token)."""
         size = torch.tensor([], dtype=dtype).element_size()
-        per = sum(2 * config.num_kv_heads(i) * config.head_dim(i) for i in range(config.num_hidden_layers))
-        return per * size
+        return [2 * config.num_kv_heads(i) * config.head_dim(i) * size for i in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def position_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one position's keys and values over every layer."""
+        return sum(SlotCache.layer_position_bytes(config, dtype))
 
     @classmethod
     def stack(cls, caches: Sequence[SlotCache]) -> SlotCache:
@@ -183,19 +187,26 @@ class SlotCache:
             values.append(v.clone())
         return keys, values
 
-    def copy_in(self, slot: int, blocks: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """Fill ``slot`` with a prefix given as consecutive blocks of positions from 0 (each as ``copy_out``
-        returns it) and set its length to their total: full layers get every position, sliding layers the blocks
-        that hold the last W − 1 positions (all the next pass sees; the rest would only be overwritten)."""
-        sizes = [keys[0].shape[1] for keys, _ in blocks]
-        n = sum(sizes)
-        p0 = 0
-        for (keys, values), size in zip(blocks, sizes, strict=True):
+    def copy_in(
+        self,
+        slot: int,
+        blocks: Sequence[tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]]],
+        block_len: int,
+    ) -> None:
+        """Fill ``slot`` with a prefix given as consecutive blocks of ``block_len`` positions from 0 (each as
+        ``copy_out`` returns it) and set its length to their total: full layers get every position, sliding layers
+        only the blocks that hold the last W − 1 positions (all the next pass sees); a sliding layer's entry may be
+        None in the blocks before those."""
+        n = len(blocks) * block_len
+        for c, (keys, values) in enumerate(blocks):
+            p0 = c * block_len
             for layer, sliding in enumerate(self.sliding):
-                if sliding and p0 + size <= self.visible_start(layer, n):
+                if sliding and p0 + block_len <= self.visible_start(layer, n):
                     continue
-                self.write(slot, layer, p0, keys[layer], values[layer])
-            p0 += size
+                k, v = keys[layer], values[layer]
+                if k is None or v is None:
+                    raise ValueError(f"slot cache: block {c} lacks layer {layer}, which a prefix of {n} needs")
+                self.write(slot, layer, p0, k, v)
         self.lengths[slot] = n
 
 
