@@ -68,6 +68,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             timeout_s=call.time_remaining(),
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,
+            cache_salt=request.cache_salt or None,
             fill_context=fills_context(request.params.HasField("max_new_tokens"), params, _calls_tools(prompt)),
         )
         feed = Events(stream)

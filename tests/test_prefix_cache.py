@@ -307,3 +307,22 @@ def test_reused_prefix_matches_transformers_generate(tiny_checkpoint, hf_model_l
             res = engine.generate(prompt, params)
             assert res.cached_tokens == k * CHUNK
             assert res.token_ids == ref[: len(res.token_ids)], f"seed {seed}, reuse of {k} chunks"
+
+
+def test_a_cache_salt_keeps_requests_apart(engines):
+    _, path = engines
+    warm = _engine(path)
+    prompt = _prompt(20, 7)
+
+    def run(**kw) -> int:
+        req = warm.add(warm.make_request(prompt, _params(1), **kw))
+        while not req.finished:
+            warm.step()
+        return req.cached_tokens
+
+    assert run(cache_salt="team-a") == 0
+    assert run() == 0 and run(cache_salt="team-b") == 0 and run(owner="x", cache_salt="team-a") == 0
+    assert run(cache_salt="team-a") == 20 and run() == 20
+    for bad in ("", "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt"):
+            warm.make_request(prompt, _params(1), cache_salt=bad)

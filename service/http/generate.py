@@ -34,6 +34,7 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
         drafts=call.drafts,
         owner=owner,
         fill_context=call.fill_context,
+        cache_salt=call.cache_salt,
     )
     feed = events.Events(stream)
     out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)

@@ -42,6 +42,7 @@ COMMON = {
     "drafts",
     "response_format",
     "temperature",
+    "cache_salt",
     *KNOBS,
 }
 COMPLETION_FIELDS = COMMON | {"prompt"}
@@ -90,6 +91,7 @@ class Call:
     include_usage: bool = False
     drafts: DraftSpec | None = None
     fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
+    cache_salt: str | None = None  # prefix-cache isolation (docs/prefix-caching.md)
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -172,7 +174,10 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     params = sampling_params(body, defaults, limit_field)
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
-    return Call(prompt, params, model, stream, include_usage, drafts, fill)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
+    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt)
 
 
 def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "max_tokens") -> SamplingParams:

@@ -121,3 +121,29 @@ def test_authenticated_callers_never_share_blocks(servers):
     assert _chat_call(s, msgs, "token-b").usage.prompt_tokens_details.cached_tokens == 0
     again = _chat_call(s, msgs, "token-a").usage
     assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens // CHUNK * CHUNK > 0
+
+
+def test_cache_salt_isolates_requests_on_both_doors(servers):
+    on = servers["on"]
+    prompt = "salted prompts are cached apart from everything else, " * 4
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, **KNOBS}
+
+    def http(**extra) -> dict:
+        return httpx.post(_url(on) + "/v1/completions", json={**body, **extra}, timeout=60).json()
+
+    n = http(cache_salt="tenant-1")["usage"]["prompt_tokens"]
+    assert http()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the shared cache had nothing
+    assert http(cache_salt="tenant-2")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert http(cache_salt="tenant-1")["usage"]["prompt_tokens_details"]["cached_tokens"] == n // CHUNK * CHUNK
+    with grpc.insecure_channel(on.target) as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        p = pb.SamplingParams(max_new_tokens=16, max_denoising_steps=4, seed=11)
+        fin = list(stub.Generate(pb.GenerateRequest(prompt=prompt, params=p, cache_salt="tenant-2")))[-1].finished
+        assert fin.usage.cached_tokens == n // CHUNK * CHUNK  # HTTP's tenant-2 request cached it
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt=prompt, params=p, cache_salt="x" * 300)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in (e.value.details() or "")
+    bad = httpx.post(_url(on) + "/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
+    assert bad.status_code == 400 and "cache_salt" in bad.text
+    bad = httpx.post(_url(on) + "/v1/completions", json={**body, "cache_salt": 5}, timeout=60)
+    assert bad.status_code == 400 and "cache_salt" in bad.text

@@ -302,11 +302,13 @@ class AsyncEngine:
         drafts: DraftSpec | None = None,
         owner: str | None = None,
         fill_context: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
         NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
         queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``).
-        ``fill_context``: no max_new_tokens was given; the request may use the room left (``Engine.make_request``)."""
+        ``fill_context``: no max_new_tokens was given; the request may use the room left (``Engine.make_request``).
+        ``cache_salt``: reuse only the prefix-cache blocks of requests with the same owner and salt."""
         if request_id is not None:
             check_request_id(request_id)
         if not self.running:
@@ -318,7 +320,14 @@ class AsyncEngine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         make = lambda: self.engine.make_request(  # noqa: E731
-            prompt, params, request_id, deadline=deadline, owner=owner, drafts=drafts, fill_context=fill_context
+            prompt,
+            params,
+            request_id,
+            deadline=deadline,
+            owner=owner,
+            drafts=drafts,
+            fill_context=fill_context,
+            cache_salt=cache_salt,
         )
         structured = params is not None and params.response_format is not None
         if isinstance(prompt, (list, tuple)) and not structured:

@@ -40,6 +40,7 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.prefix_cache import cache_salt as _cache_salt
 from dgserve.engine.prefix_cache import prefix_hashes
 from dgserve.engine.prompt import ChatPrompt, Prompt, with_tools
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, RequestKey
@@ -248,6 +249,7 @@ class Engine:
         owner: str | None = None,
         drafts: DraftSpec | None = None,
         fill_context: bool = False,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
         the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
@@ -257,7 +259,9 @@ class Engine:
         wants (the async engine streams them). ``fill_context``: the caller set no max_new_tokens, and the request
         may use the room left in the context (``room_left``) instead of ``params.max_new_tokens``, as vLLM does
         for a request without max_tokens: a structured or tool-calling output is then ended by its grammar or EOS,
-        not cut short."""
+        not cut short. ``cache_salt``: the request reuses only prefix-cache blocks of requests with the same owner and
+        salt (docs/prefix-caching.md); ValueError when empty or longer than 256 characters."""
+        salt = _cache_salt(owner, cache_salt)
         params = with_tools(prompt, params or self.default_params())
         if request_id is not None:
             check_request_id(request_id)
@@ -275,8 +279,8 @@ class Engine:
             params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer, not keep
         )
         grammar = self._structured_row(params)
-        # prefix-cache keys, salted with the caller's identity: no block is shared across callers
-        hashes = prefix_hashes(prompt_ids, self.runner.prefill_chunk, owner) if self.runner.prefix is not None else ()
+        # prefix-cache keys, salted with the caller's identity and chosen salt: no block is shared across them
+        hashes = prefix_hashes(prompt_ids, self.runner.prefill_chunk, salt) if self.runner.prefix is not None else ()
         return Request(
             rid,
             prompt_ids,

@@ -30,6 +30,7 @@ lock inside ``Scheduler.schedule``.
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,6 +39,20 @@ from dataclasses import dataclass, field
 import torch
 
 _ROOT = b"dgserve prefix cache v1"
+
+
+MAX_CACHE_SALT_LENGTH = 256
+
+
+def cache_salt(owner: str | None, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its caller's identity and the salt it chose (vLLM's ``cache_salt``), or
+    None when it has neither. ValueError naming ``cache_salt`` when the chosen salt is empty or too long."""
+    if salt is not None:
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_LENGTH:
+            raise ValueError(f"cache_salt: must be a string of 1 to {MAX_CACHE_SALT_LENGTH} characters")
+    if owner is None and salt is None:
+        return None
+    return json.dumps([owner, salt])
 
 
 def prefix_hashes(ids: Sequence[int], block_tokens: int, salt: str | None = None) -> tuple[bytes, ...]:
