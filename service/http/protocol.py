@@ -174,9 +174,7 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     params = sampling_params(body, defaults, limit_field)
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ValueError("cache_salt must be a string")
+    salt = _optional(body, "cache_salt", str)
     return Call(prompt, params, model, stream, include_usage, drafts, fill, salt)
 
 

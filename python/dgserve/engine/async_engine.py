@@ -67,7 +67,6 @@ class Started:
     prompt_tokens: int
     params: SamplingParams
     queue_seconds: float
-    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -460,7 +459,7 @@ class AsyncEngine:
         self.observer.on_started(queue)
         if self.engine.prefix_caching:
             self.observer.on_prefix_cache(req.prompt_len, req.cached_tokens)
-        stream._push(Started(req.request_id, req.seed, req.prompt_len, req.params, queue, req.cached_tokens))
+        stream._push(Started(req.request_id, req.seed, req.prompt_len, req.params, queue))
 
     def _on_block(self, stream: RequestStream, block: BlockOutput, result, now: float) -> None:
         req = stream.request

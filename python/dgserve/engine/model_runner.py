@@ -192,11 +192,8 @@ class ModelRunner:
         if self.prefix is None or off or end - start != self.prefill_chunk or c >= len(req.prefix_hashes):
             return
         key, parent = req.prefix_hashes[c], req.prefix_hashes[c - 1] if c else None
-        if key not in self.prefix:
-            keys, values = self.cache.copy_out(req.slot, start, end)
-            self.prefix.store(key, parent, keys, values)
-        else:
-            self.prefix.store(key, parent, [], [])  # cached already: marked as used only
+        if not self.prefix.touch(key):  # not cached yet: copy it out of the slot
+            self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end))
 
     def _encode(self, req: Request, ids: list[int]) -> None:
         """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""

@@ -117,6 +117,13 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
+    def touch(self, key: bytes) -> bool:
+        """Mark a cached block as just used; False when ``key`` is not cached."""
+        if key not in self._blocks:
+            return False
+        self._blocks.move_to_end(key)
+        return True
+
     def _first_needed(self, end: int) -> int:
         """The first block whose sliding part a prefix of ``end`` blocks needs (the one holding P − (W − 1))."""
         return max(0, end * self.block_tokens - (self.window - 1)) // self.block_tokens
@@ -147,8 +154,7 @@ class PrefixCache:
         prompt's first block). False when it is not kept: its parent is no longer cached (it could never be
         reached), or there is no room even after freeing what may be freed. A key already cached is only marked
         as used."""
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
+        if self.touch(key):
             return True
         parent = None
         if parent_key is not None:

@@ -67,12 +67,8 @@ class SlotCache:
     @staticmethod
     def bytes_per_slot(config: ModelConfig, slot_len: int, chunk: int, dtype: torch.dtype) -> int:
         ring = config.sliding_window - 1 + chunk
-        size = torch.tensor([], dtype=dtype).element_size()
-        n = 0
-        for i in range(config.num_hidden_layers):
-            cap = 2 * ring if config.is_sliding(i) else slot_len
-            n += 2 * config.num_kv_heads(i) * cap * config.head_dim(i)  # keys + values
-        return n * size
+        per_position = SlotCache.layer_position_bytes(config, dtype)
+        return sum(b * (2 * ring if config.is_sliding(i) else slot_len) for i, b in enumerate(per_position))
 
     @staticmethod
     def layer_position_bytes(config: ModelConfig, dtype: torch.dtype) -> list[int]:
