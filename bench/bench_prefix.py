@@ -21,7 +21,7 @@ import time
 import torch
 
 from dgserve import Engine, SamplingParams
-from dgserve.engine.prompt import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt, Submission
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.model.default_model import default_model_path
 
@@ -42,7 +42,7 @@ def system_prompt(engine: Engine, tokens: int) -> str:
 
 def first_block(engine: Engine, prompt: ChatPrompt, params: SamplingParams) -> tuple[float, list[int], int, int]:
     """(seconds from add to the first committed block, all tokens, prompt tokens, cached tokens)."""
-    req = engine.add(engine.make_request(prompt, params))
+    req = engine.add(engine.make_request(Submission(prompt, params)))
     t0 = time.perf_counter()
     first = None
     while not req.finished:

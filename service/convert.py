@@ -22,12 +22,10 @@ import torch
 import dgserve
 from dgserve import sampling_params as sp
 from dgserve.engine.async_engine import AsyncEngine, DraftSpec
-from dgserve.engine.prompt import ChatPrompt, Prompt
+from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat
-from dgserve.structured.chat_output import ChatDelta
-from dgserve.structured.tool_parser import ToolCall
 from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
 
@@ -35,6 +33,7 @@ from . import events
 
 # the finish reasons (events.FINISH_REASONS) as the proto's enum
 FINISH_REASONS = {
+    events.FINISH_TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
     FINISH_EOS: pb.FINISH_REASON_EOS,
     FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
     FINISH_STOP: pb.FINISH_REASON_STOP,
@@ -45,6 +44,24 @@ _SCALARS = sp.SCALAR_KNOBS
 
 
 # ---------------------------------------------------------------------------------------------- requests
+
+
+def submission(
+    request: pb.GenerateRequest, info: pb.GetModelInfoResponse, defaults: SamplingParams, owner: str | None
+) -> Submission:
+    """The GenerateRequest as the engine's one submission (``owner``: the caller); ValueError naming the field."""
+    prompt_ = prompt(request, info.vocab_size, info.max_model_len)
+    params = with_response_format(sampling_params(request.params, defaults), request)
+    calls_tools = isinstance(prompt_, ChatPrompt) and prompt_.calls_tools
+    return Submission(
+        prompt_,
+        params,
+        request.request_id or None,
+        drafts=draft_spec(request.drafts),
+        owner=owner,
+        fill_context=events.fills_context(request.params.HasField("max_new_tokens"), params, calls_tools),
+        cache_salt=request.cache_salt or None,
+    )
 
 
 def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams) -> SamplingParams:
@@ -220,27 +237,6 @@ def draft(d: events.DraftEvent) -> pb.Draft:
     )
 
 
-def chat_block(b: events.BlockEvent, delta: ChatDelta) -> pb.Block:
-    """A block of a parsed chat: its content as text, its reasoning and tool-call deltas apart."""
-    msg = block(b)
-    msg.text, msg.reasoning = delta.content, delta.reasoning_content
-    msg.tool_calls.extend(
-        pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
-        for d in delta.tool_calls
-    )
-    return msg
-
-
-def chat_finished(f: events.FinishEvent, rest: ChatDelta, calls: list[ToolCall]) -> pb.Finished:
-    """Finished of a parsed chat: every call whole, what the parser held back, TOOL_CALLS after calls and EOS."""
-    msg = finished(f)
-    msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
-    msg.text, msg.reasoning = rest.content, rest.reasoning_content
-    if calls and f.reason == FINISH_EOS:
-        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-    return msg
-
-
 def block(b: events.BlockEvent) -> pb.Block:
     s = b.stats
     stats = pb.BlockStats(
@@ -250,12 +246,21 @@ def block(b: events.BlockEvent) -> pb.Block:
         encode_ms=s.encode_ms,
         denoise_ms=s.denoise_ms,
     )
-    return pb.Block(index=b.index, token_ids=b.token_ids, text=b.text, stats=stats)
+    # the text is the block's content: a chat's reasoning and tool-call deltas travel apart (service.events)
+    msg = pb.Block(index=b.index, token_ids=b.token_ids, text=b.content, reasoning=b.reasoning, stats=stats)
+    msg.tool_calls.extend(
+        pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments) for d in b.call_deltas
+    )
+    return msg
 
 
 def finished(f: events.FinishEvent) -> pb.Finished:
+    """Finished, with a chat's every call whole and what its parser held back (text, reasoning)."""
     u, t = f.usage, f.timing
     return pb.Finished(
+        text=f.content,
+        reasoning=f.reasoning,
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in f.calls],
         finish_reason=FINISH_REASONS.get(f.reason, pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(
             prompt_tokens=u.prompt_tokens,

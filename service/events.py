@@ -3,10 +3,18 @@
 The gRPC door (``servicer`` / ``convert``) and the HTTP door (``http/``) turn the same things into protobuf
 messages, OpenAI JSON or server-sent events; everything they share is here:
 
+- ``open_events``: submit a door's ``Submission`` and read its stream as ``Events``.
 - ``Events``: a ``RequestStream`` as door-neutral events, in order: ``StartEvent``, ``DraftEvent``s,
   ``BlockEvent``s, then ``FinishEvent`` or, when the request failed (its own error, a stalled reader, an engine
   fault), one ``ErrorEvent`` carrying the exception. Nothing follows either. ``Events.cancel`` stops the request.
+- The chat output, read here once for every door (``ChatOutput``): a chat request's text is split, block by
+  block, into content, reasoning and tool-call deltas by one parser built under one rule (``output_parser``);
+  a ``BlockEvent`` carries its pieces, the ``FinishEvent`` what the parser held back, every call whole and the
+  final reason (``final_reason``: "tool_calls" for an output that ended after its calls). A door reads
+  ``content`` / ``reasoning`` / ``call_deltas`` / ``calls`` and never parses; a text or token-id prompt's
+  content is its text.
 - ``FINISH_REASONS``: the finish reasons a ``FinishEvent`` carries (each door has one table from these names).
+- ``Transcript``: the whole output of a request, gathered from its events (for the doors that answer at once).
 - ``Usage``, ``Timing``, ``BlockStats``: the numbers, in milliseconds, with a NaN or infinity reported as 0.
 - ``draft_spec``: the draft options' one set of bounds; ``token_ids``: the one check of a prompt's token ids.
   Their ValueErrors name the request field they were given, so both doors answer "invalid argument: <field> ...".
@@ -17,16 +25,23 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dgserve.engine.async_engine import Draft, DraftSpec, Finished, RequestStream, Started
+from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, RequestStream, Started
+from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
+from dgserve.engine.request import Request
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import MAX_DENOISING_STEPS_LIMIT, SamplingParams
+from dgserve.structured.chat_output import ChatDelta, ChatOutputParser
+from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
+# a chat output that ended (EOS) after the tool calls it made
+FINISH_TOOL_CALLS = "tool_calls"
 # the reasons a request finishes with; a door's table maps each to its own name (an enum, an OpenAI string)
-FINISH_REASONS = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED)
+FINISH_REASONS = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED, FINISH_TOOL_CALLS)
 # drafts every n-th denoising step, n in [1, MAX_DRAFT_EVERY]: a block never runs more steps than that, so a
 # larger n could never send a draft
 MAX_DRAFT_EVERY = MAX_DENOISING_STEPS_LIMIT
@@ -133,21 +148,51 @@ class DraftEvent:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """One committed block: the tokens it contributes and its text delta."""
+    """One committed block: the tokens it contributes, its text delta and, for a chat, that text read as content,
+    reasoning and tool-call deltas (``delta``; None: all of the text is content)."""
 
     index: int
     token_ids: list[int]
-    text: str
+    text: str  # as decoded (a chat that may call tools or thinks keeps its markers here)
     stats: BlockStats
+    delta: ChatDelta | None = None
+
+    @property
+    def content(self) -> str:
+        return self.text if self.delta is None else self.delta.content
+
+    @property
+    def reasoning(self) -> str:
+        return "" if self.delta is None else self.delta.reasoning_content
+
+    @property
+    def call_deltas(self) -> list[ToolCallDelta]:
+        return [] if self.delta is None else self.delta.tool_calls
 
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The last event of a request that completed or was cancelled."""
+    """The last event of a request that completed or was cancelled. For a chat: ``delta``, what the parser held
+    back until the end (a partial marker is text after all; a call the output ended inside), and ``calls``, every
+    call of the output whole; ``reason`` is the final one (``final_reason``)."""
 
     reason: str  # one of FINISH_REASONS
     usage: Usage
     timing: Timing
+    delta: ChatDelta | None = None
+    calls: tuple[ToolCall, ...] = ()
+
+    @property
+    def content(self) -> str:
+        return "" if self.delta is None else self.delta.content
+
+    @property
+    def reasoning(self) -> str:
+        return "" if self.delta is None else self.delta.reasoning_content
+
+    @property
+    def call_deltas(self) -> list[ToolCallDelta]:
+        return [] if self.delta is None else self.delta.tool_calls
 
 
 @dataclass(frozen=True)
@@ -188,18 +233,85 @@ def finish(f: Finished) -> FinishEvent:
     return FinishEvent(f.finish_reason, usage, timing)
 
 
+# ---------------------------------------------------------------------------------------------- the chat output
+
+
+def final_reason(reason: str, calls: Sequence[ToolCall]) -> str:
+    """The one rule for a request's finish reason: "tool_calls" when the output ended (EOS) after calls."""
+    return FINISH_TOOL_CALLS if calls and reason == FINISH_EOS else reason
+
+
+def output_parser(prompt: Prompt | None, request: Request) -> ChatOutputParser | None:
+    """The one parser of a request's output: a chat's (``ChatPrompt.output_parser``: tool calls when it may call
+    tools, reasoning when thinking is on, call ids seeded by the request); None for a text or token-id prompt."""
+    return prompt.output_parser(request) if isinstance(prompt, ChatPrompt) else None
+
+
+class ChatOutput:
+    """A chat request's output read by its one parser: each ``BlockEvent`` / ``FinishEvent`` with its pieces."""
+
+    def __init__(self, parser: ChatOutputParser):
+        self.parser = parser
+
+    def block(self, e: BlockEvent) -> BlockEvent:
+        return dataclasses.replace(e, delta=self.parser.push(e.text))
+
+    def finish(self, e: FinishEvent) -> FinishEvent:
+        rest = self.parser.finish()
+        calls = tuple(self.parser.tool_calls)
+        return dataclasses.replace(e, reason=final_reason(e.reason, calls), delta=rest, calls=calls)
+
+    def read(self, e: Event) -> Event:
+        if isinstance(e, BlockEvent):
+            return self.block(e)
+        if isinstance(e, FinishEvent):
+            return self.finish(e)
+        return e
+
+
+@dataclass
+class Transcript:
+    """The whole output of a request, gathered from its events (``add`` each one, in order)."""
+
+    text: str = ""  # as decoded, all blocks
+    content: str = ""
+    reasoning: str = ""
+    calls: tuple[ToolCall, ...] = ()
+    finished: FinishEvent | None = None
+
+    def add(self, e: Event) -> None:
+        if isinstance(e, (BlockEvent, FinishEvent)):
+            self.content += e.content
+            self.reasoning += e.reasoning
+        if isinstance(e, BlockEvent):
+            self.text += e.text
+        elif isinstance(e, FinishEvent):
+            self.calls, self.finished = e.calls, e
+
+
+# ---------------------------------------------------------------------------------------------- the stream
+
+
+async def open_events(engine: AsyncEngine, sub: Submission, timeout_s: float | None = None) -> Events:
+    """Submit a door's request and read it as events (``AsyncEngine.submit`` raises what it raises)."""
+    return Events(await engine.submit(sub, timeout_s=timeout_s), sub.prompt)
+
+
 class Events:
-    """A request's stream as door-neutral events (an async iterator; see the module docstring).
+    """A request's stream as door-neutral events (an async iterator; see the module docstring). ``prompt``: the
+    prompt the request was made from (a ``ChatPrompt``'s output is read by its parser; ``output_parser``).
 
     An exception from the stream (the request's own error, ``StreamStalledError``, ``EngineFaultError``, or an
     event of an unknown type) becomes the last event, an ``ErrorEvent``; cancellation of the reading task
     (``asyncio.CancelledError``) is not caught. The door that reads calls ``cancel`` when it stops reading, for
     whatever reason: that frees the engine slot of a request still running, and does nothing otherwise."""
 
-    def __init__(self, stream: RequestStream):
+    def __init__(self, stream: RequestStream, prompt: Prompt | None = None):
         self.stream = stream
         self.request_id = stream.request_id
         self.seed = stream.request.seed  # the seed in use (the request's, or the one drawn), known at once
+        parser = output_parser(prompt, stream.request)
+        self.chat = None if parser is None else ChatOutput(parser)
         self._over = False
 
     def __aiter__(self) -> Events:
@@ -209,7 +321,8 @@ class Events:
         if self._over:
             raise StopAsyncIteration
         try:
-            return event(await anext(self.stream))
+            e = event(await anext(self.stream))
+            return e if self.chat is None else self.chat.read(e)
         except StopAsyncIteration:
             self._over = True
             raise

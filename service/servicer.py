@@ -9,13 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 from dgserve.engine.async_engine import ABORT_CANCELLED, AsyncEngine
-from dgserve.engine.prompt import ChatPrompt
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-from . import convert
+from . import convert, events
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
-from .events import BlockEvent, ErrorEvent, Events, FinishEvent, fills_context
+from .events import ErrorEvent
 from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
 
@@ -57,38 +56,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
         info = self.state.ready_info()
-        prompt = convert.prompt(request, info.vocab_size, info.max_model_len)
-        params = convert.sampling_params(request.params, engine.default_params())
-        params = convert.with_response_format(params, request)
         call = _call(context)
-        stream = await engine.submit(
-            prompt,
-            params,
-            request.request_id or None,
-            timeout_s=call.time_remaining(),
-            drafts=convert.draft_spec(request.drafts),
-            owner=call.owner,
-            cache_salt=request.cache_salt or None,
-            fill_context=fills_context(request.params.HasField("max_new_tokens"), params, _calls_tools(prompt)),
-        )
-        feed = Events(stream)
-        # a chat with tools it may call or thinking on: its text is read as reasoning, content and tool calls
-        parser = (
-            prompt.output_parser(stream.request) if isinstance(prompt, ChatPrompt) and prompt.keeps_markers else None
-        )
+        sub = convert.submission(request, info, engine.default_params(), call.owner)
+        feed = await events.open_events(engine, sub, timeout_s=call.time_remaining())
         self.state.streams.enter()
         try:
             async for event in feed:
                 if isinstance(event, ErrorEvent):
                     raise event.error  # the call interceptor maps it to a status
-                if parser is not None and isinstance(event, BlockEvent):
-                    block = convert.chat_block(event, parser.push(event.text))
-                    yield pb.GenerateResponse(request_id=feed.request_id, block=block)
-                elif parser is not None and isinstance(event, FinishEvent):
-                    done = convert.chat_finished(event, parser.finish(), parser.tool_calls)
-                    yield pb.GenerateResponse(request_id=feed.request_id, finished=done)
-                else:
-                    yield convert.response(feed.request_id, event)
+                yield convert.response(feed.request_id, event)
         finally:  # the call may be over here: use what was read at its start, never the context
             feed.cancel("deadline" if call.expired() else "client_cancelled")
             self.state.streams.leave()
@@ -123,7 +99,3 @@ def _call(context) -> CallInfo:
         remaining = context.time_remaining()
         call = CallInfo("", "", None, None if remaining is None else time.monotonic() + remaining, 0.0)
     return call
-
-
-def _calls_tools(prompt) -> bool:
-    return isinstance(prompt, ChatPrompt) and prompt.calls_tools

@@ -10,6 +10,7 @@ import torch
 
 from dgserve import Engine, SamplingParams
 from dgserve.config import ConfigError
+from dgserve.engine.prompt import Submission
 from dgserve.model.default_model import train_tokenizer
 from dgserve.model.tiny import make_random_checkpoint
 from dgserve.outputs import OutputTracker
@@ -261,11 +262,13 @@ def test_fill_context_uses_the_room_left(tiny_checkpoint):
     eng = Engine.from_pretrained(tiny_checkpoint("base"), max_model_len=200, max_request_steps=40)
     C = eng.model.config.canvas_length
     p = SamplingParams(max_new_tokens=32, max_denoising_steps=4, seed=1)
-    req = eng.make_request([5, 6, 7], p, fill_context=True)
+    req = eng.make_request(Submission([5, 6, 7], p, fill_context=True))
     assert req.params.max_new_tokens == min((200 - 3) // C, 40 // 4) * C
     assert req.tracker.max_new_tokens == req.params.max_new_tokens
     roomy = Engine.from_pretrained(tiny_checkpoint("base"), max_model_len=200)
-    assert roomy.make_request([5, 6, 7], p).params.max_new_tokens == p.max_new_tokens  # without: the params' own
-    assert roomy.make_request([5] * 50, p, fill_context=True).params.max_new_tokens == (200 - 50) // C * C
+    assert (
+        roomy.make_request(Submission([5, 6, 7], p)).params.max_new_tokens == p.max_new_tokens
+    )  # without: the params' own
+    assert roomy.make_request(Submission([5] * 50, p, fill_context=True)).params.max_new_tokens == (200 - 50) // C * C
     with pytest.raises(ValueError, match="prompt"):
-        roomy.make_request([5] * (200 - C + 1), p, fill_context=True)
+        roomy.make_request(Submission([5] * (200 - C + 1), p, fill_context=True))

@@ -10,6 +10,7 @@ from dgserve import DiffusionGemma, Engine, SamplingParams
 from dgserve.config import ConfigError
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.prompt import Submission
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.model.cache import SlotCache
 from dgserve.model.tiny import preset, random_weights
@@ -93,7 +94,7 @@ def test_one_record_steps_left_goes_down_once_per_step(tiny_checkpoint):
     # stability over more steps than a block has: adaptive stopping never fires, every block runs its N steps
     C = eng.model.config.canvas_length
     params = SamplingParams(max_new_tokens=2 * C, max_denoising_steps=N, stability_threshold=N, seed=3, ignore_eos=True)
-    req = eng.add(eng.make_request([5, 6, 7], params))
+    req = eng.add(eng.make_request(Submission([5, 6, 7], params)))
     seen = []
     while not req.finished:
         out = eng.step()

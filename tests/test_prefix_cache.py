@@ -11,6 +11,7 @@ from hf_reference import Margins, hf_generate
 from dgserve import Engine, SamplingParams
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.prefix_cache import PrefixCache, prefix_hashes
+from dgserve.engine.prompt import Submission
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.model.cache import SlotCache
 
@@ -194,11 +195,11 @@ def test_callers_do_not_share_blocks(engines):
     _, path = engines
     warm = _engine(path)
     prompt = _prompt(20, 5)
-    first = warm.add(warm.make_request(prompt, _params(1), owner="alice"))
+    first = warm.add(warm.make_request(Submission(prompt, _params(1), owner="alice")))
     while not first.finished:
         warm.step()
     for owner, hit in (("bob", 0), (None, 0), ("alice", 20)):
-        req = warm.add(warm.make_request(prompt, _params(1), owner=owner))
+        req = warm.add(warm.make_request(Submission(prompt, _params(1), owner=owner)))
         while not req.finished:
             warm.step()
         assert req.cached_tokens == hit, owner
@@ -315,7 +316,7 @@ def test_a_cache_salt_keeps_requests_apart(engines):
     prompt = _prompt(20, 7)
 
     def run(**kw) -> int:
-        req = warm.add(warm.make_request(prompt, _params(1), **kw))
+        req = warm.add(warm.make_request(Submission(prompt, _params(1), **kw)))
         while not req.finished:
             warm.step()
         return req.cached_tokens
@@ -325,4 +326,4 @@ def test_a_cache_salt_keeps_requests_apart(engines):
     assert run(cache_salt="team-a") == 20 and run() == 20
     for bad in ("", "x" * 257):
         with pytest.raises(ValueError, match="cache_salt"):
-            warm.make_request(prompt, _params(1), cache_salt=bad)
+            warm.make_request(Submission(prompt, _params(1), cache_salt=bad))

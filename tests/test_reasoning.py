@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dgserve.engine.prompt import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt, Submission
 from dgserve.outputs import OutputTracker
 from dgserve.structured.chat_output import ChatOutputParser, parse_chat_output
 from dgserve.structured.tools import ToolSet
@@ -99,15 +99,16 @@ def test_thinking_requests_keep_their_markers(special_marker_engine):
         *tok.encode("ok"),
     ]
     ask = ({"role": "user", "content": "time?"},)
-    kept = e.make_request(ChatPrompt(ask, enable_thinking=True), e.default_params(max_new_tokens=32))
+    kept = e.make_request(Submission(ChatPrompt(ask, enable_thinking=True), e.default_params(max_new_tokens=32)))
     _, text = kept.tracker.add_block(block)
     assert text == "<|channel>thought\nplan<channel|>ok"
     assert ChatPrompt(ask, enable_thinking=True).output_parser(kept).push(text).reasoning_content == "plan"
-    plain = e.make_request(ChatPrompt(ask), e.default_params(max_new_tokens=32))
+    plain = e.make_request(Submission(ChatPrompt(ask), e.default_params(max_new_tokens=32)))
     assert plain.tracker.add_block(block)[1] == "thought\nplanok"
     no_calls = ChatPrompt(ask, tools=ToolSet.from_openai([{"type": "function", "function": {"name": "f"}}], "none"))
     assert (
-        e.make_request(no_calls, e.default_params(max_new_tokens=32)).tracker.add_block(block)[1] == "thought\nplanok"
+        e.make_request(Submission(no_calls, e.default_params(max_new_tokens=32))).tracker.add_block(block)[1]
+        == "thought\nplanok"
     )
     tracker = OutputTracker(32, frozenset({1}), False, (), tok, skip_special_tokens=False)
     assert tracker.add_block([*block, 1])[1] == "<|channel>thought\nplan<channel|>ok"  # EOS still cut, never shown

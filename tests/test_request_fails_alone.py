@@ -9,6 +9,7 @@ import json
 import pytest
 
 from dgserve import Engine, SamplingParams
+from dgserve.engine.prompt import Submission
 from dgserve.model.default_model import write_tiny_random_model
 from dgserve.structured import ResponseFormat
 from dgserve.structured.constrained import GrammarFailure
@@ -124,9 +125,9 @@ def test_a_grammar_failing_in_the_step_ends_its_request_alone(engine):
     give exactly the tokens they give alone; the engine keeps serving."""
     alone = [engine.generate("hello", params(GOOD, seed=5)), engine.generate("free text", params(seed=6))]
     reqs = [
-        engine.add(engine.make_request("hi", params(FAILS_IN_THE_STEP, seed=1))),
-        engine.add(engine.make_request("hello", params(GOOD, seed=5))),
-        engine.add(engine.make_request("free text", params(seed=6))),
+        engine.add(engine.make_request(Submission("hi", params(FAILS_IN_THE_STEP, seed=1)))),
+        engine.add(engine.make_request(Submission("hello", params(GOOD, seed=5)))),
+        engine.add(engine.make_request(Submission("free text", params(seed=6)))),
     ]
     failed = []
     while not all(r.finished for r in reqs):
@@ -146,8 +147,8 @@ def test_output_failure_ends_its_request_alone(engine, monkeypatch):
     generic RequestFailedError, never its content; the neighbour completes."""
     from dgserve.engine.request import RequestFailedError
 
-    victim = engine.add(engine.make_request("boom", params(seed=8)))
-    other = engine.add(engine.make_request("fine", params(seed=9)))
+    victim = engine.add(engine.make_request(Submission("boom", params(seed=8))))
+    other = engine.add(engine.make_request(Submission("fine", params(seed=9))))
 
     def broken(canvas):
         raise RuntimeError("secret prompt text")

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from dgserve import Engine, SamplingParams
-from dgserve.engine.prompt import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt, Submission
 from dgserve.model.default_model import SHIPPED
 from dgserve.structured import ResponseFormat
 from dgserve.structured.grammar import GrammarCompiler
@@ -487,7 +487,7 @@ def engine() -> Engine:
 def _run(engine: Engine, prompt: ChatPrompt, seed: int, max_new_tokens: int = 48):
     """(result, parsed message) of one request; small budgets keep the CPU suite fast."""
     params = engine.default_params(seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=4)
-    req = engine.add(engine.make_request(prompt, params))
+    req = engine.add(engine.make_request(Submission(prompt, params)))
     while not req.finished:
         engine.step()
     parser = prompt.output_parser(req)
@@ -543,9 +543,9 @@ def test_tools_and_other_constraints_are_refused(engine):
         ({"ignore_eos": True}, "ignore_eos"),
     ]:
         with pytest.raises(ValueError, match=f"^{field}: cannot be combined with tools"):
-            engine.make_request(prompt, SamplingParams(**kw))
+            engine.make_request(Submission(prompt, SamplingParams(**kw)))
     none = ChatPrompt(ASK, tools=ToolSet.from_openai([WEATHER], "none"))
-    req = engine.make_request(none, SamplingParams(stop=("x",), max_new_tokens=4))
+    req = engine.make_request(Submission(none, SamplingParams(stop=("x",), max_new_tokens=4)))
     assert req.params.response_format is None and req.params.stop == ("x",)
     assert engine.prompt_ids(none) == engine.prompt_ids(ChatPrompt(ASK))  # "none": nothing declared
     assert len(engine.prompt_ids(prompt)) > len(engine.prompt_ids(none))

@@ -13,8 +13,6 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from dgserve.engine.prompt import ChatPrompt
-
 from .. import events
 from . import protocol, responses, sse
 from .body import read_json
@@ -27,19 +25,8 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     engine = gate.state.ready_engine()
     call = _parse(body, engine.default_params(), gate.state.info, chat)
     gate.state.check_model(call.model)
-    stream = await engine.submit(
-        call.prompt,
-        call.params,
-        request.state.request_id,
-        drafts=call.drafts,
-        owner=owner,
-        fill_context=call.fill_context,
-        cache_salt=call.cache_salt,
-    )
-    feed = events.Events(stream)
+    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)
-    if isinstance(call.prompt, ChatPrompt):  # reasoning, content and tool calls out of the text
-        out.parser = call.prompt.output_parser(stream.request)
     headers = {"X-Dgserve-Seed": str(out.seed)}
     gate.calls.enter()
     if call.stream:

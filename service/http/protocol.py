@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
-from dgserve.engine.prompt import ChatPrompt, Prompt
+from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
 from dgserve.structured import ResponseFormat
 from dgserve.structured.tools import ToolSet
@@ -92,6 +92,18 @@ class Call:
     drafts: DraftSpec | None = None
     fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
     cache_salt: str | None = None  # prefix-cache isolation (docs/prefix-caching.md)
+
+    def submission(self, request_id: str | None, owner: str | None) -> Submission:
+        """The request as the engine's one submission (``owner``: the caller, None when auth is off)."""
+        return Submission(
+            self.prompt,
+            self.params,
+            request_id,
+            drafts=self.drafts,
+            owner=owner,
+            fill_context=self.fill_context,
+            cache_salt=self.cache_salt,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- requests

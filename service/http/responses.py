@@ -11,56 +11,58 @@ import time
 from dataclasses import dataclass
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
-from dgserve.structured.chat_output import ChatDelta, ChatOutputParser
 
 from .. import events
 
 # the finish reasons (events.FINISH_REASONS) as OpenAI's ("abort": the request was cancelled by the server, e.g. a
 # drain timeout; vLLM's); a reason not in the table is passed through as it is
-FINISH_REASONS = {FINISH_EOS: "stop", FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "abort"}
+FINISH_REASONS = {
+    FINISH_EOS: "stop",
+    FINISH_STOP: "stop",
+    FINISH_LENGTH: "length",
+    FINISH_CANCELLED: "abort",
+    events.FINISH_TOOL_CALLS: "tool_calls",
+}
 
 
-def finish_reason(reason: str, called: bool = False) -> str:
-    """OpenAI's finish reason; "tool_calls" when the output ended (EOS) after the tool calls it made."""
-    if called and reason == FINISH_EOS:
-        return "tool_calls"
+def finish_reason(reason: str) -> str:
+    """OpenAI's name of an event's (final) finish reason."""
     return FINISH_REASONS.get(reason, reason)
 
 
 @dataclass
 class Output:
-    """What a request produced so far (filled from its events)."""
+    """What a request produced so far (filled from its events; the output itself is ``transcript``'s)."""
 
     request_id: str
     model: str
     seed: int
     chat: bool
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    text: str = ""
     blocks: list[dict] = dataclasses.field(default_factory=list)
-    finished: events.FinishEvent | None = None
-    parser: ChatOutputParser | None = None  # chat: the output as reasoning, content and tool calls
+    transcript: events.Transcript = dataclasses.field(default_factory=events.Transcript)
 
     @property
-    def called(self) -> bool:
-        return self.parser is not None and bool(self.parser.tool_calls)
+    def text(self) -> str:
+        return self.transcript.text
+
+    @property
+    def finished(self) -> events.FinishEvent | None:
+        return self.transcript.finished
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add_block(self, block: events.BlockEvent) -> tuple[dict, ChatDelta | None]:
-        """Append the block's text and stats; returns the stats (the chunk's ``dgserve.block``) and, for a chat,
-        what of the message became final with it."""
+    def add_block(self, block: events.BlockEvent) -> dict:
+        """Append the block; returns its stats (the chunk's ``dgserve.block``)."""
         stats = block_stats(block)
-        self.text += block.text
+        self.transcript.add(block)
         self.blocks.append(stats)
-        return stats, (self.parser.push(block.text) if self.parser is not None else None)
+        return stats
 
-    def finish(self, event: events.FinishEvent) -> ChatDelta | None:
-        """The end: what the chat parser held back (a partial marker is text after all)."""
-        self.finished = event
-        return self.parser.finish() if self.parser is not None else None
+    def finish(self, event: events.FinishEvent) -> None:
+        self.transcript.add(event)
 
 
 def block_stats(b: events.BlockEvent) -> dict:
@@ -116,8 +118,8 @@ def response(out: Output) -> dict:
     f = out.finished
     if f is None:
         raise RuntimeError(f"response: request {out.request_id!r} has not finished")
-    content = {"message": message(out)} if out.chat else {"text": out.text}
-    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason, out.called)}
+    content = {"message": message(out.transcript)} if out.chat else {"text": out.text}
+    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason)}
     return {
         "id": out.request_id,
         "object": out.object,
@@ -130,46 +132,43 @@ def response(out: Output) -> dict:
     }
 
 
-def message(out: Output) -> dict:
+def message(t: events.Transcript) -> dict:
     """A chat's assistant message: content (null when empty and there are tool calls), reasoning_content (when
     the output had a thought channel), tool_calls (when it made calls)."""
-    if out.parser is None:
-        return {"role": "assistant", "content": out.text}
-    m = out.parser.message()
-    body: dict = {"role": "assistant", "content": m.content if m.content or not m.tool_calls else None}
-    if m.reasoning_content:
-        body["reasoning_content"] = m.reasoning_content
-    if m.tool_calls:
-        body["tool_calls"] = [c.to_openai() for c in m.tool_calls]
+    body: dict = {"role": "assistant", "content": t.content if t.content or not t.calls else None}
+    if t.reasoning:
+        body["reasoning_content"] = t.reasoning
+    if t.calls:
+        body["tool_calls"] = [c.to_openai() for c in t.calls]
     return body
 
 
-def chat_delta(d: ChatDelta | None, text: str | None) -> dict:
-    """A chunk's ``delta``: the parser's pieces (content, reasoning_content, tool_calls), or the plain text."""
-    if d is None:
-        return {} if text is None else {"content": text}
+def chat_delta(e: events.BlockEvent | events.FinishEvent | None) -> dict:
+    """A chunk's ``delta``: the event's pieces (reasoning_content, content, tool_calls)."""
     out: dict = {}
-    if d.reasoning_content:
-        out["reasoning_content"] = d.reasoning_content
-    if d.content:
-        out["content"] = d.content
-    if d.tool_calls:
-        out["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+    if e is None:
+        return out
+    if e.reasoning:
+        out["reasoning_content"] = e.reasoning
+    if e.content:
+        out["content"] = e.content
+    if e.call_deltas:
+        out["tool_calls"] = [c.to_openai() for c in e.call_deltas]
     return out
 
 
 def chunk(
     out: Output,
-    delta: str | None = None,
+    piece: events.BlockEvent | events.FinishEvent | None = None,
     *,
     role: bool = False,
-    chat: ChatDelta | None = None,
     finish: str | None = None,
     extra: dict | None = None,
     usage_: dict | None = None,
     no_choices: bool = False,
 ) -> dict:
-    """One SSE chunk: a text delta, the role opener (chat), the finishing chunk, or the usage-only chunk."""
+    """One SSE chunk: an event's piece of the output (``piece``), the role opener (chat), the finishing chunk, or
+    the usage-only chunk."""
     body = {
         "id": out.request_id,
         "object": out.object + ("" if not out.chat else ".chunk"),
@@ -180,10 +179,11 @@ def chunk(
     if no_choices:
         body["choices"] = []
     elif out.chat:
-        d = {"role": "assistant", "content": ""} if role else chat_delta(chat, delta)
+        d = {"role": "assistant", "content": ""} if role else chat_delta(piece)
         body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
     else:
-        body["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        text = "" if piece is None else piece.content
+        body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
     if usage_ is not None or no_choices:
         body["usage"] = usage_
     if extra is not None:

@@ -41,15 +41,16 @@ async def body(feed: events.Events, out: responses.Output, include_usage: bool) 
 def _encode(event: events.Event, out: responses.Output, include_usage: bool) -> list[bytes]:
     """The server-sent events for one event (none for StartEvent: the seed went out in the headers)."""
     if isinstance(event, events.BlockEvent):
-        stats, delta = out.add_block(event)
-        return [sse(responses.chunk(out, event.text, chat=delta, extra={"block": stats}))]
+        stats = out.add_block(event)
+        return [sse(responses.chunk(out, event, extra={"block": stats}))]
     if isinstance(event, events.DraftEvent):
         draft = responses.chunk(out, no_choices=True, extra={"draft": responses.draft(event)})
         return [sse(draft, event="dgserve.draft")]
     if isinstance(event, events.FinishEvent):
-        rest = out.finish(event)
-        frames = [sse(responses.chunk(out, chat=rest))] if rest else []  # what the parser held back
-        reason = responses.finish_reason(event.reason, out.called)
+        out.finish(event)
+        held = event.content or event.reasoning or event.call_deltas  # what the parser held back to the end
+        frames = [sse(responses.chunk(out, event))] if held else []
+        reason = responses.finish_reason(event.reason)
         frames.append(sse(responses.chunk(out, finish=reason, extra=responses.extension(out))))
         if include_usage:
             frames.append(sse(responses.chunk(out, no_choices=True, usage_=responses.usage(event.usage))))

@@ -11,6 +11,7 @@ import pytest
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.async_engine import AsyncEngine, DraftSpec, EngineObserver, Finished, StreamStalledError
+from dgserve.engine.prompt import Submission
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.outputs import BlockOutput
 
@@ -41,7 +42,7 @@ def test_slow_reader_keeps_every_block_and_drops_drafts(model_dir):
         ae = AsyncEngine(engine, observer=obs, stall_timeout_s=1e9)
         ae.start()
         p = SamplingParams(max_new_tokens=80, max_denoising_steps=6, seed=3, ignore_eos=True)
-        stream = await ae.submit([2, 40, 41], p, drafts=DraftSpec())
+        stream = await ae.submit(Submission([2, 40, 41], p, drafts=DraftSpec()))
         # the reader sleeps while the request runs to the end (polling the engine thread: no event to await)
         while engine.has_unfinished():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
@@ -68,7 +69,7 @@ def test_stalled_reader_is_aborted(model_dir):
         ae = AsyncEngine(engine, observer=obs, stall_timeout_s=0.2)
         ae.start()
         p = SamplingParams(max_new_tokens=16 * 250, max_denoising_steps=2, seed=1, ignore_eos=True)
-        stream = await ae.submit([2, 5], p)
+        stream = await ae.submit(Submission([2, 5], p))
         t0 = time.monotonic()
         while engine.has_unfinished() and time.monotonic() - t0 < 30:  # noqa: ASYNC110 - polls the engine thread
             await asyncio.sleep(0.05)
@@ -104,7 +105,9 @@ def test_long_prompt_does_not_stall_running_streams(model_dir):
     streaming = eng.add_request([2, 9, 10], p)
     eng.step()
     huge = eng.add(
-        eng.make_request([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0))
+        eng.make_request(
+            Submission([2] + [11] * 1200, SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=0))
+        )
     )
     blocks = []
     while eng.has_unfinished():

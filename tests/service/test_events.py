@@ -11,6 +11,7 @@ import pytest
 from dgserve import Engine, SamplingParams
 from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started, StreamStalledError
 from dgserve.engine.engine import DraftOutput
+from dgserve.engine.prompt import Submission
 from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH, BlockOutput, BlockStats
 from dgserve.service import convert, events
 from dgserve.service.http import protocol, responses
@@ -131,7 +132,7 @@ def test_a_real_request_reads_start_blocks_finish_with_consistent_usage(model_di
         ae = AsyncEngine(engine)
         ae.start()
         p = SamplingParams(max_new_tokens=40, max_denoising_steps=3, seed=5, ignore_eos=True)
-        feed = events.Events(await ae.submit([2, 40, 41], p, drafts=DraftSpec()))
+        feed = events.Events(await ae.submit(Submission([2, 40, 41], p, drafts=DraftSpec())))
         got = [e async for e in feed]
         await ae.stop()
         return feed, got

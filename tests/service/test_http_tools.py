@@ -141,15 +141,21 @@ def test_bad_tools_are_400_naming_the_field(url, extra, param):
 def test_reasoning_content_is_split_from_content_in_both_shapes():
     """The door's encoding of a thinking output: message.reasoning_content apart from content, and the same split
     in the streamed deltas, whatever the block boundaries."""
+    from dgserve.service import events
     from dgserve.service.http import responses
     from dgserve.structured.chat_output import ChatOutputParser
 
     text = "<|channel>thought\nthe user wants Paris<channel|>It is sunny."
+    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    end = events.FinishEvent("eos", events.Usage(1, 1, 1, 1), events.Timing(0.0, 0.0, 0.0))
     for cut in range(len(text) + 1):
-        out = responses.Output("r", "tiny", 1, chat=True, parser=ChatOutputParser(tools=False, thinking=True))
-        deltas = [responses.chat_delta(out.parser.push(piece), None) for piece in (text[:cut], text[cut:])]
-        deltas.append(responses.chat_delta(out.parser.finish(), None))
+        chat, transcript = events.ChatOutput(ChatOutputParser(tools=False, thinking=True)), events.Transcript()
+        read = [chat.block(events.BlockEvent(i, [], piece, stats)) for i, piece in enumerate((text[:cut], text[cut:]))]
+        read.append(chat.finish(end))
+        for e in read:
+            transcript.add(e)
+        deltas = [responses.chat_delta(e) for e in read]
         assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "the user wants Paris"
         assert "".join(d.get("content", "") for d in deltas) == "It is sunny."
-        m = responses.message(out)
+        m = responses.message(transcript)
         assert m["content"] == "It is sunny." and m["reasoning_content"].strip() == "the user wants Paris"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
-from dgserve.engine.prompt import Prompt
+from dgserve.engine.prompt import Prompt, Submission
 from dgserve.engine.request import DraftSpec, Request
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams
@@ -291,25 +291,13 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- requests
 
-    async def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        timeout_s: float | None = None,
-        drafts: DraftSpec | None = None,
-        owner: str | None = None,
-        fill_context: bool = False,
-        cache_salt: str | None = None,
-    ) -> RequestStream:
-        """Validate and admit a request; raises ValueError (bad input), DuplicateRequestError, QueueFullError,
-        NotImplementedError (unsupported chat part) or EngineUnavailableError. ``timeout_s``: a request still
-        queued after this long is dropped without model work. ``owner``: who may abort it (see ``abort``).
-        ``fill_context``: no max_new_tokens was given; the request may use the room left (``Engine.make_request``).
-        ``cache_salt``: reuse only the prefix-cache blocks of requests with the same owner and salt."""
-        if request_id is not None:
-            check_request_id(request_id)
+    async def submit(self, sub: Submission, *, timeout_s: float | None = None) -> RequestStream:
+        """Validate and admit a submission (``Engine.make_request`` says what its fields mean); raises ValueError
+        (bad input), DuplicateRequestError, QueueFullError, NotImplementedError (unsupported chat part) or
+        EngineUnavailableError. ``timeout_s``: a request still queued after this long is dropped without model
+        work. Its ``owner`` is who may abort it (see ``abort``)."""
+        if sub.request_id is not None:
+            check_request_id(sub.request_id)
         if not self.running:
             raise EngineUnavailableError(
                 "the engine is not running"
@@ -318,18 +306,9 @@ class AsyncEngine:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-        make = lambda: self.engine.make_request(  # noqa: E731
-            prompt,
-            params,
-            request_id,
-            deadline=deadline,
-            owner=owner,
-            drafts=drafts,
-            fill_context=fill_context,
-            cache_salt=cache_salt,
-        )
-        structured = params is not None and params.response_format is not None
-        if isinstance(prompt, (list, tuple)) and not structured:
+        make = lambda: self.engine.make_request(sub, deadline=deadline)  # noqa: E731
+        structured = sub.params is not None and sub.params.response_format is not None
+        if isinstance(sub.prompt, (list, tuple)) and not structured:
             req = make()
         else:  # tokenization and grammar compilation (make_request) run in a worker thread, never on the event loop
             req = await asyncio.get_running_loop().run_in_executor(None, make)

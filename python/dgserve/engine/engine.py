@@ -42,8 +42,8 @@ from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
 from dgserve.engine.prefix_cache import prefix_hashes
-from dgserve.engine.prompt import ChatPrompt, Prompt, with_tools
-from dgserve.engine.request import DraftSpec, Request, RequestFailedError, RequestKey
+from dgserve.engine.prompt import ChatPrompt, Prompt, Submission, with_tools
+from dgserve.engine.request import Request, RequestFailedError, RequestKey
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
@@ -212,7 +212,7 @@ class Engine:
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, params_list, strict=True):
-                reqs.append(self.add(self.make_request(p, sp)))
+                reqs.append(self.add(self.make_request(Submission(p, sp))))
         except Exception:
             for r in reqs:
                 self.abort(r.request_id)
@@ -223,7 +223,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[BlockOutput]:
         """Yield each committed block of one request as soon as it is final; the last has finish_reason."""
-        req = self.add(self.make_request(prompt, params))
+        req = self.add(self.make_request(Submission(prompt, params)))
         try:
             while True:
                 out = self.step()
@@ -239,32 +239,24 @@ class Engine:
 
     # ------------------------------------------------------------------ continuous batching core
 
-    def make_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        deadline: float | None = None,
-        owner: str | None = None,
-        drafts: DraftSpec | None = None,
-        fill_context: bool = False,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """Validate a request and mint it, once: its id, its seed, its prompt ids (tokenized and checked against
-        the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError naming the bad
-        field. A ``ChatPrompt`` with tools gets their output constraint (``with_tools``). ``deadline``
-        (time.monotonic() seconds): a request still waiting then is dropped before any model work (its last block:
-        finish_reason "cancelled"). ``owner``: who may abort it (``abort``). ``drafts``: the previews the caller
-        wants (the async engine streams them). ``fill_context``: the caller set no max_new_tokens, and the request
-        may use the room left in the context (``room_left``) instead of ``params.max_new_tokens``, as vLLM does
-        for a request without max_tokens: a structured or tool-calling output is then ended by its grammar or EOS,
-        not cut short. ``cache_salt``: the request reuses only prefix-cache blocks of requests with the same owner and
-        salt (docs/prefix-caching.md); ValueError when empty or longer than 256 characters."""
-        salt = _cache_salt(owner, cache_salt)
-        params = with_tools(prompt, params or self.default_params())
+    def make_request(self, sub: Submission, *, deadline: float | None = None) -> Request:
+        """Validate a submission and mint its request, once: its id, its seed, its prompt ids (tokenized and
+        checked against the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError
+        naming the bad field. A ``ChatPrompt`` with tools gets their output constraint (``with_tools``).
+        ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any model work (its
+        last block: finish_reason "cancelled"). Of the submission: ``owner`` may abort it (``abort``); ``drafts``
+        are the previews the caller wants (the async engine streams them); ``fill_context``: the caller set no
+        max_new_tokens, and the request may use the room left in the context (``room_left``) instead of
+        ``params.max_new_tokens``, as vLLM does for a request without max_tokens: a structured or tool-calling
+        output is then ended by its grammar or EOS, not cut short; ``cache_salt``: the request reuses only
+        prefix-cache blocks of requests with the same owner and salt (docs/prefix-caching.md); ValueError when
+        empty or longer than 256 characters."""
+        prompt, request_id, owner = sub.prompt, sub.request_id, sub.owner
+        salt = _cache_salt(owner, sub.cache_salt)
+        params = with_tools(prompt, sub.params or self.default_params())
         if request_id is not None:
             check_request_id(request_id)
+        fill_context = sub.fill_context
         if fill_context:  # at least one canvas must fit; the room is known once the prompt is tokenized
             params = dataclasses.replace(params, max_new_tokens=self.model.config.canvas_length)
         self.check_work(params)
@@ -289,7 +281,7 @@ class Engine:
             deadline=deadline,
             owner=owner,
             grammar=grammar,
-            drafts=drafts,
+            drafts=sub.drafts,
             prefix_hashes=hashes,
         )
 
@@ -309,7 +301,7 @@ class Engine:
         deadline: float | None = None,
     ) -> str:
         """``make_request`` then ``add``; returns the request's id."""
-        return self.add(self.make_request(prompt, params, request_id, deadline=deadline)).request_id
+        return self.add(self.make_request(Submission(prompt, params, request_id), deadline=deadline)).request_id
 
     def abort(self, request_id: str, owner: str | None = None) -> Request | None:
         """Drop a queued or running request of ``owner`` (its slot is freed before the next step); returns it, or

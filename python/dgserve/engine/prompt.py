@@ -1,5 +1,6 @@
-"""What a request asks the model: a prompt (text, token ids, or a chat with its tools), and what a chat's tools
-mean for the request's output (``with_tools``; docs/tools.md)."""
+"""What a request asks the model: a prompt (text, token ids, or a chat with its tools), the ``Submission`` every
+door hands the engine (the prompt with the request's knobs and options), and what a chat's tools mean for the
+request's output (``with_tools``; docs/tools.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dgserve.engine.request import DraftSpec
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured.tools import ToolSet
 
@@ -55,6 +57,26 @@ class ChatPrompt:
 
 
 Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request as a door hands it to the engine (``AsyncEngine.submit``, ``Engine.make_request``): what every
+    door converts its request into, so a per-request option is added here once for all doors.
+
+    ``params``: the knobs (None: the model's defaults). ``request_id``: the caller's id (None: the engine mints
+    one). ``drafts``: the previews the caller wants. ``owner``: the caller's identity (ids are scoped by it, and
+    only it may abort the request). ``fill_context``: the caller set no token limit and the request may use the
+    room left in the context (``Engine.make_request``). ``cache_salt``: reuse only prefix-cache blocks of requests
+    with the same owner and salt (docs/prefix-caching.md)."""
+
+    prompt: Prompt
+    params: SamplingParams | None = None
+    request_id: str | None = None
+    drafts: DraftSpec | None = None
+    owner: str | None = None
+    fill_context: bool = False
+    cache_salt: str | None = None
 
 
 def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:
