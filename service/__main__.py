@@ -156,6 +156,23 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         ),
     ),
     (
+        "--responses-store-max-entries",
+        "DGSERVE_RESPONSES_STORE_MAX_ENTRIES",
+        "responses_store_max_entries",
+        int,
+        (
+            "Responses API responses kept in memory for GET and previous_response_id, least recently used dropped "
+            "first; 0 = none (default 1024)"
+        ),
+    ),
+    (
+        "--responses-store-max-bytes",
+        "DGSERVE_RESPONSES_STORE_MAX_BYTES",
+        "responses_store_max_bytes",
+        int,
+        "bytes of JSON those kept responses may take in all (default 64 MiB)",
+    ),
+    (
         "--keepalive-min-ping-ms",
         "DGSERVE_KEEPALIVE_MIN_PING_MS",
         "keepalive_min_ping_ms",

@@ -47,6 +47,8 @@ class ServiceConfig:
     reflection: bool = True
     warm_up: bool = True
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (docs/prefix-caching.md)
+    responses_store_max_entries: int = 1024  # Responses API responses kept in memory (docs/responses-api.md)
+    responses_store_max_bytes: int = 64 << 20  # their JSON bytes in all
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -58,6 +60,8 @@ class ServiceConfig:
             ("max_message_bytes", 1024, 1 << 31),
             ("keepalive_time_ms", 1000, 1 << 31),
             ("keepalive_min_ping_ms", 100, 1 << 31),
+            ("responses_store_max_entries", 0, 1 << 24),
+            ("responses_store_max_bytes", 0, 1 << 40),
         ):
             _int(name, getattr(self, name), lo, hi)
         if self.http_port is not None:

@@ -42,6 +42,7 @@ from . import connections, convert
 from .config import ServiceConfig
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
+from .http.response_store import ResponseStore
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
@@ -196,7 +197,15 @@ class Server:
                 "with --http-port / env NIM_SERVER_PORT, or 'off')"
             ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
-        gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner, max_body_bytes=cfg.max_message_bytes)
+        store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes)
+        gate = Gate(
+            self.state,
+            self.metrics,
+            live=lambda: self.live,
+            owner=owner,
+            max_body_bytes=cfg.max_message_bytes,
+            responses=store,
+        )
         assert self.connection_plan is not None, "start() plans the connections before binding"
         self._http = HttpFrontDoor(
             gate,

@@ -158,6 +158,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.metrics",
                 "dgserve.service.interceptors",
                 "dgserve.service.http.errors",
+                "dgserve.service.http.response_store",
             ),
             (
                 "dgserve.service.convert",  # the gRPC door's encoder
@@ -168,8 +169,9 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.access_log",
                 "dgserve.service.http.bounded",
             ),
-            ("dgserve.service.http.sse",),
+            ("dgserve.service.http.sse", "dgserve.service.http.responses_input"),
             ("dgserve.service.servicer", "dgserve.service.http.generate", "dgserve.service.http.tokens"),
+            ("dgserve.service.http.responses_api",),
             ("dgserve.service.http.app",),
             ("dgserve.service.http.front_door", "dgserve.service.http"),
             ("dgserve.service.server",),

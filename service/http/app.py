@@ -9,6 +9,8 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
     POST /tokenize, /detokenize               vLLM's shapes (tokens.py)
     POST /v1/completions                      prompt: string or token ids; stream: SSE
     POST /v1/chat/completions                 messages through the checkpoint's chat template; stream: SSE
+    POST /v1/responses                        the Responses API (responses_api.py); stream: its event sequence
+    GET, DELETE /v1/responses/{id}            a stored response of the caller
 
 A request's id is the ``X-Request-Id`` header when given, else a new one (access_log.py); the seed in use is
 returned in ``X-Dgserve-Seed`` and in the body's ``dgserve`` object (generate.py).
@@ -29,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgserve import __version__
 
 from .. import errors
-from . import tokens
+from . import responses_api, tokens
 from .access_log import AccessLog
 from .errors import HttpError, error_response
 from .gate import Gate
@@ -113,6 +115,21 @@ def build_app(gate: Gate) -> FastAPI:
     @_openai_errors
     async def chat_completions(request: Request):
         return await generate(gate, request, chat=True)
+
+    @app.post("/v1/responses")
+    @_openai_errors
+    async def create_response(request: Request):
+        return await responses_api.create(gate, request)
+
+    @app.get("/v1/responses/{response_id}")
+    @_openai_errors
+    async def get_response(request: Request):
+        return await responses_api.get(gate, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    @_openai_errors
+    async def delete_response(request: Request):
+        return await responses_api.delete(gate, request)
 
     return app
 

@@ -9,13 +9,22 @@ from fastapi import Request
 from .. import errors
 from ..in_flight import InFlight
 from .errors import HttpError
+from .response_store import ResponseStore
 
 
 class Gate:
-    """The serving state, the auth check, the body limit and the generation requests in flight."""
+    """The serving state, the auth check, the body limit, the generation requests in flight and the Responses
+    API's store."""
 
     def __init__(
-        self, state, metrics, *, live: Callable[[], bool], owner: Callable[[str], str] | None, max_body_bytes: int
+        self,
+        state,
+        metrics,
+        *,
+        live: Callable[[], bool],
+        owner: Callable[[str], str] | None,
+        max_body_bytes: int,
+        responses: ResponseStore | None = None,
     ):
         # owner: the caller's identity from its Authorization header (errors.UnauthenticatedError when the token
         # is not accepted); None when auth is off. The same BearerAuth.owner the gRPC door uses, so a request
@@ -23,6 +32,8 @@ class Gate:
         self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
         self.max_body_bytes = max_body_bytes
         self.calls = InFlight()  # generation requests not yet finished (the drain waits for them)
+        # the Responses API's stored responses, scoped by the same owner as request ids
+        self.responses = responses if responses is not None else ResponseStore(1024, 64 << 20)
 
     def ready(self) -> bool:
         return self.live() and self.state.engine is not None and not self.state.draining

@@ -9,6 +9,7 @@ in use is returned in the ``X-Dgserve-Seed`` header and in the body's ``dgserve`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,18 +46,31 @@ def _parse(body, defaults, info, chat: bool) -> protocol.Call:
 
 async def _complete(request: Request, feed: events.Events, out: responses.Output, headers: dict) -> Response:
     """The non-streaming answer: the whole output as one JSON body (499, unread, when the client went away)."""
+
+    def add(event: events.Event) -> None:
+        if isinstance(event, events.BlockEvent):
+            out.add_block(event)
+        elif isinstance(event, events.FinishEvent):
+            out.finish(event)
+
+    if not await read_all(request, feed, add):  # cancelled: the client went away, nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(responses.response(out), headers=headers)
+
+
+async def read_all(request: Request, feed: events.Events, add: Callable[[events.Event], object]) -> bool:
+    """Read a request's events to the end into ``add``, cancelling it in the engine as soon as the client
+    disconnects; True when it finished, False when it was cancelled. An ErrorEvent's error is raised (the route
+    answers with its error body)."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, feed))
+    finished = False
     try:
         async for event in feed:
-            if isinstance(event, events.BlockEvent):
-                out.add_block(event)
-            elif isinstance(event, events.FinishEvent):
-                out.finish(event)
-            elif isinstance(event, events.ErrorEvent):
-                raise event.error  # an OpenAI error body (the route's handler)
-        if out.finished is None:  # cancelled: the client went away, nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(responses.response(out), headers=headers)
+            if isinstance(event, events.ErrorEvent):
+                raise event.error
+            finished = finished or isinstance(event, events.FinishEvent)
+            add(event)
+        return finished
     finally:
         watcher.cancel()
         feed.cancel("client_cancelled")

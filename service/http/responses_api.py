@@ -1,0 +1,292 @@
+"""The Responses API door (docs/responses-api.md): ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+A request becomes the engine's one submission (``responses_input``), and its events (``service.events``: content,
+reasoning and tool-call pieces, the calls and the final reason) become a response object or, with ``stream:
+true``, OpenAI's event sequence: ``response.created``, ``response.in_progress``, then per output item
+``response.output_item.added``, its part / text / arguments events and ``response.output_item.done``, and last
+``response.completed`` or ``response.incomplete`` (the token limit, or a cancel such as the drain's); every event
+has a ``sequence_number`` from 0. Output items: ``reasoning`` (the thought channel, as reasoning text),
+``message`` (one ``output_text`` part) and ``function_call`` (``call_id`` is the call's id), in the order the
+output made them. A response with ``store`` (the default) is kept for its caller (``ResponseStore``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH
+from dgserve.structured.tool_parser import ToolCallDelta
+
+from .. import events
+from . import sse
+from .body import read_json
+from .errors import HttpError, error_body
+from .gate import Gate
+from .generate import read_all
+from .responses_input import ResponsesCall, responses_request
+
+# the finish reasons that leave a response incomplete, and the reason it gives
+INCOMPLETE = {FINISH_LENGTH: "max_output_tokens", FINISH_CANCELLED: "cancelled"}
+
+
+async def create(gate: Gate, request: Request) -> Response:
+    owner = gate.authorize(request)
+    body = await read_json(request, gate.max_body_bytes)
+    engine = gate.state.ready_engine()
+    store = gate.responses
+    rc = responses_request(
+        body, engine.default_params(), gate.state.info.max_model_len, lambda rid: store.get(owner, rid)
+    )
+    gate.state.check_model(rc.call.model)
+    feed = await events.open_events(engine, rc.call.submission(request.state.request_id, owner))
+    out = ResponseOutput(rc, rc.call.model or gate.state.names[0], feed.request_id, feed.seed)
+    headers = {"X-Dgserve-Seed": str(feed.seed)}
+    gate.calls.enter()
+    if rc.call.stream:
+        return sse.EventStream(_stream(feed, out, gate, owner), feed.cancel, gate.calls.leave, headers)
+    try:
+        if not await read_all(request, feed, out.add):
+            return Response(status_code=499)  # the client went away: nobody reads this
+        return JSONResponse(out.finish(gate, owner), headers=headers)
+    finally:
+        gate.calls.leave()
+
+
+async def get(gate: Gate, request: Request) -> Response:
+    owner = gate.authorize(request)
+    stored = gate.responses.get(owner, request.path_params["response_id"])
+    if stored is None:
+        raise _not_found(request.path_params["response_id"])
+    return JSONResponse(stored.response)
+
+
+async def delete(gate: Gate, request: Request) -> Response:
+    owner = gate.authorize(request)
+    rid = request.path_params["response_id"]
+    if not gate.responses.delete(owner, rid):
+        raise _not_found(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+def _not_found(rid: str) -> HttpError:
+    # unknown, dropped and another caller's are the same answer: ids cannot be probed
+    return HttpError("NOT_FOUND", f"response_id: {rid[:80]!r} is not a stored response of this caller")
+
+
+# ---------------------------------------------------------------------------------------------- the response
+
+
+class ResponseOutput:
+    """A response being made: its output items, built from the request's events in the order the output made
+    them, and the streaming events that build them (``add`` returns those)."""
+
+    def __init__(self, rc: ResponsesCall, model: str, request_id: str, seed: int):
+        self.rc, self.model, self.request_id, self.seed = rc, model, request_id, seed
+        self.key = secrets.token_hex(12)
+        self.id = "resp_" + self.key
+        self.created_at = int(time.time())
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the item being written (the last of items)
+        self.finished: events.FinishEvent | None = None
+        self.transcript = events.Transcript()
+
+    # ------------------------------------------------------------------ items
+
+    def add(self, e: events.Event) -> list[dict]:
+        """The stream events (without sequence numbers) that a request event makes."""
+        if not isinstance(e, (events.BlockEvent, events.FinishEvent)):
+            return []
+        self.transcript.add(e)
+        out: list[dict] = []
+        if e.reasoning:
+            out += self._text("reasoning", e.reasoning)
+        if e.content:
+            out += self._text("message", e.content)
+        for d in e.call_deltas:
+            out += self._call(d)
+        if isinstance(e, events.FinishEvent):
+            out += self._close()
+            self.finished = e
+            calls = {c.id: c for c in e.calls}
+            for item in self.items:  # every call whole, as the parser read it
+                if item["type"] == "function_call" and item["call_id"] in calls:
+                    item["arguments"] = calls[item["call_id"]].arguments
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        out = [] if self._is_open(kind) else self._close() + self._open_item(kind)
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        delta = {"type": name, **self._where(), "content_index": 0, "delta": text}
+        if kind == "message":
+            delta["logprobs"] = []
+        return out + [delta]
+
+    def _call(self, d: ToolCallDelta) -> list[dict]:
+        out = []
+        if d.id is not None:  # a new call
+            out += self._close() + self._open_item("function_call", d)
+        item = self._open
+        if item is None or item["type"] != "function_call" or not d.arguments:
+            return out
+        item["arguments"] += d.arguments
+        return out + [{"type": "response.function_call_arguments.delta", **self._where(), "delta": d.arguments}]
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self._open["type"] == kind
+
+    def _where(self) -> dict:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
+
+    def _open_item(self, kind: str, call: ToolCallDelta | None = None) -> list[dict]:
+        index = len(self.items)
+        item: dict
+        if kind == "function_call":
+            assert call is not None and call.id is not None
+            item = {"type": kind, "id": f"fc_{self.key}{index}", "call_id": call.id, "name": call.name or ""}
+            item |= {"arguments": "", "status": "in_progress"}
+        elif kind == "message":
+            item = {"type": kind, "id": f"msg_{self.key}{index}", "status": "in_progress", "role": "assistant"}
+            item["content"] = []
+        else:
+            item = {"type": kind, "id": f"rs_{self.key}{index}", "summary": [], "content": [], "status": "in_progress"}
+        self.items.append(item)
+        self._open = item
+        out = [{"type": "response.output_item.added", "output_index": index, "item": _copy(item)}]
+        if kind == "function_call":
+            return out
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        if kind == "reasoning":
+            part = {"type": "reasoning_text", "text": ""}
+        item["content"].append(part)
+        return out + [{"type": "response.content_part.added", **self._where(), "content_index": 0, "part": dict(part)}]
+
+    def _close(self) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        if item["type"] == "function_call":
+            name = "response.function_call_arguments.done"
+            out = [{"type": name, **where, "name": item["name"], "arguments": item["arguments"]}]
+        else:
+            part = item["content"][0]
+            name = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            done = {"type": name, **where, "content_index": 0, "text": part["text"]}
+            if item["type"] == "message":
+                done["logprobs"] = []
+            out = [done, {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        return out + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(item)}]
+
+    # ------------------------------------------------------------------ the response object
+
+    def body(self) -> dict:
+        """The response object: in progress until the request finished, then completed or incomplete."""
+        f = self.finished
+        status, incomplete = "in_progress", None
+        if f is not None:
+            status = "incomplete" if f.reason in INCOMPLETE else "completed"
+            incomplete = {"reason": INCOMPLETE[f.reason]} if f.reason in INCOMPLETE else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": [_copy(item) for item in self.items] if f is not None else [],
+            **self.rc.echo,
+            "usage": None if f is None else usage(f.usage),
+            "dgserve": {"request_id": self.request_id, "seed": self.seed, **_timing(f)},
+        }
+
+    def finish(self, gate: Gate, owner: str | None) -> dict:
+        """The finished response object, kept in the store when the request asked for it."""
+        body = self.body()
+        if self.rc.store and self.finished is not None:
+            gate.responses.put(owner, body, [*self.rc.history, self.assistant_message()])
+        return body
+
+    def assistant_message(self) -> dict:
+        """The output as the chat message a later turn continues from."""
+        t = self.transcript
+        message: dict = {"role": "assistant", "content": t.content if t.content or not t.calls else None}
+        if t.reasoning:
+            message["reasoning_content"] = t.reasoning
+        if t.calls:
+            message["tool_calls"] = [c.to_openai() for c in t.calls]
+        return message
+
+
+def usage(u: events.Usage) -> dict:
+    """The Responses API's usage: input / output tokens, the prompt tokens the prefix cache supplied."""
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _timing(f: events.FinishEvent | None) -> dict:
+    if f is None:
+        return {}
+    t = f.timing
+    return {
+        "denoising_steps": f.usage.denoising_steps,
+        "queue_ms": round(t.queue_ms, 3),
+        "first_block_ms": round(t.first_block_ms, 3),
+        "total_ms": round(t.total_ms, 3),
+    }
+
+
+def _copy(item: dict) -> dict:
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(p) for p in out["content"]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+async def _stream(
+    feed: events.Events, out: ResponseOutput, gate: Gate, owner: str | None
+) -> AsyncGenerator[bytes, None]:
+    """The event sequence of one response (module doc). A request that fails after the headers ends with an
+    ``error`` event."""
+    seq = 0
+
+    def frame(data: dict) -> bytes:
+        nonlocal seq
+        data = {**data, "sequence_number": seq}
+        seq += 1
+        return sse.sse(data, event=data["type"])
+
+    yield frame({"type": "response.created", "response": out.body()})
+    yield frame({"type": "response.in_progress", "response": out.body()})
+    try:
+        async for event in feed:
+            if isinstance(event, events.ErrorEvent):
+                raise event.error
+            for data in out.add(event):
+                yield frame(data)
+            if isinstance(event, events.FinishEvent):
+                body = out.finish(gate, owner)
+                kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+                yield frame({"type": kind, "response": body})
+    except Exception as e:  # noqa: BLE001 - after the headers, an error can only travel as an event
+        err = error_body(e)[1]["error"]
+        yield frame({"type": "error", "code": err["code"], "message": err["message"], "param": err["param"]})

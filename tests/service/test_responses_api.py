@@ -1,0 +1,362 @@
+"""The Responses API door with the official openai client: plain, streamed (OpenAI's event sequence with sequence
+numbers), function tools and a function_call_output round trip, previous_response_id, text.format, the store (GET,
+DELETE, per caller, bounded), bad input named in a 400, and the drain ending a stream with response.incomplete."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from service_helpers import ServerThread, base_config
+
+from dgserve.service.http.response_store import ResponseStore
+
+KNOBS = {"max_denoising_steps": 4}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return f"http://127.0.0.1:{server.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def _create(client, **kw):
+    kw.setdefault("input", "Say hi")
+    extra = {"seed": 1, **KNOBS, **kw.pop("extra_body", {})}
+    return client.responses.create(model="tiny", extra_body=extra, **kw)
+
+
+def test_a_plain_response_has_a_message_usage_and_is_stored(client):
+    r = _create(client, instructions="Be brief.", max_output_tokens=32)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
+    assert r.status in ("completed", "incomplete")
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in r.output] == ["message"]
+    message = r.output[0]
+    assert message.role == "assistant" and message.content[0].type == "output_text"
+    assert r.output_text == message.content[0].text
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 32
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+    assert r.instructions == "Be brief." and r.max_output_tokens == 32
+    again = client.responses.retrieve(r.id)
+    assert again.id == r.id and again.output_text == r.output_text
+    same = _create(client, instructions="Be brief.", max_output_tokens=32)  # seeded: the same output
+    assert same.output_text == r.output_text and same.id != r.id
+
+
+def test_the_token_limit_makes_an_incomplete_response(client):
+    r = _create(client, max_output_tokens=16, extra_body={"ignore_eos": True})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 16
+
+
+def test_the_stream_is_openais_event_sequence_and_ends_with_the_same_response(client):
+    whole = _create(client, max_output_tokens=48)
+    got = list(_create(client, max_output_tokens=48, stream=True))
+    kinds = [e.type for e in got]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response." + ("completed" if whole.status == "completed" else "incomplete")
+    assert [e.sequence_number for e in got] == list(range(len(got)))
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert set(kinds[5:-4]) <= {"response.output_text.delta"}
+    text = "".join(e.delta for e in got if e.type == "response.output_text.delta")
+    done = next(e for e in got if e.type == "response.output_text.done")
+    final = got[-1].response
+    assert text == done.text == final.output_text == whole.output_text
+    assert got[0].response.status == "in_progress" and got[0].response.id == final.id
+
+
+YES = {"format": {"type": "json_schema", "name": "yes", "schema": {"enum": ["yes", "no"]}}}
+
+
+def test_the_sdks_stream_helper_accumulates_the_events(client):
+    """``responses.stream`` checks the events' item ids and indices as it builds the response (it needs one that
+    completes: a short schema ends it)."""
+    extra = {"seed": 1, **KNOBS}
+    with client.responses.stream(model="tiny", input="Say hi", text=YES, extra_body=extra) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    assert final.status == "completed" and json.loads(final.output_text) in ("yes", "no")
+    assert final.output_text == _create(client, text=YES).output_text
+
+
+def test_a_function_call_and_its_output_round_trip(client):
+    r = _create(client, input="weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=64)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    # the whole conversation sent back, as the Agents SDK does without previous_response_id
+    history = [{"role": "user", "content": "weather in Paris?"}, *[c.model_dump() for c in calls]]
+    history += [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
+    after = _create(client, input=history, tools=[WEATHER], max_output_tokens=32)
+    assert after.status in ("completed", "incomplete") and after.usage.input_tokens > r.usage.input_tokens
+    # the same turn by previous_response_id: only the outputs are sent
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
+    chained = _create(client, input=outputs, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=32)
+    assert chained.previous_response_id == r.id
+    assert chained.usage.input_tokens == after.usage.input_tokens  # the same conversation, rendered alike
+
+
+def test_a_named_function_streams_arguments_deltas(client):
+    named = {"type": "function", "name": "get_weather"}
+    whole = _create(client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False)
+    got = list(
+        _create(client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False, stream=True)
+    )
+    kinds = [e.type for e in got]
+    added = next(e for e in got if e.type == "response.output_item.added" and e.item.type == "function_call")
+    args = "".join(e.delta for e in got if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in got if e.type == "response.function_call_arguments.done")
+    call = next(item for item in whole.output if item.type == "function_call")
+    assert added.item.call_id == call.call_id and args == done.arguments == call.arguments
+    assert kinds[-1] == "response.completed" and "response.output_text.delta" not in kinds
+    assert got[-1].response.output[-1].arguments == call.arguments
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first = _create(client, input="My name is Ada.", max_output_tokens=16)
+    second = _create(client, input="What is my name?", previous_response_id=first.id, max_output_tokens=16)
+    alone = _create(client, input="What is my name?", max_output_tokens=16)
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens // 2
+    assert second.previous_response_id == first.id
+
+
+def test_reasoning_effort_gives_a_reasoning_item_or_none(client):
+    r = _create(client, reasoning={"effort": "low"}, max_output_tokens=32)
+    assert r.reasoning.effort == "low"
+    assert all(item.type in ("reasoning", "message") for item in r.output)
+
+
+def test_text_format_json_schema_gives_a_valid_document(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    r = _create(client, text=fmt)
+    assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
+    assert r.text.format.type == "json_schema"
+    obj = _create(client, text={"format": {"type": "json_object"}}, max_output_tokens=64)
+    if obj.status == "completed":
+        assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_store_false_and_delete(client, url):
+    r = _create(client, store=False, max_output_tokens=8)
+    assert httpx.get(f"{url}/v1/responses/{r.id}").status_code == 404
+    kept = _create(client, max_output_tokens=8)
+    assert client.responses.delete(kept.id) is None
+    gone = httpx.get(f"{url}/v1/responses/{kept.id}")
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
+    assert httpx.delete(f"{url}/v1/responses/{kept.id}").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
+        ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"input": [7]}, "input[0]"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "top_k": 5}, "top_k"),
+        ({"input": "hi", "store": "yes"}, "store"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(url, body, param):
+    r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_a_function_call_output_must_follow_its_turn(url):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    body = {
+        "input": [
+            {"role": "user", "content": "a"},
+            call,
+            {"role": "user", "content": "b"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+        ],
+        "tools": [WEATHER],
+    }
+    r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[3].call_id", r.text
+
+
+# ---------------------------------------------------------------------------------------------- store and callers
+
+
+def test_the_store_is_bounded_by_entries_and_bytes_least_recently_used_first():
+    store = ResponseStore(max_entries=2, max_bytes=400)
+    for rid in ("a", "b"):
+        assert store.put(None, {"id": rid}, [{"role": "user", "content": rid}])
+    assert store.get(None, "a") is not None  # a is now the most recently used
+    store.put(None, {"id": "c"}, [])
+    assert store.get(None, "b") is None and store.get(None, "a") and store.get(None, "c")
+    assert not store.put(None, {"id": "big", "pad": "x" * 500}, [])  # larger than the whole store
+    store.put(None, {"id": "d", "pad": "x" * 370}, [])  # 391 bytes: it fits only alone
+    assert len(store) == 1 and store.bytes <= 400 and store.get(None, "d") is not None
+    assert store.get("someone", "d") is None and not store.delete("someone", "d")
+
+
+@pytest.fixture(scope="module")
+def auth_url(model_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
+    yield f"http://127.0.0.1:{s.server.http_port}"
+    s.stop()
+
+
+def test_a_stored_response_is_only_its_callers(auth_url):
+    a = openai.OpenAI(base_url=auth_url + "/v1", api_key="token-a", max_retries=0, timeout=120)
+    b = openai.OpenAI(base_url=auth_url + "/v1", api_key="token-b", max_retries=0, timeout=120)
+    r = a.responses.create(model="tiny", input="hi", max_output_tokens=8, extra_body=KNOBS)
+    assert a.responses.retrieve(r.id).id == r.id
+    for attempt in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    with pytest.raises(openai.BadRequestError) as err:
+        b.responses.create(model="tiny", input="hi", previous_response_id=r.id, extra_body=KNOBS)
+    assert err.value.body["param"] == "previous_response_id"
+    assert httpx.get(f"{auth_url}/v1/responses/{r.id}").status_code == 401
+    assert a.responses.retrieve(r.id).id == r.id  # untouched
+
+
+def test_the_drain_ends_a_stream_with_response_incomplete(model_dir):
+    s = ServerThread(base_config(model_dir))
+    url = f"http://127.0.0.1:{s.server.http_port}"
+    body = {"input": "drain", "stream": True, "max_output_tokens": 16 * 200, "ignore_eos": True, **KNOBS}
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            drained = asyncio.run_coroutine_threadsafe(s.server.drain(0.5), s.loop)
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert rest[-1]["type"] == "response.incomplete"
+        assert rest[-1]["response"]["incomplete_details"] == {"reason": "cancelled"}
+        drained.result(30)
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------- units
+
+
+def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
+    """A thinking output with text and a call, in two blocks split inside the call: reasoning, message and
+    function_call items, each opened, written and closed by its events, the call whole at the end."""
+    from dgserve import SamplingParams
+    from dgserve.outputs import FINISH_EOS
+    from dgserve.service import events
+    from dgserve.service.http.responses_api import ResponseOutput
+    from dgserve.service.http.responses_input import responses_request
+    from dgserve.structured.chat_output import ChatOutputParser
+    from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOOL_CALL_END
+
+    text = (
+        f'{CHANNEL_BEGIN}thought\nplan{CHANNEL_END}Hi{TOOL_CALL_BEGIN}call:get_weather{{"city":"Paris"}}{TOOL_CALL_END}'
+    )
+    cut = text.index("Paris")
+    rc = responses_request({"input": "x", "tools": [WEATHER]}, SamplingParams(), None, lambda _: None)
+    out, chat = ResponseOutput(rc, "tiny", "r-1", 1), events.ChatOutput(ChatOutputParser(True, True, b"k"))
+    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    got = []
+    for i, piece in enumerate((text[:cut], text[cut:])):
+        got += out.add(chat.block(events.BlockEvent(i, [], piece, stats)))
+    end = events.FinishEvent(FINISH_EOS, events.Usage(3, 9, 2, 8), events.Timing(0.0, 1.0, 2.0))
+    got += out.add(chat.finish(end))
+    assert [(e["type"], e.get("output_index")) for e in got] == [
+        ("response.output_item.added", 0),
+        ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1),
+        ("response.output_text.delta", 1),
+        ("response.output_text.done", 1),
+        ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2),
+    ]
+    body = out.body()
+    assert body["status"] == "completed" and body["usage"]["output_tokens"] == 9
+    reasoning, message, call = body["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "plan"}]
+    assert message["content"][0]["text"] == "Hi"
+    assert call["call_id"].startswith("call_") and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert out.assistant_message() == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning_content": "plan",
+        "tool_calls": [
+            {
+                "id": call["call_id"],
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": call["arguments"]},
+            }
+        ],
+    }
+
+
+def test_items_become_chat_messages():
+    """Reasoning goes to the next assistant message, a turn's calls share one, outputs become tool messages,
+    instructions and a developer item make one system message."""
+    from dgserve.service.http.responses_input import Conversation
+
+    convo = Conversation()
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1", "status": "completed"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+    ]
+    convo.add_input(items, None)
+    messages = convo.prompt_messages("Be brief.")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool"]
+    assert messages[0]["content"] == "Be brief.\n\nUse tools."
+    assert messages[2]["reasoning_content"] == "t" and [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]
+    assert messages[4] == {"role": "tool", "tool_call_id": "c2", "content": "2"}
+    assert convo.messages[0] == {"role": "system", "content": "Use tools."}  # the instructions are not history
