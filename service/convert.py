@@ -14,7 +14,6 @@ checked (an O(1) ``len``) before any per-item Python work, and refused when it c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import torch
@@ -27,6 +26,7 @@ from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat
 from dgserve.structured.chat_output import ChatDelta
+from dgserve.structured.response_format import read_schema
 from dgserve.structured.tool_parser import ToolCall
 from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
@@ -146,11 +146,8 @@ def tools(msg: pb.Chat) -> ToolSet | None:
     listed: list[dict] = []
     for t in msg.tools:
         fn: dict = {"name": t.name, "description": t.description}
-        if t.parameters_json:
-            try:
-                fn["parameters"] = json.loads(t.parameters_json)
-            except ValueError as e:
-                raise ValueError(f"chat.tools[{len(listed)}].parameters_json: not JSON ({e})") from None
+        if t.parameters_json:  # the one reader, with the schema bounds (what HTTP's tools[i].function.parameters get)
+            fn["parameters"] = read_schema(t.parameters_json, f"chat.tools[{len(listed)}].parameters_json")
         listed.append({"type": "function", "function": fn})
     choice: object = None
     kind = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
