@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -42,6 +43,7 @@ from . import connections, convert
 from .config import ServiceConfig
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
+from .http.site import HostPolicy, OriginPolicy
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
@@ -198,12 +200,15 @@ class Server:
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
         gate = Gate(self.state, self.metrics, live=lambda: self.live, owner=owner, max_body_bytes=cfg.max_message_bytes)
         assert self.connection_plan is not None, "start() plans the connections before binding"
+        own = (cfg.host, *await asyncio.to_thread(_machine_names))
         self._http = HttpFrontDoor(
             gate,
             sock,
             max_connections=self.connection_plan.http,
             request_timeout=cfg.request_timeout,
             events=self.connection_events,
+            hosts=HostPolicy.build(cfg.allowed_hosts, own),
+            origins=OriginPolicy.build(cfg.allowed_origins),
         )
         await self._http.start()
         self.http_port = self._http.port
@@ -324,6 +329,12 @@ class Server:
         await self.drain(grace=0 if self.load_error is not None else None)
         if self.load_error is not None and not stop.is_set():
             raise StartupError(self.state.loading_error) from self.load_error
+
+
+def _machine_names() -> tuple[str, ...]:
+    """This machine's hostname and FQDN (getfqdn may ask the resolver: run it off the event loop)."""
+    name = socket.gethostname()
+    return name, socket.getfqdn(name)
 
 
 def _model_name(engine: Engine, cfg: ServiceConfig) -> str:

@@ -168,6 +168,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.gate",
                 "dgserve.service.http.access_log",
                 "dgserve.service.http.bounded",
+                "dgserve.service.http.site",
             ),
             ("dgserve.service.http.sse",),
             ("dgserve.service.servicer", "dgserve.service.http.generate", "dgserve.service.http.tokens"),

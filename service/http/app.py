@@ -10,8 +10,10 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
     POST /v1/completions                      prompt: string or token ids; stream: SSE
     POST /v1/chat/completions                 messages through the checkpoint's chat template; stream: SSE
 
-A request's id is the ``X-Request-Id`` header when given, else a new one (access_log.py); the seed in use is
-returned in ``X-Dgserve-Seed`` and in the body's ``dgserve`` object (generate.py).
+Every request first passes the Host and Origin checks (site.py: 400 / 403), and every POST route reads its body
+only when its Content-Type is JSON (body.py: 415). A request's id is the ``X-Request-Id`` header when given, else
+a new one (access_log.py); the seed in use is returned in ``X-Dgserve-Seed`` and in the body's ``dgserve``
+object (generate.py).
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ from .access_log import AccessLog
 from .errors import HttpError, error_response
 from .gate import Gate
 from .generate import generate
+from .site import HostPolicy, OriginPolicy, SiteGuard
 
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
 
 
-def build_app(gate: Gate) -> FastAPI:
+def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
+    """The app; ``hosts`` and ``origins`` say who may reach it from a browser (site.py), checked before any
+    route runs and after the access log has the request's id (refusals are logged and counted)."""
     app = FastAPI(title="dgserve", docs_url=None, redoc_url=None, openapi_url=None)
     counter = Counter(
         "dgserve_http_requests",
@@ -46,7 +51,8 @@ def build_app(gate: Gate) -> FastAPI:
         ["route", "status"],
         registry=gate.metrics.registry,
     )
-    app.add_middleware(AccessLog, counter=counter)
+    app.add_middleware(SiteGuard, hosts=hosts, origins=origins)
+    app.add_middleware(AccessLog, counter=counter)  # (the last added is the outermost)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -16,20 +16,43 @@ from fastapi import Request
 
 from dgserve.text import client_json
 
+from ..errors import clip
 from .errors import HttpError
 
+JSON_TYPE = "application/json"
 INLINE_BODY_BYTES = 64 << 10  # decoded on the event loop: at most ~1 ms of json.loads, less than a thread hop
 
 
 async def read_json(request: Request, limit: int):
-    """The request's JSON body (``decode_body``: bounded values and depth, valid Unicode). A body over
+    """The request's JSON body (``decode_body``: bounded values and depth, valid Unicode), from a request whose
+    Content-Type is JSON (``check_content_type``: 415 before the body is read). A body over
     INLINE_BODY_BYTES is decoded in the one body thread: json.loads holds the GIL while it runs, so decoding two
     16 MB bodies at once would only take turns at the GIL away from the event loop; one at a time, the loop gets
     it back between bodies."""
+    check_content_type(request.headers.get("content-type"))
     raw = await _read_body(request, limit)
     if len(raw) <= INLINE_BODY_BYTES:
         return decode_body(raw)
     return await asyncio.get_running_loop().run_in_executor(_body_thread(), decode_body, raw)
+
+
+def check_content_type(value: str | None) -> None:
+    """HttpError UNSUPPORTED_MEDIA_TYPE (415) unless ``value`` is ``application/json``, with parameters at most
+    and a charset, if any, of UTF-8. Every route that reads a JSON body checks it, so a page's text/plain, form or
+    multipart POST (which a browser sends cross-origin without a preflight) is refused unread
+    (docs/deployment.md, "Browsers and Host names")."""
+    media, _, params = (value or "").partition(";")
+    if media.strip().lower() != JSON_TYPE:
+        got = "none" if value is None else repr(clip(value))
+        raise HttpError("UNSUPPORTED_MEDIA_TYPE", f"Content-Type: must be {JSON_TYPE}, got {got}", "Content-Type")
+    for param in params.split(";"):
+        key, _, charset = param.partition("=")
+        if key.strip().lower() == "charset" and charset.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise HttpError(
+                "UNSUPPORTED_MEDIA_TYPE",
+                f"Content-Type: JSON is UTF-8, got charset {clip(charset.strip())!r}",
+                "Content-Type",
+            )
 
 
 @functools.cache

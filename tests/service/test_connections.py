@@ -105,7 +105,7 @@ def test_http_silent_connection_gets_408_and_is_closed(bounded):
 
 def test_http_slow_loris_headers_are_cut_off(bounded):
     with connect(bounded.server.http_port) as s:
-        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: localhost\r\n")
         seconds, got = seconds_until_closed(s, trickle=b"X-Slow: 1\r\n")  # bytes keep coming, never the end
     assert seconds < TIMEOUT + 2, seconds
     assert got.startswith(b"HTTP/1.1 408 "), got
@@ -114,7 +114,7 @@ def test_http_slow_loris_headers_are_cut_off(bounded):
 def test_http_slow_body_is_cut_off(bounded):
     with connect(bounded.server.http_port) as s:
         s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: 1000\r\n\r\n{"
         )
         seconds, got = seconds_until_closed(s, trickle=b" ")
