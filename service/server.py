@@ -50,7 +50,9 @@ from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
-MAX_METADATA_BYTES = 16 << 10
+MAX_METADATA_BYTES = 16 << 10  # what a client's own request metadata may take (README), counted as HTTP/2 does
+# what the transport's own headers add to it (:path, :authority, user-agent, te, content-type, grpc-timeout ...)
+HEADER_ALLOWANCE_BYTES = 1 << 10
 LIVENESS_NAME = "liveness"  # gRPC health name that is SERVING while the process is live (loading included)
 # a connection with no call for this long gets GOAWAY (clients reconnect on their next call): without it a peer
 # that completed the HTTP/2 handshake and answers pings would hold its descriptor forever
@@ -100,8 +102,11 @@ def grpc_options(cfg: ServiceConfig, max_connections: int) -> list[tuple[str, in
         ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_MS),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
-        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes
-        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes. The
+        # soft limit alone refuses at random between it and twice it (17 KiB passed 12 times in 20); with the hard
+        # limit at the same size, the bound is exact (each entry counts name + value + 32 bytes, HTTP/2's measure)
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
         # a block can take seconds with no DATA frames: let clients ping often without GOAWAY too_many_pings
         ("grpc.keepalive_time_ms", cfg.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 20_000),

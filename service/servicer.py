@@ -64,7 +64,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         stream = await engine.submit(
             prompt,
             params,
-            request.request_id or None,
+            request.request_id or (call.request_id if call.assigned else None),  # the id the access log has
             timeout_s=call.time_remaining(),
             drafts=convert.draft_spec(request.drafts),
             owner=call.owner,

@@ -13,10 +13,12 @@ import concurrent.futures
 import functools
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from dgserve.text import client_json
 
 from ..errors import clip
+from .bounded import TIMED_OUT
 from .errors import HttpError
 
 JSON_TYPE = "application/json"
@@ -65,11 +67,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError("REQUEST_TOO_LARGE", f"body: {declared} bytes exceed the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError("REQUEST_TOO_LARGE", f"body: more than the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError("REQUEST_TOO_LARGE", f"body: more than the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the request timeout (which has answered 408: bounded.py)
+        if getattr(request.state, TIMED_OUT, False):
+            raise HttpError("REQUEST_TIMEOUT", "body: not complete within the request timeout") from None
+        raise HttpError("CLIENT_CLOSED", "body: the client closed the connection before sending it all") from None
     return b"".join(chunks)
 
 

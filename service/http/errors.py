@@ -29,10 +29,12 @@ STATUS: dict[str, tuple[int, str]] = {
     "REQUEST_NOT_FOUND": (404, "not_found_error"),
     "NOT_FOUND": (404, "not_found_error"),
     "METHOD_NOT_ALLOWED": (405, "invalid_request_error"),
+    "REQUEST_TIMEOUT": (408, "invalid_request_error"),
     "DUPLICATE_REQUEST_ID": (409, "invalid_request_error"),
     "REQUEST_TOO_LARGE": (413, "invalid_request_error"),
     "UNSUPPORTED_MEDIA_TYPE": (415, "invalid_request_error"),
     "OVERLOADED": (429, "rate_limit_error"),
+    "CLIENT_CLOSED": (499, "invalid_request_error"),  # nobody reads it: the status of the access line
     "NOT_READY": (503, "service_unavailable_error"),
     "DRAINING": (503, "service_unavailable_error"),
     "ENGINE_UNAVAILABLE": (503, "service_unavailable_error"),
