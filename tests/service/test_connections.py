@@ -137,7 +137,7 @@ def test_http_body_that_never_completes_is_logged_as_408_without_an_error(bounde
     with connect(bounded.server.http_port) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
-            b"content-length: 100\r\n\r\n{\"messages\": "
+            b'content-length: 100\r\n\r\n{"messages": '
         )
         _, got = seconds_until_closed(s)  # silent after part of the body
     assert_408(got)
