@@ -173,6 +173,26 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "bytes of JSON those kept responses may take in all (default 64 MiB)",
     ),
     (
+        "--allowed-hosts",
+        "DGSERVE_ALLOWED_HOSTS",
+        "allowed_hosts",
+        str,
+        (
+            "HTTP Host names served besides localhost, IP literals, the bound address and this machine's hostname "
+            "and FQDN: comma-separated names or '*.domain' patterns, or '*' for any (others get 400: DNS rebinding)"
+        ),
+    ),
+    (
+        "--allowed-origins",
+        "DGSERVE_ALLOWED_ORIGINS",
+        "allowed_origins",
+        str,
+        (
+            "browser origins (scheme://host[:port], comma-separated, or '*') whose cross-origin requests are served "
+            "with CORS headers; requests from other origins get 403 (default: none, same-origin only)"
+        ),
+    ),
+    (
         "--keepalive-min-ping-ms",
         "DGSERVE_KEEPALIVE_MIN_PING_MS",
         "keepalive_min_ping_ms",
@@ -235,7 +255,7 @@ def _fix_hint(message: str) -> str:
 
 
 def _convert(field: str, raw: str, parse):
-    if field == "served_model_name":
+    if field in ("served_model_name", "allowed_hosts", "allowed_origins"):
         return tuple(n.strip() for n in raw.split(",") if n.strip())
     if field == "http_port":
         return None if raw.strip().lower() in ("off", "none", "-1") else int(raw)

@@ -4,6 +4,7 @@ directly by tests and embedders. Frozen; ValueError naming the field on a bad va
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from dgserve.engine.cache_config import CacheConfig
@@ -11,6 +12,9 @@ from dgserve.engine.cache_config import CacheConfig
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.model.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.ops.native_check
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LABELS = r"[a-z0-9_-]+(\.[a-z0-9_-]+)*"
+HOST_PATTERN = re.compile(rf"\*|(\*\.)?{_LABELS}\.?", re.I)  # a name, a *.domain pattern, or * (any)
+ORIGIN_PATTERN = re.compile(rf"\*|https?://({_LABELS}|\[[0-9a-f:.]+\])(:[0-9]{{1,5}})?/?", re.I)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class ServiceConfig:
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (docs/prefix-caching.md)
     responses_store_max_entries: int = 1024  # Responses API responses kept in memory (docs/responses-api.md)
     responses_store_max_bytes: int = 64 << 20  # their JSON bytes in all
+    # HTTP Host names served besides localhost, IP literals, the bound address and the machine's names; ("*",): any
+    allowed_hosts: tuple[str, ...] = ()
+    # origins (scheme://host[:port]) whose browser requests are served besides same-origin ones; ("*",): any
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -90,6 +98,13 @@ class ServiceConfig:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
         if any(not n for n in self.served_model_name):
             raise ValueError("served_model_name: names must be non-empty")
+        for name, pattern, what in (
+            ("allowed_hosts", HOST_PATTERN, "a host name, a '*.domain' pattern or '*'"),
+            ("allowed_origins", ORIGIN_PATTERN, "an origin (http[s]://host[:port]) or '*'"),
+        ):
+            for entry in getattr(self, name):
+                if not isinstance(entry, str) or not pattern.fullmatch(entry):
+                    raise ValueError(f"{name}: {entry!r} is not {what}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,7 +14,6 @@ checked (an O(1) ``len``) before any per-item Python work, and refused when it c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import torch
@@ -26,6 +25,7 @@ from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured import ResponseFormat
+from dgserve.structured.response_format import read_schema
 from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
 
@@ -47,16 +47,21 @@ _SCALARS = sp.SCALAR_KNOBS
 
 
 def submission(
-    request: pb.GenerateRequest, info: pb.GetModelInfoResponse, defaults: SamplingParams, owner: str | None
+    request: pb.GenerateRequest,
+    info: pb.GetModelInfoResponse,
+    defaults: SamplingParams,
+    owner: str | None,
+    request_id: str | None,
 ) -> Submission:
-    """The GenerateRequest as the engine's one submission (``owner``: the caller); ValueError naming the field."""
+    """The GenerateRequest as the engine's one submission (``owner``: the caller; ``request_id``: the request's id,
+    None to let the engine mint one); ValueError naming the field."""
     prompt_ = prompt(request, info.vocab_size, info.max_model_len)
     params = with_response_format(sampling_params(request.params, defaults), request)
     calls_tools = isinstance(prompt_, ChatPrompt) and prompt_.calls_tools
     return Submission(
         prompt_,
         params,
-        request.request_id or None,
+        request_id,
         drafts=draft_spec(request.drafts),
         owner=owner,
         fill_context=events.fills_context(request.params.HasField("max_new_tokens"), params, calls_tools),
@@ -163,11 +168,8 @@ def tools(msg: pb.Chat) -> ToolSet | None:
     listed: list[dict] = []
     for t in msg.tools:
         fn: dict = {"name": t.name, "description": t.description}
-        if t.parameters_json:
-            try:
-                fn["parameters"] = json.loads(t.parameters_json)
-            except ValueError as e:
-                raise ValueError(f"chat.tools[{len(listed)}].parameters_json: not JSON ({e})") from None
+        if t.parameters_json:  # the one reader, with the schema bounds (what HTTP's tools[i].function.parameters get)
+            fn["parameters"] = read_schema(t.parameters_json, f"chat.tools[{len(listed)}].parameters_json")
         listed.append({"type": "function", "function": fn})
     choice: object = None
     kind = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -84,7 +85,10 @@ class CallInfo:
     owner: str | None  # the caller's identity for Abort scoping; None when calls are not authenticated
     deadline: float | None  # time.monotonic() seconds; None without a deadline
     t0: float
-    request_id: str = ""  # for the access log (the request's own id, else a valid x-request-id header)
+    # for the access log: the request's own id, else a valid x-request-id header, else one the server assigned
+    # (``assigned``; Generate then runs under it, so the log line and the response carry the same id)
+    request_id: str = ""
+    assigned: bool = False
     outcome: str = "OK"  # the status code name the call ended with
     ended: bool = False  # the call is over: its context must not be used any more
 
@@ -176,7 +180,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         )
         context.add_done_callback(lambda _ctx: setattr(call, "ended", True))
         _call_var.set(call)
-        request_id_var.set("")
+        call.request_id, call.assigned = new_request_id(), True  # until the client's own (``_admit``)
+        request_id_var.set(call.request_id)
         return call
 
     def _admit(self, call: CallInfo, request, metadata: dict, context) -> None:
@@ -193,8 +198,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         rid = getattr(request, "request_id", "") or header
         if rid:
             check_request_id(rid, "request_id")
-        call.request_id = rid
-        request_id_var.set(rid)
+            call.request_id, call.assigned = rid, False
+            request_id_var.set(rid)
 
     @staticmethod
     def _fail(e: BaseException, context, call: CallInfo) -> None:
@@ -231,6 +236,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         )
         if self.metrics is not None:
             self.metrics.on_rpc(call.method, code, dt)
+
+
+def new_request_id() -> str:
+    """An id for a call whose client sent none (the HTTP door's form: ``dg-`` and 32 hex digits)."""
+    return f"dg-{uuid.uuid4().hex}"
 
 
 def _peer_identity(context) -> str | None:

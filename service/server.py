@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -43,13 +44,16 @@ from .config import ServiceConfig
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
 from .http.response_store import ResponseStore
+from .http.site import HostPolicy, OriginPolicy
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
-MAX_METADATA_BYTES = 16 << 10
+MAX_METADATA_BYTES = 16 << 10  # what a client's own request metadata may take (README), counted as HTTP/2 does
+# what the transport's own headers add to it (:path, :authority, user-agent, te, content-type, grpc-timeout ...)
+HEADER_ALLOWANCE_BYTES = 1 << 10
 LIVENESS_NAME = "liveness"  # gRPC health name that is SERVING while the process is live (loading included)
 # a connection with no call for this long gets GOAWAY (clients reconnect on their next call): without it a peer
 # that completed the HTTP/2 handshake and answers pings would hold its descriptor forever
@@ -99,8 +103,11 @@ def grpc_options(cfg: ServiceConfig, max_connections: int) -> list[tuple[str, in
         ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_MS),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
-        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes
-        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes. The
+        # soft limit alone refuses at random between it and twice it (17 KiB passed 12 times in 20); with the hard
+        # limit at the same size, the bound is exact (each entry counts name + value + 32 bytes, HTTP/2's measure)
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
         # a block can take seconds with no DATA frames: let clients ping often without GOAWAY too_many_pings
         ("grpc.keepalive_time_ms", cfg.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -207,12 +214,15 @@ class Server:
             responses=store,
         )
         assert self.connection_plan is not None, "start() plans the connections before binding"
+        own = (cfg.host, *await asyncio.to_thread(_machine_names))
         self._http = HttpFrontDoor(
             gate,
             sock,
             max_connections=self.connection_plan.http,
             request_timeout=cfg.request_timeout,
             events=self.connection_events,
+            hosts=HostPolicy.build(cfg.allowed_hosts, own),
+            origins=OriginPolicy.build(cfg.allowed_origins),
         )
         await self._http.start()
         self.http_port = self._http.port
@@ -333,6 +343,12 @@ class Server:
         await self.drain(grace=0 if self.load_error is not None else None)
         if self.load_error is not None and not stop.is_set():
             raise StartupError(self.state.loading_error) from self.load_error
+
+
+def _machine_names() -> tuple[str, ...]:
+    """This machine's hostname and FQDN (getfqdn may ask the resolver: run it off the event loop)."""
+    name = socket.gethostname()
+    return name, socket.getfqdn(name)
 
 
 def _model_name(engine: Engine, cfg: ServiceConfig) -> str:

@@ -57,7 +57,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.state.check_model(request.model)
         info = self.state.ready_info()
         call = _call(context)
-        sub = convert.submission(request, info, engine.default_params(), call.owner)
+        # the id the access log has: the client's, else the one assigned at entry
+        request_id = request.request_id or (call.request_id if call.assigned else None)
+        sub = convert.submission(request, info, engine.default_params(), call.owner, request_id)
         feed = await events.open_events(engine, sub, timeout_s=call.time_remaining())
         self.state.streams.enter()
         try:

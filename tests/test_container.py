@@ -487,6 +487,28 @@ def test_configmap_variables_are_known_and_ports_match_the_container():
     }
 
 
+def test_configmap_host_names_reach_the_pods_and_nothing_else():
+    """The Services' cluster DNS names, a gateway's in-cluster Service and the pod IPs (kubelet probes, the endpoint
+    picker) pass the Host check the configmap sets; a rebinding name does not."""
+    from dgserve.service.__main__ import build_config
+    from dgserve.service.http.site import HostPolicy
+
+    data = manifests()[("ConfigMap", "dgserve-config")]["data"]
+    cfg, _ = build_config([], dict(data))
+    policy = HostPolicy.build(cfg.allowed_hosts, (cfg.host, "dgserve-7d9f-abcde"))
+    for host in (
+        "dgserve:8000",
+        "dgserve.default.svc:8000",
+        "dgserve.default.svc.cluster.local:8000",
+        "dgserve-headless.ml.svc.cluster.local:8000",
+        "inference-gateway-istio.default.svc.cluster.local",
+        "10.244.1.7:8000",
+        "dgserve-7d9f-abcde:8000",
+    ):
+        assert policy.allows(host), host
+    assert not policy.allows("evil.example:8000") and not policy.allows("dgserve.evil.example")
+
+
 def test_probes_use_the_http_side_port():
     c = container(manifests()[("Deployment", "dgserve")])
     http = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]

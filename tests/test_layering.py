@@ -98,6 +98,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.v1",
                 "dgserve.v1.*",
                 "dgserve.text.token_bounds",
+                "dgserve.text.client_json",  # the one reader of a client's JSON
                 "dgserve.text.gemma4",  # the Gemma 4 markers and the built-in format's tool pieces
                 "dgserve.text.messages",
                 "dgserve.text.reasoning",
@@ -168,6 +169,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.gate",
                 "dgserve.service.http.access_log",
                 "dgserve.service.http.bounded",
+                "dgserve.service.http.site",
             ),
             ("dgserve.service.http.sse", "dgserve.service.http.responses_input"),
             ("dgserve.service.servicer", "dgserve.service.http.generate", "dgserve.service.http.tokens"),

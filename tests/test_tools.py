@@ -179,7 +179,7 @@ def test_tool_set_defaults_and_what_it_means():
         ),
         (
             lambda m: m[2]["tool_calls"][0]["function"].update(arguments="{bad"),
-            r"^messages\[2\]\.tool_calls\[0\]\.function\.arguments is not valid JSON",
+            r"^messages\[2\]\.tool_calls\[0\]\.function\.arguments: not valid JSON",
         ),
         (
             lambda m: m[2]["tool_calls"][1]["function"].update(arguments="[1]"),

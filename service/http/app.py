@@ -12,8 +12,10 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
     POST /v1/responses                        the Responses API (responses_api.py); stream: its event sequence
     GET, DELETE /v1/responses/{id}            a stored response of the caller
 
-A request's id is the ``X-Request-Id`` header when given, else a new one (access_log.py); the seed in use is
-returned in ``X-Dgserve-Seed`` and in the body's ``dgserve`` object (generate.py).
+Every request first passes the Host and Origin checks (site.py: 400 / 403), and every POST route reads its body
+only when its Content-Type is JSON (body.py: 415). A request's id is the ``X-Request-Id`` header when given, else
+a new one (access_log.py); the seed in use is returned in ``X-Dgserve-Seed`` and in the body's ``dgserve``
+object (generate.py).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ from .access_log import AccessLog
 from .errors import HttpError, error_response
 from .gate import Gate
 from .generate import generate
+from .site import HostPolicy, OriginPolicy, SiteGuard
 
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
 
 
-def build_app(gate: Gate) -> FastAPI:
+def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
+    """The app; ``hosts`` and ``origins`` say who may reach it from a browser (site.py), checked before any
+    route runs and after the access log has the request's id (refusals are logged and counted)."""
     app = FastAPI(title="dgserve", docs_url=None, redoc_url=None, openapi_url=None)
     counter = Counter(
         "dgserve_http_requests",
@@ -48,7 +53,8 @@ def build_app(gate: Gate) -> FastAPI:
         ["route", "status"],
         registry=gate.metrics.registry,
     )
-    app.add_middleware(AccessLog, counter=counter)
+    app.add_middleware(SiteGuard, hosts=hosts, origins=origins)
+    app.add_middleware(AccessLog, counter=counter)  # (the last added is the outermost)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -5,8 +5,10 @@ door holds at most ``max_connections`` connections.
 uvicorn only times out *idle keep-alive* connections (its ``timeout_keep_alive``, armed after a response): a
 connection that never sends a request, or trickles its headers (slow loris), is otherwise held forever. This
 class arms its own timer at ``connection_made`` and whenever a new request starts, and disarms it once h11 has the
-whole request; when it fires, a connection still sending its headers is answered 408 and closed (one sending its
-body is reset: its app task is already reading).
+whole request; when it fires, a connection still sending its headers or its body is answered 408 (an OpenAI error
+body) and closed. When the body was being read, its app task is told the client is gone (its own answer goes
+nowhere) and finds ``request_timed_out`` in the request's state (``body.read_json`` then reports 408, not a
+disconnect, on the access line).
 
 The cap is enforced twice. At accept() (``BoundedListener``): asyncio accepts up to its backlog of sockets in one
 callback before any protocol sees them, so a burst could exhaust the descriptors before ``connection_made`` runs
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +33,23 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..connections import ConnectionEvents
+from .errors import HttpError, error_body
 
 DOOR = "http"
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)  # h11 states of a request not yet complete (IDLE: none yet)
 EVICT_SLACK = 16  # sockets accepted beyond the cap (each to evict an idle one): descriptors in flight, bounded
 SHED_BURST = 64  # sockets closed at accept() in one call before yielding to the event loop
-_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+TIMED_OUT = "request_timed_out"  # the request state's flag (scope["state"]) when the timer cut its body off
+
+
+def timeout_response(seconds: float) -> bytes:
+    """A whole 408 response with an OpenAI error body, to close a connection with."""
+    status, body, _ = error_body(
+        HttpError("REQUEST_TIMEOUT", f"request: not complete within {seconds:g} s (--request-timeout)")
+    )
+    data = json.dumps(body).encode()
+    head = f"HTTP/1.1 {status} Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+    return head.encode() + b"connection: close\r\n\r\n" + data
 
 
 @dataclass
@@ -164,9 +178,17 @@ class BoundedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         self.door.events.note(DOOR, "timeout")
-        if self.cycle is None:  # no headers yet, so no app task either: a plain answer, then close
-            self.transport.write(_TIMEOUT_RESPONSE)
-        self._close()
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:  # the app answered early, and is still answering
+            self._close()
+            return
+        self.transport.write(timeout_response(self.door.request_timeout))
+        if cycle is not None:  # the app task is reading the body: it sees a disconnect, and why
+            cycle.scope.setdefault("state", {})[TIMED_OUT] = True
+            cycle.disconnected = True  # (uvicorn's own flag: its send() drops what the app writes from now on)
+            cycle.message_event.set()
+        self._forget()
+        self.transport.close()  # (not abort: the 408 is flushed first)
 
     def _evict_oldest_idle(self) -> bool:
         """Close the oldest connection with no request in flight; False when there is none."""

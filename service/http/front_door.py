@@ -15,6 +15,7 @@ from ..connections import ConnectionEvents
 from .app import build_app
 from .bounded import BoundedListener, DoorState, protocol_class
 from .gate import Gate
+from .site import HostPolicy, OriginPolicy
 
 log = logging.getLogger("dgserve.http")
 KEEP_ALIVE_S = 30  # an idle keep-alive connection is closed after this (uvicorn's own timer)
@@ -40,7 +41,8 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpFrontDoor:
     """The FastAPI app served by uvicorn on ``sock``, in this event loop, holding at most ``max_connections``
     connections, each of which must deliver a complete request within ``request_timeout`` seconds
-    (service/http/bounded.py); ``events`` counts and logs the connections closed or shed for that."""
+    (service/http/bounded.py); ``events`` counts and logs the connections closed or shed for that. ``hosts`` and
+    ``origins``: who may reach it from a browser (service/http/site.py)."""
 
     def __init__(
         self,
@@ -50,12 +52,14 @@ class HttpFrontDoor:
         max_connections: int,
         request_timeout: float,
         events: ConnectionEvents,
+        hosts: HostPolicy,
+        origins: OriginPolicy,
     ):
         self.door = DoorState(max_connections, request_timeout, events)
         self.gate, self.sock = gate, BoundedListener.wrap(sock, self.door)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(gate),
+            build_app(gate, hosts, origins),
             lifespan="off",
             http=protocol_class(self.door),
             loop="none",

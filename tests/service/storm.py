@@ -330,7 +330,7 @@ def chat_request(i: int, stream: bool = True, max_tokens: int = 16) -> bytes:
         }
     ).encode()
     head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     ).encode()
     return head + body
@@ -383,7 +383,9 @@ def malformed_http(port: int, rng: random.Random) -> str:
     declared = len(body)
     if kind == 3:  # truncated body: the connection ends before the declared length
         declared = len(body) + rng.randrange(1, 1000)
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}content-length: {declared}\r\nconnection: close\r\n\r\n"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\n{headers}content-length: {declared}\r\nconnection: close\r\n\r\n"
+    )
     if kind == 4:  # not HTTP at all
         head, body = rng.choice(["GARBAGE\r\n\r\n", "GET / HTTP/9.9\r\n\r\n", "\x00" * 64]), b""
     try:
@@ -413,7 +415,7 @@ def slow_connections(ports: tuple[int, ...], n: int) -> list[socket.socket]:
             try:
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
                 if i % 2:
-                    s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n")
+                    s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: localhost\r\n")
                 socks.append(s)
             except OSError:
                 pass

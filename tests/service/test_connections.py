@@ -7,6 +7,7 @@ line, and a process at a low file limit sheds instead of failing accept() in a l
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import resource
 import socket
@@ -99,13 +100,13 @@ def test_http_silent_connection_gets_408_and_is_closed(bounded):
     with connect(bounded.server.http_port) as s:
         seconds, got = seconds_until_closed(s)
     assert TIMEOUT * 0.8 < seconds < TIMEOUT + 2, seconds
-    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert_408(got)
     assert rejected(bounded, "http", "timeout") == before + 1
 
 
 def test_http_slow_loris_headers_are_cut_off(bounded):
     with connect(bounded.server.http_port) as s:
-        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: localhost\r\n")
         seconds, got = seconds_until_closed(s, trickle=b"X-Slow: 1\r\n")  # bytes keep coming, never the end
     assert seconds < TIMEOUT + 2, seconds
     assert got.startswith(b"HTTP/1.1 408 "), got
@@ -114,12 +115,35 @@ def test_http_slow_loris_headers_are_cut_off(bounded):
 def test_http_slow_body_is_cut_off(bounded):
     with connect(bounded.server.http_port) as s:
         s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: 1000\r\n\r\n{"
         )
         seconds, got = seconds_until_closed(s, trickle=b" ")
     assert seconds < TIMEOUT + 2, seconds
-    assert got == b""  # reset: the app was already reading the body
+    assert_408(got)
+
+
+def assert_408(got: bytes) -> None:
+    """A whole 408 response with an OpenAI error body, then the close."""
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), got
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "not complete within 0.5 s" in error["message"], error
+
+
+def test_http_body_that_never_completes_is_logged_as_408_without_an_error(bounded, caplog):
+    """The app task reading the body learns why it stopped: the access line says 408, nothing logs an error."""
+    caplog.set_level(logging.INFO)
+    with connect(bounded.server.http_port) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"messages": '
+        )
+        _, got = seconds_until_closed(s)  # silent after part of the body
+    assert_408(got)
+    wait_until(lambda: any(getattr(r, "status", None) == 408 for r in caplog.records if r.name == "dgserve.access"))
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage()[:200] for r in bad]
 
 
 def test_http_keep_alive_pause_then_request_is_served(bounded):

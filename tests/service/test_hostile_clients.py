@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 
 import grpc
@@ -86,6 +87,19 @@ def test_metadata_size_is_limited(stub):
     assert stub.GetModelInfo(pb.GetModelInfoRequest()).model == "tiny"
 
 
+def test_metadata_limit_is_the_promised_16_kib(stub):
+    """16 KiB of a client's metadata (name + value, as HTTP/2 counts an entry, less its 32-byte overhead) always
+    passes; 17 KiB never does (grpc's soft limit alone let 17 KiB through at random)."""
+    for kib, ok in ((16, True), (17, False)):
+        entry = (("x-junk", "j" * ((kib << 10) - len("x-junk") - 32)),)
+        for _ in range(20):
+            if ok:
+                assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=entry, timeout=30).model == "tiny"
+            else:
+                err = error_of(lambda e=entry: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=e, timeout=30))
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (kib, err.code())
+
+
 def test_logs_escape_what_they_print():
     record = logging.LogRecord("dgserve.access", logging.INFO, __file__, 1, "rpc %s", ("a\nFAKE LINE\x00",), None)
     record.request_id = "id\r\nforged"
@@ -140,6 +154,26 @@ def test_denied_calls_are_logged_and_counted(auth_server):
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
         wait_until(lambda: m.value("dgserve_rpc_total", labels) == before + 1)
         wait_until(lambda: "/dgserve.v1.TextGeneration/Generate UNAUTHENTICATED" in lines.getvalue())
+    finally:
+        logging.getLogger("dgserve.access").handlers.pop()
+
+
+def test_access_lines_carry_the_id_the_server_assigned(stub):
+    """A call whose client sent no id is logged under one the server assigned (never an empty id); a Generate
+    runs under that id, so its responses and its access line agree; a client's own id is logged as sent."""
+    lines = _capture_access_log()
+    try:
+        events = list(stub.Generate(pb.GenerateRequest(prompt="hi", params=params(max_new_tokens=1))))
+        rid = events[-1].request_id
+        assert re.fullmatch(r"dg-[0-9a-f]{32}", rid), rid
+        wait_until(lambda: f"[{rid}] /dgserve.v1.TextGeneration/Generate OK" in lines.getvalue())
+        stub.Tokenize(pb.TokenizeRequest(prompt="hi"))
+        error_of(lambda: list(stub.Generate(pb.GenerateRequest(prompt="", params=params()))))  # refused early
+        list(stub.Generate(pb.GenerateRequest(request_id="mine-1", prompt="hi", params=params(max_new_tokens=1))))
+        wait_until(lambda: "[mine-1] /dgserve.v1.TextGeneration/Generate OK" in lines.getvalue())
+        wait_until(lambda: "Tokenize OK" in lines.getvalue() and "Generate INVALID_ARGUMENT" in lines.getvalue())
+        access = [line for line in lines.getvalue().splitlines() if "/dgserve.v1.TextGeneration/" in line]
+        assert access and all(re.search(r"\[(dg-[0-9a-f]{32}|mine-1)\] /dgserve", line) for line in access), access
     finally:
         logging.getLogger("dgserve.access").handlers.pop()
 

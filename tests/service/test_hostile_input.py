@@ -109,7 +109,7 @@ def test_deep_body_is_a_400(http, no_traceback, depth):
     body = b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
     r = post(http, "/v1/completions", body)
     assert r.status_code == 400 and error_param(r) == "body"
-    assert "nested deeper than 128 levels" in r.json()["error"]["message"]
+    assert "nests too deep; at most 128 levels" in r.json()["error"]["message"]
 
 
 def test_deep_response_format_is_a_400(http, no_traceback):

@@ -239,7 +239,12 @@ def test_official_client_errors(client):
 
 
 def test_not_json_and_unknown_route(server):
-    r = httpx.post(base_url(server) + "/v1/completions", content=b"{not json", timeout=30)
+    r = httpx.post(
+        base_url(server) + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.get(base_url(server) + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and "error" in r.json()

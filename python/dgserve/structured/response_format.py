@@ -7,10 +7,10 @@ Pure Python (no grammar engine import), so ``SamplingParams`` can hold one. Bad 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from dgserve.structured import schema_check
+from dgserve.text import client_json
 
 KINDS = ("json_schema", "json_object", "regex", "choice")  # what a request may send
 TOOL_CALLS = "tool_calls"  # built from a request's tools (dgserve.structured.tools), never sent
@@ -107,21 +107,18 @@ class ResponseFormat:
 def _check_schema(schema: object) -> None:
     if not isinstance(schema, str) or not schema:
         raise ValueError("response_format: json_schema needs a schema (JSON text)")
-    n = len(schema.encode())
-    if n > MAX_SCHEMA_BYTES:
-        raise ValueError(f"response_format: schema is {n} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
-    try:
-        value = json.loads(schema)
-    except RecursionError:  # e.g. 30,000 "[": deeper than the parser recurses
-        raise ValueError(
-            f"response_format: schema nests too deep; at most {schema_check.MAX_SCHEMA_DEPTH} levels are allowed"
-        ) from None
-    except ValueError as e:
-        raise ValueError(f"response_format: schema is not valid JSON ({e})") from None
+    value = read_schema(schema, "response_format")
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"response_format: schema must be a JSON object, got {type(value).__name__}")
-    schema_check.check_depth(value)
     schema_check.check_productive(value)
+
+
+def read_schema(text: str, field: str):
+    """The JSON value of a schema's text: at most MAX_SCHEMA_BYTES and MAX_SCHEMA_DEPTH levels (ValueError naming
+    ``field``), read by the one reader of a client's JSON."""
+    return client_json.loads(
+        text, field, max_bytes=MAX_SCHEMA_BYTES, max_depth=schema_check.MAX_SCHEMA_DEPTH, what="schema"
+    )
 
 
 def _check_choices(choices: tuple) -> None:

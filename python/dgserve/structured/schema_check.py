@@ -1,5 +1,6 @@
-"""What can be judged of a JSON schema before any token is generated: its nesting depth, and whether it admits a
-finite document at all (docs/structured-output.md, "Bounds").
+"""What can be judged of a JSON schema before any token is generated beyond its size and depth (which the one
+reader of a client's JSON bounds, ``dgserve.text.client_json``): whether it admits a finite document at all
+(docs/structured-output.md, "Bounds").
 
 A self-recursive schema such as ``{"type": "array", "minItems": 1, "items": {"$ref": "#"}}``, an object whose
 required property refers back to the object, or ``$defs`` that refer to each other in a ring, admit no finite JSON
@@ -16,32 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-MAX_SCHEMA_DEPTH = 64  # nesting of JSON values in a schema; real schemas stay well below 20
+MAX_SCHEMA_DEPTH = 64  # nesting of JSON values in a schema (read_schema); real schemas stay well below 20
 
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-
-
-def depth(value: object) -> int:
-    """Nesting depth of a JSON value (a scalar is 0, ``[]`` 1), without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-            deepest = max(deepest, d + 1)
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
-            deepest = max(deepest, d + 1)
-    return deepest
-
-
-def check_depth(schema: object, field: str = "response_format") -> None:
-    """ValueError naming ``field`` when ``schema`` nests deeper than MAX_SCHEMA_DEPTH."""
-    n = depth(schema)
-    if n > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"{field}: schema nests {n} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
 
 
 def check_productive(schema: object, field: str = "response_format") -> None:

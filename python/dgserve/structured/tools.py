@@ -24,14 +24,9 @@ import re
 from dataclasses import dataclass, field
 
 from dgserve.structured import schema_check
-from dgserve.structured.response_format import (
-    MAX_SCHEMA_BYTES,
-    TOOL_CALLS,
-    ResponseFormat,
-    ToolCallFormat,
-    ToolSchema,
-)
-from dgserve.text.messages import check_unicode
+from dgserve.structured.response_format import TOOL_CALLS, ResponseFormat, ToolCallFormat, ToolSchema, read_schema
+from dgserve.structured.schema_check import MAX_SCHEMA_DEPTH
+from dgserve.text.client_json import check_unicode
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -212,6 +207,10 @@ def _schema_text(params: object) -> str:
         return params
     try:
         return json.dumps(params, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:  # (a request's JSON is bounded before it gets here; an API caller's object is not)
+        raise ValueError(
+            f"function.parameters: schema nests too deep; at most {MAX_SCHEMA_DEPTH} levels are allowed"
+        ) from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"function.parameters: not JSON data ({e})") from None
 
@@ -221,22 +220,12 @@ def _checked_parameters(text: object) -> str:
     where = "function.parameters"
     if not isinstance(text, str):
         raise ValueError(f"{where}: must be a JSON schema (an object)")
-    check_unicode(text, where)
-    n = len(text.encode())
-    if n > MAX_SCHEMA_BYTES:
-        raise ValueError(f"{where}: the schema is {n} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
-    try:
-        schema = json.loads(text)
-    except RecursionError:
-        raise ValueError(f"{where}: the schema nests too deep") from None
-    except ValueError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    schema = read_schema(text, where)
     if not isinstance(schema, dict):
         raise ValueError(f"{where}: must be a JSON schema object, got {type(schema).__name__}")
     kind = schema.setdefault("type", "object")
     if kind != "object":
         raise ValueError(f'{where}: the arguments are an object, so the schema\'s type must be "object", got {kind!r}')
-    schema_check.check_depth(schema, where)
     schema_check.check_productive(schema, where)
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 

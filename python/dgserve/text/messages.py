@@ -19,17 +19,23 @@ from __future__ import annotations
 
 import json
 
+from dgserve.text import client_json
+from dgserve.text.client_json import check_unicode
+
 ROLES = ("system", "developer", "user", "assistant", "model", "tool")
 SYSTEM_ROLES = ("system", "developer")
 ASSISTANT_ROLES = ("assistant", "model")
+MAX_ARGUMENTS_BYTES = 1 << 20  # a tool call's arguments text in the history: more than a context window holds
 
 
 def validate_messages(messages: list[dict]) -> list[dict]:
     """Check chat messages (module doc) and return a plain-JSON deep copy of them, so a template sees only dicts,
     lists, strings and numbers and never the caller's objects. In the copy every tool call's ``arguments`` is an
-    object (parsed from its JSON text), as transformers' chat templates expect."""
+    object (parsed from its JSON text by the one reader of a client's JSON: at most MAX_ARGUMENTS_BYTES and
+    ``client_json.MAX_DEPTH`` levels), as transformers' chat templates expect."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
+    arguments: dict[tuple[int, int], dict] = {}  # (message, call) -> the call's arguments as an object
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
@@ -41,7 +47,7 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         if role == "tool":
             _check_id(msg.get("tool_call_id"), f"messages[{i}].tool_call_id")
         if msg.get("tool_calls") not in (None, []):  # an empty list is no calls, as some clients send it
-            _check_tool_calls(msg, i)
+            arguments.update(((i, j), args) for j, args in enumerate(_check_tool_calls(msg, i)))
         if msg.get("reasoning_content") is not None:
             if not isinstance(msg["reasoning_content"], str):
                 raise ValueError(f"messages[{i}].reasoning_content must be a string")
@@ -51,15 +57,16 @@ def validate_messages(messages: list[dict]) -> list[dict]:
     _check_results_follow_calls(messages)
     try:
         plain = json.loads(json.dumps(list(messages)))
+    except RecursionError:  # (a request's JSON is bounded before it gets here; an API caller's objects are not)
+        raise ValueError(f"messages: nest too deep; at most {client_json.MAX_DEPTH} levels are allowed") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"messages must hold only JSON data ({e})") from e
-    for msg in plain:
+    for i, msg in enumerate(plain):
         if msg["role"] == "developer":
             msg["role"] = "system"
-        for call in msg.get("tool_calls") or ():
-            fn = call["function"]
-            if isinstance(fn["arguments"], str):
-                fn["arguments"] = json.loads(fn["arguments"])
+        for j, call in enumerate(msg.get("tool_calls") or ()):
+            if isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = arguments[i, j]  # (parsed from the text: nobody else holds it)
     return plain
 
 
@@ -69,7 +76,8 @@ def _check_id(value: object, field: str) -> None:
     check_unicode(value, field)
 
 
-def _check_tool_calls(msg: dict, i: int) -> None:
+def _check_tool_calls(msg: dict, i: int) -> list[dict]:
+    """Each call's arguments as an object, in order (ValueError naming the field of a bad call)."""
     field = f"messages[{i}].tool_calls"
     if msg.get("role") not in ASSISTANT_ROLES:
         raise ValueError(f"{field}: only assistant messages carry tool calls")
@@ -77,6 +85,7 @@ def _check_tool_calls(msg: dict, i: int) -> None:
     if not isinstance(calls, (list, tuple)) or not calls:
         raise ValueError(f"{field} must be a non-empty list of tool calls")
     seen: set[str] = set()
+    arguments = []
     for j, call in enumerate(calls):
         at = f"{field}[{j}]"
         if not isinstance(call, dict):
@@ -91,19 +100,17 @@ def _check_tool_calls(msg: dict, i: int) -> None:
         if not isinstance(fn, dict):
             raise ValueError(f"{at}.function must be an object")
         _check_id(fn.get("name"), f"{at}.function.name")
-        _check_arguments(fn.get("arguments"), f"{at}.function.arguments")
+        arguments.append(_check_arguments(fn.get("arguments"), f"{at}.function.arguments"))
+    return arguments
 
 
-def _check_arguments(args: object, field: str) -> None:
+def _check_arguments(args: object, field: str) -> dict:
     """The arguments of a call in the history: a JSON object, as text (OpenAI's form) or already an object."""
     if isinstance(args, str):
-        check_unicode(args, field)
-        try:
-            args = json.loads(args)
-        except ValueError as e:
-            raise ValueError(f"{field} is not valid JSON ({e})") from None
+        args = client_json.loads(args, field, max_bytes=MAX_ARGUMENTS_BYTES)
     if not isinstance(args, dict):
         raise ValueError(f"{field} must be a JSON object")
+    return args
 
 
 def _check_results_follow_calls(messages: list[dict]) -> None:
@@ -124,21 +131,6 @@ def _check_results_follow_calls(messages: list[dict]) -> None:
                 f"messages[{i}].tool_call_id: matches no tool call of the assistant message it follows; it must be "
                 "the id of one of that message's tool_calls"
             )
-
-
-def check_unicode(text: str, field: str, what: str = "") -> None:
-    """ValueError naming `field` when `text` holds a lone surrogate (a str can, e.g. from a JSON "\\ud800"
-    escape; it has no UTF-8 form, so a tokenizer, a regex engine or a log line would fail on it). `what` names
-    the text within the field when that is not plain (e.g. "field name")."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{field}: {f'{what} is ' if what else ''}not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} "
-            f"at character {e.start})"
-        ) from None
 
 
 def validate_content(content, field: str) -> None:
