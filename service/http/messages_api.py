@@ -14,6 +14,7 @@ Anthropic's error objects (``errors.anthropic_error_response``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from collections.abc import AsyncGenerator
@@ -228,17 +229,18 @@ async def _stream(feed: events.Events, out: MessageOutput) -> AsyncGenerator[byt
     yield sse.sse({"type": "message_start", "message": start}, event="message_start")
     yield _ping()
     try:
-        async for event in _with_pings(feed):
-            if event is None:
-                yield _ping()
-                continue
-            if isinstance(event, events.ErrorEvent):
-                raise event.error
-            for name, data in out.add(event):
-                yield sse.sse(data, event=name)
-            if isinstance(event, events.FinishEvent):
-                yield sse.sse(out.message_delta(), event="message_delta")
-                yield sse.sse({"type": "message_stop"}, event="message_stop")
+        async with contextlib.aclosing(_with_pings(feed)) as feed_with_pings:
+            async for event in feed_with_pings:
+                if event is None:
+                    yield _ping()
+                    continue
+                if isinstance(event, events.ErrorEvent):
+                    raise event.error
+                for name, data in out.add(event):
+                    yield sse.sse(data, event=name)
+                if isinstance(event, events.FinishEvent):
+                    yield sse.sse(out.message_delta(), event="message_delta")
+                    yield sse.sse({"type": "message_stop"}, event="message_stop")
     except Exception as e:  # noqa: BLE001 - after the headers, an error can only travel as an event
         yield sse.sse(anthropic_error_body(e)[1], event="error")
 

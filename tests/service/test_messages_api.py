@@ -257,6 +257,13 @@ def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(url, body, fiel
     assert "Traceback" not in r.text
 
 
+@pytest.mark.parametrize("raw", [b"{not json", b"[" * 200 + b"]" * 200, json.dumps({"messages": HI}).encode()[:-1]])
+def test_a_body_that_is_not_a_bounded_json_object_is_a_400_in_anthropics_shape(url, raw):
+    r = httpx.post(url + "/v1/messages", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith("body"), r.text
+
+
 def test_the_sdk_sees_its_exception_classes(client, url):
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "robot", "content": "x"}])
