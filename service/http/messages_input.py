@@ -15,6 +15,7 @@ shape, and messages and blocks are refused by their count before they are read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -28,6 +29,8 @@ from . import protocol
 
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 FIELDS = COUNT_FIELDS | {
+    "context_management",
+    "output_config",
     "max_tokens",
     "metadata",
     "stop_sequences",
@@ -46,6 +49,7 @@ USER_BLOCKS = ("text", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 MEDIA_BLOCKS = ("image", "document")  # refused as not supported yet (a 400 naming the block), not as unknown
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+EFFORTS = ("low", "medium", "high", "max")
 
 
 def messages_request(body, defaults: SamplingParams, max_len: int | None) -> protocol.Call:
@@ -58,7 +62,16 @@ def messages_request(body, defaults: SamplingParams, max_len: int | None) -> pro
     if stops and prompt.calls_tools:  # the tool grammar decides where such an output ends
         raise ValueError("stop_sequences: cannot be combined with tools unless tool_choice is none")
     params = _params(body, defaults, stops)
+    fmt = _output_config(body.get("output_config"))
+    if fmt is not None:
+        if prompt.calls_tools:
+            raise ValueError("output_config.format: cannot be combined with tools unless tool_choice is none")
+        try:
+            params = dataclasses.replace(params, response_format=fmt)
+        except ValueError as e:
+            raise ValueError(f"output_config.format: {e}") from None
     _metadata(body.get("metadata"))
+    _context_management(body.get("context_management"))
     stream = bool(protocol._optional(body, "stream", bool))
     model = protocol._optional(body, "model", str) or ""
     salt = protocol._optional(body, "cache_salt", str)
@@ -107,17 +120,25 @@ class Conversation:
 
     def add_system(self, value) -> None:
         """``system``: a string or a list of text blocks (joined by a blank line), the one system message."""
-        if value is None:
-            return
+        if value is not None:
+            self._system(value, "system")
+
+    def _system(self, value, field: str) -> None:
+        """System text (a string or text blocks), appended to the one system message, which opens the chat (the
+        chat template has one system turn)."""
         if isinstance(value, str):
-            check_unicode(value, "system")
+            check_unicode(value, field)
             text = value
         elif isinstance(value, list):
-            text = "\n\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(value))
+            text = "\n\n".join(_text_block(b, f"{field}[{i}]") for i, b in enumerate(value))
         else:
-            raise ValueError("system must be a string or a list of text blocks")
-        if text:
-            self.messages.append({"role": "system", "content": text})
+            raise ValueError(f"{field} must be a string or a list of text blocks")
+        if not text:
+            return
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages[0]["content"] += "\n\n" + text
+        else:
+            self.messages.insert(0, {"role": "system", "content": text})
 
     def add_messages(self, value, max_len: int | None) -> None:
         if not isinstance(value, list) or not value:
@@ -131,7 +152,7 @@ class Conversation:
                 )
         for i, message in enumerate(value):
             self.add(message, f"messages[{i}]")
-        if self.messages[-1]["role"] == "assistant":
+        if self.messages[-1]["role"] != "user" and self.messages[-1]["role"] != "tool":
             raise ValueError(
                 f"messages[{len(value) - 1}].role: the last message must be the user's (continuing a final "
                 "assistant message, a prefill, is not supported)"
@@ -147,13 +168,15 @@ class Conversation:
             raise ValueError(f"{field}.content must not be empty")
         if not isinstance(content, (str, list)):
             raise ValueError(f"{field}.content must be a string or a list of content blocks")
-        if role == "user":
+        if role == "system":  # Claude Code's mid-conversation system text: joins the one system message
+            self._system(content, f"{field}.content")
+        elif role == "user":
             self._user(content, f"{field}.content")
         elif role == "assistant":
             self._assistant(content, f"{field}.content")
         else:
             got = clip(str(role))
-            raise ValueError(f"{field}.role must be user or assistant (the system prompt is `system`); got {got!r}")
+            raise ValueError(f"{field}.role must be user, assistant or system; got {got!r}")
 
     def _user(self, content: str | list, field: str) -> None:
         answered: set[str] = set()
@@ -344,13 +367,16 @@ def _tool_choice(choice) -> tuple[object, bool | None]:
 def _thinking(value) -> bool:
     """``thinking`` → the thinking switch (the chat door's ``enable_thinking``): ``{"type": "enabled",
     "budget_tokens": n}`` or ``{"type": "adaptive"}`` on, ``{"type": "disabled"}`` or absent off. The budget is
-    checked and does not bound the thought (the model has one level of thinking; max_tokens bounds the output)."""
+    checked and does not bound the thought (the model has one level of thinking; max_tokens bounds the output);
+    ``display`` (summarized / omitted) is accepted, and the thought is returned whole either way."""
     if value is None:
         return False
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
         raise ValueError('thinking must be {"type": "enabled", "budget_tokens": n}, {"type": "adaptive"} or disabled')
     kind = value["type"]
-    _known(value, {"type", "budget_tokens"} if kind == "enabled" else {"type"}, "thinking")
+    _known(value, {"type", "budget_tokens", "display"} if kind != "disabled" else {"type"}, "thinking")
+    if value.get("display") not in (None, "summarized", "omitted"):
+        raise ValueError("thinking.display must be summarized or omitted")
     if kind == "enabled":
         budget = value.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -389,3 +415,46 @@ def _metadata(value) -> None:
     user = value.get("user_id")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise ValueError("metadata.user_id must be a string of at most 256 characters")
+
+
+def _context_management(value) -> None:
+    """``context_management`` (Anthropic's context editing), accepted only where it edits nothing: edits that
+    clear thinking with ``keep: "all"`` (what Claude Code sends). Any edit that would drop context is a 400: the
+    conversation is rendered as it came."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError("context_management must be an object {edits}")
+    _known(value, {"edits"}, "context_management")
+    edits = value.get("edits") or []
+    if not isinstance(edits, list):
+        raise ValueError("context_management.edits must be a list")
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith("clear_thinking_") and edit.get("keep") == "all"):
+            raise ValueError(
+                f"context_management.edits[{i}]: not supported (only clear_thinking with keep all, which edits "
+                "nothing: the conversation is rendered as it came)"
+            )
+
+
+def _output_config(value):
+    """``output_config``: ``effort`` (accepted, no effect: the model has one level of effort) and ``format``
+    (``{"type": "json_schema", "schema"}``: the chat door's json_schema response_format, every document valid)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("output_config must be an object {effort, format}")
+    _known(value, {"effort", "format"}, "output_config")
+    if value.get("effort") is not None and value["effort"] not in EFFORTS:
+        raise ValueError(f"output_config.effort must be one of {', '.join(EFFORTS)}")
+    fmt = value.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise ValueError('output_config.format must be {"type": "json_schema", "schema": {...}}')
+    _known(fmt, {"type", "schema"}, "output_config.format")
+    try:
+        return protocol.response_format({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}})
+    except ValueError as e:
+        raise ValueError(str(e).replace("response_format.json_schema", "output_config.format", 1)) from None

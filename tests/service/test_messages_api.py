@@ -178,6 +178,38 @@ def test_thinking_gives_thinking_blocks_or_none(client):
     assert _create(client, messages=history, max_tokens=8).usage.output_tokens > 0
 
 
+def test_output_config_format_gives_a_valid_document(client):
+    fmt = {"format": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}}
+    m = _create(client, max_tokens=64, extra_body={"output_config": fmt})
+    assert m.stop_reason == "end_turn" and json.loads(_text(m)) in ("yes", "no")
+
+
+def test_a_claude_code_shaped_request_is_accepted(url):
+    """The fields Claude Code sends (docs/messages-api.md, "Claude Code"), on its beta URL."""
+    body = {
+        "model": "tiny",
+        "max_tokens": 16,
+        "system": [{"type": "text", "text": "You are an agent."}, {"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say hi", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+        ],
+        "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}],
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": json.dumps({"device_id": "d" * 64, "session_id": "s"})},
+        "seed": 1,
+        **KNOBS,
+    }
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219", "x-api-key": "k"}
+    r = httpx.post(url + "/v1/messages?beta=true", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    body["context_management"] = {"edits": [{"type": "clear_tool_uses_20250919"}]}
+    r = httpx.post(url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("context_management.edits[0]")
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 
@@ -403,6 +435,7 @@ def test_a_conversation_becomes_chat_messages():
     convo.add_messages(
         [
             {"role": "user", "content": "go"},
+            {"role": "system", "content": [{"type": "text", "text": "C"}]},
             {
                 "role": "assistant",
                 "content": [
@@ -430,7 +463,7 @@ def test_a_conversation_becomes_chat_messages():
     )
     m = convo.messages
     assert [x["role"] for x in m] == ["system", "user", "assistant", "tool", "tool", "user"]
-    assert m[0]["content"] == "A\n\nB"
+    assert m[0]["content"] == "A\n\nB\n\nC"  # a system message among the messages joins the system prompt
     assert m[2]["content"] == "calling" and m[2]["reasoning_content"] == "t"
     assert [c["function"]["arguments"] for c in m[2]["tool_calls"]] == ['{"a":1}', "{}"]
     assert m[3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "1"}
