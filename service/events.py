@@ -181,6 +181,7 @@ class FinishEvent:
     timing: Timing
     delta: ChatDelta | None = None
     calls: tuple[ToolCall, ...] = ()
+    stop_sequence: str | None = None  # the stop string that ended the output (reason "stop")
 
     @property
     def content(self) -> str:
@@ -230,7 +231,7 @@ def block(b: BlockOutput) -> BlockEvent:
 def finish(f: Finished) -> FinishEvent:
     usage = Usage(f.prompt_tokens, f.completion_tokens, f.blocks, f.denoising_steps, f.cached_tokens)
     timing = Timing(f.queue_seconds * 1e3, finite(f.first_block_seconds) * 1e3, f.total_seconds * 1e3)
-    return FinishEvent(f.finish_reason, usage, timing)
+    return FinishEvent(f.finish_reason, usage, timing, stop_sequence=f.stop_sequence)
 
 
 # ---------------------------------------------------------------------------------------------- the chat output

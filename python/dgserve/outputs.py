@@ -91,6 +91,7 @@ class OutputTracker:
         self.token_ids: list[int] = []
         self.text = ""  # text emitted so far
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
 
     def add_block(self, block: list[int]) -> tuple[list[int], str]:
         """Take a committed canvas → (the tokens it contributes, the text delta); sets finish_reason."""
@@ -103,6 +104,7 @@ class OutputTracker:
         full = self._text_with(toks)
         hit = self._find_stop(full)
         if hit is not None:
+            self.stop_sequence = full[hit[0] : hit[1]]
             toks, full, reason = self._cut_at_stop(toks, full, hit)
         if reason is None and len(self.token_ids) + len(toks) >= self.max_new_tokens:
             reason = FINISH_LENGTH

@@ -11,6 +11,10 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
     POST /v1/chat/completions                 messages through the checkpoint's chat template; stream: SSE
     POST /v1/responses                        the Responses API (responses_api.py); stream: its event sequence
     GET, DELETE /v1/responses/{id}            a stored response of the caller
+    POST /v1/messages                         the Messages API (messages_api.py); stream: its event stream
+    POST /v1/messages/count_tokens            the input tokens /v1/messages would submit
+
+Errors are OpenAI error JSON, except on the Messages routes: Anthropic's error objects there.
 
 Every request first passes the Host and Origin checks (site.py: 400 / 403), and every POST route reads its body
 only when its Content-Type is JSON (body.py: 415). A request's id is the ``X-Request-Id`` header when given, else
@@ -33,9 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgserve import __version__
 
 from .. import errors
-from . import responses_api, tokens
+from . import messages_api, responses_api, tokens
 from .access_log import AccessLog
-from .errors import HttpError, error_response
+from .errors import HttpError, anthropic_error_response, error_response
 from .gate import Gate
 from .generate import generate
 from .site import HostPolicy, OriginPolicy, SiteGuard
@@ -59,7 +63,10 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         reason = _HTTP_REASONS.get(exc.status_code, "INVALID_ARGUMENT")
-        return error_response(HttpError(reason, f"{request.method} {errors.clip(request.url.path)}: {exc.detail}"))
+        error = HttpError(reason, f"{request.method} {errors.clip(request.url.path)}: {exc.detail}")
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response(error)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -137,6 +144,16 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
     async def delete_response(request: Request):
         return await responses_api.delete(gate, request)
 
+    @app.post("/v1/messages")
+    @_anthropic_errors
+    async def create_message(request: Request):
+        return await messages_api.create(gate, request)
+
+    @app.post("/v1/messages/count_tokens")
+    @_anthropic_errors
+    async def count_message_tokens(request: Request):
+        return await messages_api.count_tokens(gate, request)
+
     return app
 
 
@@ -152,6 +169,19 @@ def _openai_errors(route):
             return await route(request)
         except Exception as e:  # noqa: BLE001 - every error gets its OpenAI body; 500s are logged in error_body
             return error_response(e)
+
+    return wrapper
+
+
+def _anthropic_errors(route):
+    """As ``_openai_errors``, in Anthropic's error shape (the Messages routes)."""
+
+    @functools.wraps(route)
+    async def wrapper(request: Request):
+        try:
+            return await route(request)
+        except Exception as e:  # noqa: BLE001 - every error gets its Anthropic body; 500s are logged in error_body
+            return anthropic_error_response(e)
 
     return wrapper
 

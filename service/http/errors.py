@@ -80,3 +80,38 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The OpenAI error response for an exception (``error_body``)."""
     status, body, headers = error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ---------------------------------------------------------------------------------------------- Anthropic's shape
+
+# HTTP status → Anthropic's error type (the Messages routes: docs/messages-api.md, "Errors")
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+# reasons whose status differs on the Messages routes: a full queue is Anthropic's "overloaded" (529)
+ANTHROPIC_STATUS = {"OVERLOADED": 529}
+
+
+def anthropic_error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """(HTTP status, Anthropic error body ``{"type": "error", "error": {"type", "message"}}``, extra headers) for
+    an exception: ``error_body``'s status, message and headers, in Anthropic's shape."""
+    status, body, headers = error_body(exc)
+    err = body["error"]
+    status = ANTHROPIC_STATUS.get(err["code"].upper(), status)
+    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": err["message"]}}, headers
+
+
+def anthropic_error_response(exc: BaseException) -> JSONResponse:
+    """The Anthropic error response for an exception (``anthropic_error_body``)."""
+    status, body, headers = anthropic_error_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)

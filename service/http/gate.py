@@ -39,12 +39,20 @@ class Gate:
         return self.live() and self.state.engine is not None and not self.state.draining
 
     def authorize(self, request: Request) -> str | None:
-        """The caller's identity (None when auth is off); HttpError UNAUTHENTICATED without an accepted token."""
+        """The caller's identity (None when auth is off); HttpError UNAUTHENTICATED without an accepted token.
+
+        The token travels as ``Authorization: Bearer <token>`` (OpenAI's clients) or, on every HTTP route alike,
+        as ``x-api-key: <token>`` (Anthropic's clients); with both, Authorization is the one checked. Either way
+        it is the same token of the token file, so the caller is the same owner on every door."""
         if self.owner is None:
             return None
+        header = request.headers.get("authorization")
+        if header is None and request.headers.get("x-api-key"):
+            header = "Bearer " + request.headers["x-api-key"]
         try:
-            return self.owner(request.headers.get("authorization", ""))
+            return self.owner(header or "")
         except errors.UnauthenticatedError:
             raise HttpError(
-                "UNAUTHENTICATED", "missing or invalid bearer token (send 'Authorization: Bearer <token>')"
+                "UNAUTHENTICATED",
+                "missing or invalid API token (send 'Authorization: Bearer <token>' or 'x-api-key: <token>')",
             ) from None

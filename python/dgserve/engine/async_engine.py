@@ -36,7 +36,7 @@ from typing import Any
 from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
 from dgserve.engine.prompt import Prompt, Submission
 from dgserve.engine.request import DraftSpec, Request
-from dgserve.outputs import FINISH_CANCELLED, BlockOutput
+from dgserve.outputs import FINISH_CANCELLED, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
 
 log = logging.getLogger("dgserve.engine.engine")
@@ -86,6 +86,7 @@ class Finished:
     first_block_seconds: float  # NaN when no block was committed
     total_seconds: float
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache supplied
+    stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
 
 
 class EngineObserver:
@@ -364,6 +365,7 @@ class AsyncEngine:
             first,
             now - req.arrival,
             req.cached_tokens,
+            req.tracker.stop_sequence if reason == FINISH_STOP else None,
         )
 
     # ---------------------------------------------------------------- engine thread

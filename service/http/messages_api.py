@@ -1,0 +1,269 @@
+"""The Messages API door (docs/messages-api.md): ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A request becomes the engine's one submission (``messages_input``), and its events (``service.events``: content,
+reasoning and tool-call pieces, the calls and the final reason) become Anthropic's message object or, with
+``stream: true``, its event stream: ``message_start``, ``ping``, per content block ``content_block_start``, its
+``content_block_delta``s (``text_delta``, ``thinking_delta``, ``input_json_delta``) and ``content_block_stop``,
+then ``message_delta`` (the stop reason and usage) and ``message_stop``; a ``ping`` also goes out whenever no event
+came for ``PING_INTERVAL_S`` (a queued request, a long block), and a failure after the headers is an ``error``
+event. Content blocks: ``thinking`` (the thought channel; its signature is empty), ``text`` and ``tool_use`` (id
+``toolu_…``, ``input`` the call's arguments), in the order the output made them. Errors on these routes are
+Anthropic's error objects (``errors.anthropic_error_response``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from dgserve.structured.tool_parser import ToolCallDelta
+
+from .. import events
+from . import sse
+from .body import read_json
+from .errors import anthropic_error_body
+from .gate import Gate
+from .generate import read_all
+from .messages_input import count_request, messages_request
+
+# the finish reasons (events.FINISH_REASONS) as Anthropic's stop reasons; a server-side cancel (a drain past its
+# grace) ends the message as the token limit would: the output is cut, not complete
+STOP_REASONS = {
+    FINISH_EOS: "end_turn",
+    FINISH_STOP: "stop_sequence",
+    FINISH_LENGTH: "max_tokens",
+    FINISH_CANCELLED: "max_tokens",
+    events.FINISH_TOOL_CALLS: "tool_use",
+}
+PING_INTERVAL_S = 10.0  # a ping while no event comes, so proxies and clients see a live stream
+
+
+async def create(gate: Gate, request: Request) -> Response:
+    owner = gate.authorize(request)
+    body = await read_json(request, gate.max_body_bytes)
+    engine = gate.state.ready_engine()
+    call = messages_request(body, engine.default_params(), gate.state.info.max_model_len)
+    gate.state.check_model(call.model)
+    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
+    out = MessageOutput(call.model or gate.state.names[0], feed.request_id, feed.seed, feed.stream.request.prompt_len)
+    headers = {"X-Dgserve-Seed": str(feed.seed)}
+    gate.calls.enter()
+    if call.stream:
+        return sse.EventStream(_stream(feed, out), feed.cancel, gate.calls.leave, headers)
+    try:
+        if not await read_all(request, feed, out.add):
+            return Response(status_code=499)  # the client went away: nobody reads this
+        return JSONResponse(out.body(), headers=headers)
+    finally:
+        gate.calls.leave()
+
+
+async def count_tokens(gate: Gate, request: Request) -> Response:
+    """``{"input_tokens": n}``: the prompt ``create`` would submit for the same body, tokenized as it would be."""
+    gate.authorize(request)
+    body = await read_json(request, gate.max_body_bytes)
+    engine = gate.state.ready_engine()
+    prompt, model = count_request(body, gate.state.info.max_model_len)
+    gate.state.check_model(model)
+    return JSONResponse({"input_tokens": len(await engine.tokenize(prompt))})
+
+
+# ---------------------------------------------------------------------------------------------- the message
+
+
+class MessageOutput:
+    """A message being made: its content blocks, built from the request's events in the order the output made
+    them, and the stream events that build them (``add`` returns them as (event name, data) pairs)."""
+
+    def __init__(self, model: str, request_id: str, seed: int, prompt_tokens: int):
+        self.model, self.request_id, self.seed, self.prompt_tokens = model, request_id, seed, prompt_tokens
+        self.id = "msg_" + secrets.token_hex(12)
+        self.blocks: list[dict] = []
+        self._open: dict | None = None  # the block being written (the last of blocks)
+        self._args: dict[int, str] = {}  # a tool_use block's arguments as streamed, by block index
+        self.finished: events.FinishEvent | None = None
+
+    def add(self, e: events.Event) -> list[tuple[str, dict]]:
+        if not isinstance(e, (events.BlockEvent, events.FinishEvent)):
+            return []
+        out: list[tuple[str, dict]] = []
+        if e.reasoning:
+            out += self._text("thinking", e.reasoning)
+        if e.content:
+            out += self._text("text", e.content)
+        for d in e.call_deltas:
+            out += self._call(d)
+        if isinstance(e, events.FinishEvent):
+            out += self._close()
+            self.finished = e
+            calls = {_tool_use_id(c.id): c for c in e.calls}
+            for block in self.blocks:  # every call whole, as the parser read it
+                if block["type"] == "tool_use" and block["id"] in calls:
+                    block["input"] = json.loads(calls[block["id"]].arguments)
+        return out
+
+    def _text(self, kind: str, text: str) -> list[tuple[str, dict]]:
+        out = [] if self._open is not None and self._open["type"] == kind else self._close() + self._start(kind)
+        assert self._open is not None
+        self._open[kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", kind: text}
+        return out + [_delta(len(self.blocks) - 1, delta)]
+
+    def _call(self, d: ToolCallDelta) -> list[tuple[str, dict]]:
+        out = []
+        if d.id is not None:  # a new call
+            out += self._close() + self._start("tool_use", d)
+        if self._open is None or self._open["type"] != "tool_use" or not d.arguments:
+            return out
+        index = len(self.blocks) - 1
+        self._args[index] += d.arguments
+        return out + [_delta(index, {"type": "input_json_delta", "partial_json": d.arguments})]
+
+    def _start(self, kind: str, call: ToolCallDelta | None = None) -> list[tuple[str, dict]]:
+        block: dict
+        if kind == "tool_use":
+            assert call is not None and call.id is not None
+            block = {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name or "", "input": {}}
+            self._args[len(self.blocks)] = ""
+        elif kind == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            block = {"type": "text", "text": ""}
+        self.blocks.append(block)
+        self._open = block
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}
+        return [("content_block_start", start)]
+
+    def _close(self) -> list[tuple[str, dict]]:
+        block, self._open = self._open, None
+        if block is None:
+            return []
+        index = len(self.blocks) - 1
+        if block["type"] == "tool_use" and self._args[index]:
+            block["input"] = json.loads(self._args[index])
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    # ------------------------------------------------------------------ the message object
+
+    def stop(self) -> tuple[str | None, str | None]:
+        """(stop_reason, stop_sequence): None until the request finished."""
+        f = self.finished
+        if f is None:
+            return None, None
+        reason = STOP_REASONS.get(f.reason, f.reason)
+        return reason, f.stop_sequence if reason == "stop_sequence" else None
+
+    def usage(self) -> dict:
+        """Anthropic's usage: ``input_tokens`` the prompt tokens not read from the prefix cache, which
+        ``cache_read_input_tokens`` counts (their sum is the prompt, what count_tokens says)."""
+        f = self.finished
+        if f is None:
+            cached, output = 0, 0
+            prompt = self.prompt_tokens
+        else:
+            cached, output, prompt = f.usage.cached_tokens, f.usage.completion_tokens, f.usage.prompt_tokens
+        return {
+            "input_tokens": prompt - cached,
+            "output_tokens": output,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
+
+    def body(self) -> dict:
+        reason, sequence = self.stop()
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [dict(b) for b in self.blocks] if self.finished is not None else [],
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self.usage(),
+            "dgserve": {"request_id": self.request_id, "seed": self.seed, **_timing(self.finished)},
+        }
+
+    def message_delta(self) -> dict:
+        reason, sequence = self.stop()
+        return {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": self.usage(),
+        }
+
+
+def _tool_use_id(call_id: str) -> str:
+    """A call's id as a tool_use id: ``call_X`` → ``toolu_X`` (the same random part)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _delta(index: int, delta: dict) -> tuple[str, dict]:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _timing(f: events.FinishEvent | None) -> dict:
+    if f is None:
+        return {}
+    t = f.timing
+    return {
+        "denoising_steps": f.usage.denoising_steps,
+        "queue_ms": round(t.queue_ms, 3),
+        "first_block_ms": round(t.first_block_ms, 3),
+        "total_ms": round(t.total_ms, 3),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+async def _stream(feed: events.Events, out: MessageOutput) -> AsyncGenerator[bytes, None]:
+    """The event stream of one message (module doc)."""
+    start = out.body()
+    yield sse.sse({"type": "message_start", "message": start}, event="message_start")
+    yield _ping()
+    try:
+        async with contextlib.aclosing(_with_pings(feed)) as feed_with_pings:
+            async for event in feed_with_pings:
+                if event is None:
+                    yield _ping()
+                    continue
+                if isinstance(event, events.ErrorEvent):
+                    raise event.error
+                for name, data in out.add(event):
+                    yield sse.sse(data, event=name)
+                if isinstance(event, events.FinishEvent):
+                    yield sse.sse(out.message_delta(), event="message_delta")
+                    yield sse.sse({"type": "message_stop"}, event="message_stop")
+    except Exception as e:  # noqa: BLE001 - after the headers, an error can only travel as an event
+        yield sse.sse(anthropic_error_body(e)[1], event="error")
+
+
+async def _with_pings(feed: events.Events) -> AsyncGenerator[events.Event | None, None]:
+    """The request's events, with None each time PING_INTERVAL_S passed without one (the wait goes on: the
+    pending read is never cancelled)."""
+    while True:
+        task = asyncio.ensure_future(anext(feed))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PING_INTERVAL_S)
+                if done:
+                    break
+                yield None
+            try:
+                event = task.result()
+            except StopAsyncIteration:
+                return
+        finally:
+            task.cancel()
+        yield event
+
+
+def _ping() -> bytes:
+    return sse.sse({"type": "ping"}, event="ping")
