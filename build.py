@@ -12,7 +12,10 @@ Steps (each prints one line):
    PTX for compute_80 that newer parts JIT-compile; ``--arch native``: device 0's arch alone, which a
    one-machine check wants). ``-O3``, no fast-math,
    ``-ffp-contract=off`` / ``--fmad=false`` (the ops are bit-exact contracts), OpenMP. The library is copied
-   to ``python/dgserve/_C<EXT_SUFFIX>``, importable as ``dgserve._C`` from the editable install.
+   to ``python/dgserve/_C<EXT_SUFFIX>``, importable as ``dgserve._C`` from the editable install, or into
+   ``--package-dir`` (CI's CUDA build goes into a copy of the package). ``CUDA_HOME`` is set first to the real
+   toolkit (``find_cuda_home``: the folder with ``include/cuda_runtime.h``, through an nvcc wrapper or symlink),
+   since torch guesses ``dirname(dirname(which nvcc))``.
 
 Other modes: ``--check-cuda`` compiles each ``csrc/ops/*.cu`` alone with ``nvcc -c`` for every arch of the
 build (or those of ``--arch``), one job per (file, arch), and fails when a kernel spills more than
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import os
 import pathlib
 import re
@@ -35,6 +39,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Mapping
 
 ROOT = pathlib.Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
@@ -126,6 +131,77 @@ def build_protos(verbose: bool) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _has_cuda_headers(root: pathlib.Path) -> bool:
+    return (root / "include" / "cuda_runtime.h").is_file()
+
+
+def _toolkit_of_nvcc(nvcc: pathlib.Path, depth: int = 0) -> pathlib.Path | None:
+    """The toolkit root behind one ``nvcc``: symlinks resolved (``…/cuda-13.0/bin/nvcc`` → ``…/cuda-13.0``), and a
+    small shell wrapper (``exec /usr/local/cuda-13.0/bin/nvcc "$@"``) followed to the nvcc it names; None when
+    neither leads to a folder with ``include/cuda_runtime.h``."""
+    real = nvcc.resolve()
+    if _has_cuda_headers(real.parent.parent):
+        return real.parent.parent
+    if depth >= 4 or not real.is_file() or real.stat().st_size > 64 << 10:
+        return None
+    with open(real, "rb") as f:
+        head = f.read()
+    if not head.startswith(b"#!"):
+        return None  # a binary outside a toolkit tree
+    for target in _WRAPPED_NVCC.findall(head.decode("utf-8", "replace")):
+        found = _toolkit_of_nvcc(pathlib.Path(target), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+_WRAPPED_NVCC = re.compile(r"(/[^\s\"';|&<>]*/nvcc)(?![\w.-])")
+# Toolkit folders tried after CUDA_HOME, CUDA_PATH and nvcc on PATH: the usual symlink, then versioned installs
+CUDA_HOME_GLOBS = ("/usr/local/cuda", "/usr/local/cuda-*", "/opt/cuda")
+
+
+def find_cuda_home(
+    env: Mapping[str, str] | None = None, path: str | None = None, globs: tuple[str, ...] | None = None
+) -> pathlib.Path | None:
+    """The real CUDA toolkit: the first folder holding ``include/cuda_runtime.h`` among $CUDA_HOME, $CUDA_PATH, the
+    toolkit behind ``nvcc`` on ``path`` (``_toolkit_of_nvcc``: symlinks and wrapper scripts followed) and
+    ``globs`` (default CUDA_HOME_GLOBS; versioned folders newest first). torch's own guess is
+    ``dirname(dirname(which nvcc))``, which for a wrapper in /usr/local/bin is /usr/local, where the build then
+    fails on ``cuda_runtime.h: No such file``."""
+    env = os.environ if env is None else env
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if env.get(var) and _has_cuda_headers(pathlib.Path(env[var])):
+            return pathlib.Path(env[var])
+    nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath) if path is None else path)
+    if nvcc is not None:
+        found = _toolkit_of_nvcc(pathlib.Path(nvcc))
+        if found is not None:
+            return found
+    for pattern in CUDA_HOME_GLOBS if globs is None else globs:
+        matches = sorted(glob.glob(pattern), key=_version_key, reverse=True)
+        for m in matches:
+            if _has_cuda_headers(pathlib.Path(m)):
+                return pathlib.Path(m)
+    return None
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", pathlib.Path(path).name))
+
+
+def set_cuda_home() -> str | None:
+    """Point $CUDA_HOME at ``find_cuda_home()`` (when found) before torch.utils.cpp_extension is imported: torch
+    reads it once, at import, for the nvcc and the include and library folders of the build. Returns it."""
+    home = find_cuda_home()
+    if home is None:
+        return None
+    if os.environ.get("CUDA_HOME") != str(home):
+        if os.environ.get("CUDA_HOME"):
+            log(f"ext: CUDA_HOME={os.environ['CUDA_HOME']} has no include/cuda_runtime.h; using {home}")
+        os.environ["CUDA_HOME"] = str(home)
+    return str(home)
+
+
 def find_nvcc() -> str | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -194,6 +270,8 @@ def ensure_ninja_on_path() -> None:
 
 
 def build_extension(args: argparse.Namespace) -> None:
+    if not args.cpu_only:
+        set_cuda_home()  # before torch.utils.cpp_extension reads it
     try:
         import torch
         from torch.utils import cpp_extension
@@ -240,16 +318,21 @@ def build_extension(args: argparse.Namespace) -> None:
             print(f"[build]   {ln}", file=sys.stderr)
         raise BuildError("compiling dgserve._C failed (errors above; --verbose shows the full compiler output)") from e
     built = pathlib.Path(module.__file__)
-    for old in PACKAGE.glob("_C*.so"):
+    package = pathlib.Path(args.package_dir).resolve() if args.package_dir else PACKAGE
+    for old in package.glob("_C*.so"):
         old.unlink()
-    target = PACKAGE / f"_C{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    target = package / f"_C{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     shutil.copy2(built, target)
     names = [str(s.relative_to(ROOT)) for s in sources]
     log(f"ext: sources {', '.join(names)}")
     log(
         f"ext: {'CUDA (' + ', '.join(arches) + ')' if use_cuda else 'CPU'} build → "
-        f"{target.relative_to(ROOT)} in {time.time() - t0:.1f} s"
+        f"{_shown(target)} in {time.time() - t0:.1f} s"
     )
+
+
+def _shown(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -383,6 +466,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated CUDA arches to build, e.g. sm_90a,sm_100a; compute_XX for PTX; native: the arch "
         "of CUDA device 0 (sm_90a on H100/H200) (default: sm_90a, sm_80, sm_100a, sm_120, sm_121 and PTX compute_80, "
         "each when nvcc supports it)",
+    )
+    p.add_argument(
+        "--package-dir",
+        default=None,
+        help="the folder the extension is copied into as _C<EXT_SUFFIX> (default python/dgserve); CI builds the "
+        "CUDA extension into a copy of the package so the CPU one stays in place",
     )
     p.add_argument(
         "--jobs", type=int, default=None, help="parallel compile jobs, sets MAX_JOBS (default: MAX_JOBS or ninja's)"

@@ -9,8 +9,12 @@
 ``--figures`` (what scripts/gpu_check.sh runs): the step alone at batch 1 and 16 (CUDA events after warm-up), a
 canvas, the first block after a 4K prompt, tok/s at 1K in / 1K out for 1, 16 and 64 requests, peak memory, % of
 the HBM roofline (H100 3350 GB/s, H200 4800 GB/s unless --mem-gbps), and as baseline the same engine and weights
-with native ops off. With ``--experts nvfp4`` the experts are real NVFP4 built on the device (random codes and
-scales, no dense copy) and run through the W4A16 kernels; on the CPU through their reference.
+with native ops off. The KV budget is explicit (``_kv_plan``): max_model_len as long as the longest figure needs,
+one slot per request of the largest batch where the memory left after the LM-head / sampler tile, the requests'
+self-conditioning logits and a margin allows; the "kv_plan" line prints the slots it got, and each figure the
+requests that ran at once (a batch over the slots runs in waves and says so). With ``--experts nvfp4`` the
+experts are real NVFP4 built on the device (random codes and scales, no dense copy) and run through the W4A16
+kernels; on the CPU through their reference.
 
 ``--step-figures`` measures the engine itself, before and after in one run: with ``--baseline-src`` (a
 ``python/`` directory of another checkout, e.g. ``git archive main python``) the same measurement runs in a
@@ -386,12 +390,58 @@ def _step_ms(engine, config, device, batch: int, steps: int, timed: int = 4) -> 
     return statistics.median(times)
 
 
+# Device memory beside the weights and the KV cache that --figures budgets before sizing the cache (estimates):
+# one LM-head / sampler tile holds per logit the model-dtype LM-head output, its fp32 copy and the sampler's fp32
+# processed logits (2 + 4 + 4 bytes, 12 with slack); each running request keeps its self-conditioning logits
+# [C, V] in the model dtype; the decoder's activations at the largest batch and the allocator's slack get a margin.
+TILE_BYTES_PER_LOGIT = 12
+ACTIVATION_MARGIN = {"cuda": 4 << 30, "cpu": 1 << 30}
+
+
+def _kv_plan(model, args, device) -> dict:
+    """The KV budget of --figures, explicit rather than 90% of the free memory for max_model_len 262,144 (6 GB of KV
+    per slot at the 26B shape, so "batch 16" ran in waves of 5-10 slots): max_model_len just long enough for the
+    figures' longest request, and a cache budget of exactly one slot per request of the largest batch (at least
+    16), or of as many slots as fit in the free memory less one LM-head / sampler tile and a margin, each slot
+    with its request's self-conditioning logits (TILE_BYTES_PER_LOGIT, ACTIVATION_MARGIN). Returns the Engine
+    kwargs' values and the figures behind them."""
+    from dgserve.engine.model_runner import free_memory
+    from dgserve.engine.scheduler import SchedulerConfig
+    from dgserve.model.cache import SlotCache
+
+    cfg, C, V = model.config, model.config.canvas_length, model.config.vocab_size
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    slots = max(16, *concurrency)
+    longest = max(args.long_prompt + C, args.prompt_len + -(-args.out_len // C) * C, 32 + C)
+    max_len = min(-(-longest // C) * C, cfg.max_position_embeddings)
+    chunk = max(SchedulerConfig().prefill_chunk, C)
+    per_slot = SlotCache.bytes_per_slot(cfg, max_len, chunk, model.dtype)
+    elt = torch.tensor([], dtype=model.dtype).element_size()
+    tile = model.canvas_tile * C * V * TILE_BYTES_PER_LOGIT
+    self_cond = C * V * elt  # per running request
+    margin = ACTIVATION_MARGIN.get(device.type, ACTIVATION_MARGIN["cpu"])
+    free = free_memory(device)
+    fit = max(1, min(slots, (free - tile - margin) // (per_slot + self_cond)))
+    return {
+        "max_model_len": max_len,
+        "slots_wanted": slots,
+        "kv_bytes": fit * per_slot,
+        "kv_gb_per_slot": round(per_slot / 1e9, 3),
+        "lm_head_tile_gb": round(tile / 1e9, 2),
+        "self_cond_gb": round(fit * self_cond / 1e9, 2),
+        "margin_gb": round(margin / 1e9, 2),
+        "free_gb": round(free / 1e9, 2),
+    }
+
+
 def _figures(args) -> None:
     """--figures: the step alone (batch 1 and 16), a canvas, the first block after a long prompt, tok/s at
     --prompt-len in / --out-len out for each --concurrency, peak memory and % of the HBM roofline; then the
     baseline: the same engine and weights with native ops off (the torch reference path). One JSON line per
     figure as it is measured; configurations that would start after --max-seconds are reported as skipped."""
     from dgserve import DiffusionGemma, Engine, SamplingParams, ops
+    from dgserve.engine.cache_config import CacheConfig
+    from dgserve.engine.scheduler import SchedulerConfig
     from dgserve.model.tiny import preset
 
     t_start = time.monotonic()
@@ -401,7 +451,15 @@ def _figures(args) -> None:
     torch.manual_seed(0)
     model = DiffusionGemma(config, _weights(config, 0, dtype, device, args.experts), dtype, device)
     build_s = time.monotonic() - t_start
-    engine = Engine(model)
+    plan = _kv_plan(model, args, device)
+    engine = Engine(
+        model,
+        scheduler_config=SchedulerConfig(max_num_seqs=plan["slots_wanted"]),
+        max_model_len=plan["max_model_len"],
+        cache_config=CacheConfig(memory=plan["kv_bytes"]),
+        prefix_caching=False,  # every tok/s request has the same prompt: no reuse of its KV across requests
+    )
+    slots = engine.runner.num_slots
     C = config.canvas_length
     gbps = _mem_gbps(args, device)
     wbytes = _weight_bytes(config, dtype, args.experts)
@@ -411,6 +469,13 @@ def _figures(args) -> None:
         "weight_gb": round(wbytes / 1e9, 2),
     }
     print(json.dumps({**base, "figure": "weights", "build_s": round(build_s, 1)}), flush=True)
+    kv_gb = round(plan.pop("kv_bytes") / 1e9, 2)
+    print(
+        json.dumps(
+            {**base, "figure": "kv_plan", **plan, "kv_gb": kv_gb, "slots": slots, "slot_len": engine.runner.slot_len}
+        ),
+        flush=True,
+    )
 
     def emit(figure: str, **kw) -> None:
         print(
@@ -428,7 +493,9 @@ def _figures(args) -> None:
     for batch in (1, 16):
         if time_left(f"step_b{batch}"):
             step_ms[batch] = _step_ms(engine, config, device, batch, args.steps)
-            row = {"batch": batch, "ms_per_step": round(step_ms[batch], 2)}
+            row = {"batch": batch, "slots": min(batch, slots), "ms_per_step": round(step_ms[batch], 2)}
+            if batch > slots:
+                row["waves"] = -(-batch // slots)  # the KV budget held fewer slots than the batch: not batch-B figures
             if gbps and batch == 1:
                 roof = 1e3 * wbytes / (gbps * 1e9)
                 row |= {"roofline_ms_per_step": round(roof, 2), "pct_of_roofline": round(100 * roof / step_ms[1], 1)}
@@ -459,6 +526,7 @@ def _figures(args) -> None:
         emit(
             f"tok_s_c{conc}",
             concurrency=conc,
+            running=min(conc, slots),
             prompt_len=args.prompt_len,
             out_len=args.out_len,
             tok_s=round(1e3 * ntok / c.ms, 1),

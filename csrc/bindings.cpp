@@ -522,14 +522,42 @@ void gumbel(const Tensor& r, const Tensor& out) {
   raise_if_error(dg::gumbel_hook(r.data_ptr<int64_t>(), out.data_ptr<float>(), r.numel()), op);
 }
 
+// The ops whose CUDA launcher this build links, as build_info()["cuda_ops"]: one entry per op whose dispatch above
+// names DG_CUDA(dg::<op>_cuda) (tests/ops/test_op_surface.py checks the two agree). Taking each launcher's address
+// makes a missing definition a link error; CI builds the CUDA extension and compares this list with
+// dgserve.ops.NATIVE_OPS (dgserve.ops.native.missing_cuda_ops), so an op without its CUDA path fails there.
+#if defined(DG_WITH_CUDA)
+struct CudaOp {
+  const char* name;
+  const void* launcher;
+};
+const CudaOp kCudaOps[] = {
+    {"rms_norm", reinterpret_cast<const void*>(&dg::rms_norm_cuda)},
+    {"canvas_noise", reinterpret_cast<const void*>(&dg::canvas_noise_cuda)},
+    {"gumbel_noise", reinterpret_cast<const void*>(&dg::gumbel_noise_cuda)},
+    {"diffusion_step", reinterpret_cast<const void*>(&dg::diffusion_step_cuda)},
+    {"moe_route", reinterpret_cast<const void*>(&dg::moe_route_cuda)},
+    {"moe_align", reinterpret_cast<const void*>(&dg::moe_align_cuda)},
+    {"moe_experts", reinterpret_cast<const void*>(&dg::moe_experts_cuda)},
+    {"moe_combine", reinterpret_cast<const void*>(&dg::moe_combine_cuda)},
+    {"nvfp4_repack", reinterpret_cast<const void*>(&dg::nvfp4_repack_cuda)},
+    {"nvfp4_moe_experts", reinterpret_cast<const void*>(&dg::nvfp4_moe_experts_cuda)},
+};
+#endif
+
 py::dict build_info() {
   py::dict d;
   d["cpu_level"] = dg::get_cpu_level();
+  py::list cuda_ops;
 #if defined(DG_WITH_CUDA)
   d["cuda"] = true;
+  for (const CudaOp& op : kCudaOps) {
+    if (op.launcher != nullptr) cuda_ops.append(op.name);
+  }
 #else
   d["cuda"] = false;
 #endif
+  d["cuda_ops"] = cuda_ops;
   d["gumbel_max"] = dg::kGumbelMax;
   d["diffusion_step_max_canvas_cuda"] = dg::kDiffusionStepMaxCanvasCuda;
 #if defined(_OPENMP)
@@ -594,8 +622,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("s13"), py::arg("w2"), py::arg("s2"), py::arg("gs"), py::arg("weights"),
         py::arg("offsets"), py::arg("sorted_pairs"), py::arg("act"), py::arg("y"));
   m.def("build_info", &build_info,
-        "what this build contains: {'cuda': bool, 'openmp': bool, 'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512, "
-        "'gumbel_max': float, 'diffusion_step_max_canvas_cuda': int}");
+        "what this build contains: {'cuda': bool, 'cuda_ops': [ops whose CUDA launcher is linked], 'openmp': bool, "
+        "'cpu_level': 0 baseline | 1 AVX2 | 2 AVX-512, 'gumbel_max': float, 'diffusion_step_max_canvas_cuda': int}");
   m.def("_set_cpu_level", &dg::set_cpu_level,
         "test hook: force the CPU code path (0 baseline, 1 AVX2+FMA, 2 AVX-512; -1 automatic); returns the level "
         "in use",

@@ -1,7 +1,11 @@
-"""Two device checks of scripts/gpu_check.sh that are not pytest runs.
+"""The device checks of scripts/gpu_check.sh that are not pytest runs.
 
+    python scripts/gpu_kernels.py build-info [--device cuda]
     python scripts/gpu_kernels.py launch [--device cuda]
     python scripts/gpu_kernels.py big-step [--device cuda] [--rows 33] [--canvas 256] [--vocab 262144]
+
+``build-info`` prints where dgserve._C was loaded from and its ``build_info()``; on CUDA it fails unless the build
+has CUDA and links every op's CUDA path (``dgserve.ops.cuda_build_problem``).
 
 ``launch`` runs every kernel of dgserve._C once on small shapes, each template instance and launch variant
 (rms_norm, moe_route and moe_combine in fp32 and bf16; diffusion_step with fp32 and bf16 logits, with and
@@ -121,15 +125,29 @@ def big_step(device: torch.device, rows: int, canvas: int, vocab: int) -> list[s
     return problems
 
 
+def build_info(device: torch.device) -> int:
+    """Prints the extension's file and build_info(); 1 on CUDA when the build cannot run every CUDA kernel."""
+    print(f"gpu_kernels: dgserve._C: {ops.native.extension_path()}")
+    print(f"gpu_kernels: build_info: {ops.native.build_info()}")
+    problem = ops.cuda_build_problem() if device.type == "cuda" else None
+    if problem is not None:
+        print(f"gpu_kernels: build-info: {problem}")
+        return 1
+    print(f"gpu_kernels: build-info: serves {device}: {', '.join(ops.active_native_ops(device))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("launch", "big-step"))
+    ap.add_argument("what", choices=("build-info", "launch", "big-step"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=33)
     ap.add_argument("--canvas", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=262_144)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.what == "build-info":
+        return build_info(device)
     if device.type == "cuda":
         missing = sorted(set(ops.NATIVE_OPS) - set(ops.active_native_ops(device)))
         if missing:

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 import torch
-from cuda_policy import cuda_test_failure
+from cuda_policy import cuda_test_failure, strict_native_failure
 from tiny_models import TINY_VARIANTS, make_tiny_hf_model, tiny_config  # noqa: F401 (re-exported)
 
 _CACHE: dict[str, pathlib.Path] = {}
@@ -88,3 +88,26 @@ def _cuda_tests_need_the_cuda_build(request):
     msg = cuda_test_failure(True, torch.cuda.is_available(), ops.cuda_build_problem())
     if msg is not None:
         pytest.fail(msg, pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Strict native ops in `cuda` tests: a test fails when a native op was switched off before it ran (by a
+    fixture's engine, say) or while it ran (``strict_native_failure``); the switch is then undone, and the
+    self-check's memo dropped, so that the next test checks again and fails the same way."""
+    if item.get_closest_marker("cuda") is None:
+        return (yield)
+    from dgserve import ops
+    from dgserve.ops.native_check import forget_reports
+
+    def check() -> None:
+        msg = strict_native_failure(ops.switched_off())
+        if msg is not None:
+            ops.switch_on_native()
+            forget_reports()
+            pytest.fail(msg, pytrace=False)
+
+    check()
+    result = yield
+    check()
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -134,3 +135,84 @@ def test_arch_of_capability_picks_the_arch_specific_variant_where_the_build_has_
     assert build.arch_of_capability(8, 0) == "sm_80"
     assert build.arch_of_capability(8, 9) == "sm_89"
     assert build.arch_of_capability(12, 0) == "sm_120"
+
+
+def _toolkit(root: pathlib.Path) -> pathlib.Path:
+    """A fake CUDA toolkit: bin/nvcc (an executable stub) and include/cuda_runtime.h."""
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "include" / "cuda_runtime.h").write_text("// fake\n")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_bytes(b"\x7fELF fake nvcc binary")
+    nvcc.chmod(0o755)
+    return root
+
+
+def _wrapper(path: pathlib.Path, text: str) -> pathlib.Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_cuda_home_is_the_toolkit_behind_an_nvcc_wrapper_not_its_folder(tmp_path):
+    """The case torch gets wrong: /usr/local/bin/nvcc is a script exec'ing the toolkit's nvcc; torch's
+    dirname(dirname(which nvcc)) is /usr/local, which has no cuda_runtime.h."""
+    b = _build_module()
+    real = _toolkit(tmp_path / "cuda-13.0")
+    _wrapper(tmp_path / "local" / "bin" / "nvcc", f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
+    path = str(tmp_path / "local" / "bin")
+    assert b.find_cuda_home(env={}, path=path, globs=()) == real
+    # a wrapper of a wrapper, quoted, with other commands around it
+    _wrapper(tmp_path / "outer" / "nvcc", f'#!/bin/bash\nset -e\nexec "{tmp_path}/local/bin/nvcc" "$@"\n')
+    assert b.find_cuda_home(env={}, path=str(tmp_path / "outer"), globs=()) == real
+
+
+def test_cuda_home_through_symlinks_and_from_the_environment(tmp_path):
+    b = _build_module()
+    real = _toolkit(tmp_path / "cuda-12.8")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").symlink_to(real / "bin" / "nvcc")
+    assert b.find_cuda_home(env={}, path=str(tmp_path / "bin"), globs=()) == real
+    other = _toolkit(tmp_path / "cuda-13.0")
+    assert b.find_cuda_home(env={"CUDA_HOME": str(other)}, path=str(tmp_path / "bin"), globs=()) == other
+    assert b.find_cuda_home(env={"CUDA_PATH": str(other)}, path=str(tmp_path / "bin"), globs=()) == other
+    # a CUDA_HOME without the headers (torch's guess from a wrapper) is passed over
+    assert b.find_cuda_home(env={"CUDA_HOME": str(tmp_path)}, path=str(tmp_path / "bin"), globs=()) == real
+
+
+def test_cuda_home_from_the_usual_folders_newest_first(tmp_path):
+    b = _build_module()
+    _toolkit(tmp_path / "cuda-12.8")
+    newest = _toolkit(tmp_path / "cuda-13.0")
+    (tmp_path / "cuda-13.1").mkdir()  # no headers: not a toolkit
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    glob = (str(tmp_path / "cuda"), str(tmp_path / "cuda-*"))
+    assert b.find_cuda_home(env={}, path=str(empty), globs=glob) == newest
+    (tmp_path / "cuda").symlink_to(tmp_path / "cuda-12.8")
+    assert b.find_cuda_home(env={}, path=str(empty), globs=glob) == tmp_path / "cuda"
+    # neither a toolkit nor a wrapper that leads to one: None
+    _wrapper(tmp_path / "bin" / "nvcc", '#!/bin/sh\nexec /nonexistent/bin/nvcc "$@"\n')
+    assert b.find_cuda_home(env={}, path=str(tmp_path / "bin"), globs=()) is None
+    assert b.find_cuda_home(env={}, path=str(empty), globs=()) is None
+
+
+def test_set_cuda_home_exports_it_before_torch_reads_it(tmp_path, monkeypatch):
+    b = _build_module()
+    real = _toolkit(tmp_path / "cuda-13.0")
+    _wrapper(tmp_path / "bin" / "nvcc", f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("CUDA_HOME", "/usr/local")
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(b, "CUDA_HOME_GLOBS", ())
+    assert b.set_cuda_home() == str(real)
+    assert os.environ["CUDA_HOME"] == str(real)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cuda_home_of_this_machine_holds_cuda_runtime_h():
+    b = _build_module()
+    home = b.find_cuda_home()
+    assert home is not None and (home / "include" / "cuda_runtime.h").is_file()
+    assert (home / "bin" / "nvcc").exists()

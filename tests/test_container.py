@@ -379,7 +379,9 @@ def test_dockerignore_keeps_the_sources_and_drops_host_outputs():
     drop = [
         ".git/HEAD",
         ".venv/bin/python",
+        ".venv-cuda/bin/python",  # CI's CUDA-extension step (scripts/ci_cuda_ext.sh)
         "build/ext-cpu/_C.so",
+        "build/cuda-ext/python/dgserve/_C.cpython-311-x86_64-linux-gnu.so",
         "python/dgserve/_C.cpython-311-x86_64-linux-gnu.so",
         "python/dgserve/v1/text_generation_pb2.py",
         "python/dgserve/v1/text_generation_pb2_grpc.py",

@@ -31,6 +31,18 @@ def test_bindings_define_exactly_the_native_ops():
     assert _bound_ops() == set(ops.NATIVE_OPS)
 
 
+def test_every_cuda_op_dispatches_to_its_launcher_and_is_listed_in_cuda_ops():
+    """csrc/bindings.cpp: each op that NATIVE_OPS serves on CUDA passes its launcher to dispatch (DG_CUDA) and is in
+    the table behind build_info()["cuda_ops"], which CI's CUDA build compares with NATIVE_OPS
+    (dgserve.ops.missing_cuda_ops)."""
+    text = (ROOT / "csrc" / "bindings.cpp").read_text()
+    dispatched = set(re.findall(r"dispatch\(op, \w+, dg::(\w+)_cpu, DG_CUDA\(dg::\1_cuda\)", text))
+    listed = re.findall(r'\{"(\w+)", reinterpret_cast<const void\*>\(&dg::\1_cuda\)\}', text)
+    cuda_ops = [op for op, kinds in ops.NATIVE_OPS.items() if "cuda" in kinds]
+    assert listed == cuda_ops  # the same order as NATIVE_OPS
+    assert set(cuda_ops) <= dispatched
+
+
 @pytest.mark.parametrize("op", sorted(ops.NATIVE_OPS))
 def test_one_name_end_to_end(op):
     assert (ROOT / "csrc" / "ops" / f"{op}.h").exists()

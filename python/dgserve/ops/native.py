@@ -106,7 +106,22 @@ def cuda_build_problem() -> str | None:
         return (
             "dgserve._C was built without CUDA (torch is a CPU build or nvcc was not found when `python build.py` ran)"
         )
+    missing = missing_cuda_ops()
+    if missing:
+        return f"dgserve._C has no CUDA path for {', '.join(missing)} (build_info()['cuda_ops'])"
     return None
+
+
+def extension_path() -> str | None:
+    """The file ``dgserve._C`` was loaded from (None without the extension): which build a process runs."""
+    return getattr(_C, "__file__", None) if _C is not None else None
+
+
+def missing_cuda_ops() -> list[str]:
+    """The ops that NATIVE_OPS serves on CUDA whose CUDA launcher this build does not link
+    (``build_info()["cuda_ops"]``): all of them without the extension or in a build without CUDA."""
+    linked = set(build_info().get("cuda_ops", ())) if cuda_built() else set()
+    return [op for op, kinds in NATIVE_OPS.items() if "cuda" in kinds and op not in linked]
 
 
 def cuda_built() -> bool:
