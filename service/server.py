@@ -84,6 +84,7 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         max_model_len=cfg.max_model_len,
         cache_config=cfg.kv_cache_memory,
         max_request_steps=cfg.max_request_steps,
+        max_request_seconds=cfg.max_request_seconds,
         prefix_caching=cfg.prefix_caching,
     )
 
