@@ -423,5 +423,6 @@ def test_fuzz_every_field_of_every_door(doors):
     assert {"http 200", "http 400", "grpc OK", "grpc INVALID_ARGUMENT"} <= doors.seen, doors.seen
     assert doors.log.tracebacks() == []  # type: ignore[attr-defined]
     print(
-        f"fuzz: {doors.calls} http calls ({doors.ok} 200), {sorted(doors.seen)}; http sweep {t_http:.1f} s, grpc sweep {t_grpc:.1f} s, all {time.monotonic() - t0:.1f} s"
+        f"fuzz: {doors.calls} http calls ({doors.ok} 200), {sorted(doors.seen)}; http sweep {t_http:.1f} s, "
+        f"grpc sweep {t_grpc:.1f} s, all {time.monotonic() - t0:.1f} s"
     )
