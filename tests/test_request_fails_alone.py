@@ -310,3 +310,16 @@ def test_a_running_request_ends_at_its_deadline(engine):
     assert req.result().finish_reason == "length" and req.blocks
     engine.step()
     assert engine.runner.occupants == [] and not engine.has_unfinished()
+
+
+def test_a_failing_prefix_lookup_costs_its_request_the_reuse_only(engine, monkeypatch):
+    """Planning: the prefix-cache lookup at admission is one request's; if it raises, that request encodes its
+    whole prompt (the same tokens) and the scheduling of the others goes on."""
+    ref = engine.generate("a prompt to look up", params(seed=12))
+
+    def broken(req):
+        raise RuntimeError("secret")
+
+    monkeypatch.setattr(engine.runner, "match_prefix", broken)
+    assert engine.generate("a prompt to look up", params(seed=12)).token_ids == ref.token_ids
+    assert engine.runner.occupants == [] and not engine.has_unfinished()

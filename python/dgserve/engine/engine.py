@@ -157,7 +157,7 @@ class Engine:
         )
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
-        self.scheduler = Scheduler(sched, cached_prefix=self.runner.match_prefix if prefix_caching else None)
+        self.scheduler = Scheduler(sched, cached_prefix=self._match_prefix if prefix_caching else None)
         self._finished_ids: OrderedDict[RequestKey, None] = OrderedDict()  # recently finished keys
         self._ids = itertools.count()
         # the one lock: scheduler tables, request status, finished ids (reentrant: a request failing alone is ended
@@ -461,6 +461,22 @@ class Engine:
                 f"engine fault in {phase}, work shared by every running request (no single request's): "
                 f"{type(e).__name__}"
             ) from e
+
+    def _match_prefix(self, req: Request) -> int:
+        """The prompt tokens the prefix cache holds for ``req`` (``ModelRunner.match_prefix``), planned at its
+        admission. A lookup that raises costs that request its reuse only (0: its whole prompt is encoded, with the
+        same tokens as a hit gives), never the scheduling of the others."""
+        try:
+            return self.runner.match_prefix(req)
+        except Exception as e:
+            log.error(
+                "request %s: prefix cache lookup failed (%s); encoding its whole prompt",
+                req.request_id,
+                type(e).__name__,
+            )
+            log.debug("request %s: prefix cache lookup failed", req.request_id, exc_info=e)
+            req.prefix_hit = None
+            return 0
 
     def _failed_alone(self, req: Request, out: StepOutput) -> bool:
         """End ``req`` when its own state failed (its grammar); True when it did. Under the lock."""
