@@ -37,7 +37,7 @@ from typing import Any
 
 from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
 from dgserve.engine.prompt import Prompt
-from dgserve.engine.request import DraftSpec, Request, RequestFailedError
+from dgserve.engine.request import DraftSpec, Request, RequestFailedError, SharedWorkError
 from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams
 
@@ -56,6 +56,14 @@ class EngineUnavailableError(Exception):
 
 class EngineFaultError(Exception):
     """The step loop failed; in-flight requests cannot complete."""
+
+
+def fault_summary(error: Exception) -> str:
+    """What callers may be told of an engine fault: a ``SharedWorkError``'s message (the phase that failed and the
+    cause's type, never a request's content), else the exception's type only (its message may hold content)."""
+    if isinstance(error, SharedWorkError):
+        return str(error)
+    return f"an internal error ({type(error).__name__})"
 
 
 class StreamStalledError(Exception):
@@ -509,8 +517,9 @@ class AsyncEngine:
             )
 
     def _fail_all(self, error: Exception) -> None:
+        fault = EngineFaultError(f"engine failure: {fault_summary(error)}")
         for req in self.engine.in_flight():
-            if req.stream is not None:  # the type only: the message may hold a request's content (the log has it)
-                req.stream._fail(EngineFaultError(f"engine failure: an internal error ({type(error).__name__})"))
+            if req.stream is not None:
+                req.stream._fail(fault)
         if self.on_fault is not None:
             self.on_fault(error)
