@@ -121,6 +121,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         ),
     ),
     (
+        "--max-request-seconds",
+        "DGSERVE_MAX_REQUEST_SECONDS",
+        "max_request_seconds",
+        float,
+        (
+            "wall-clock seconds one request may run from its admission into a slot (a gRPC deadline ends it sooner); "
+            "then it ends with finish reason length, keeping what it generated (default 600)"
+        ),
+    ),
+    (
         "--stall-timeout",
         "DGSERVE_STALL_TIMEOUT",
         "stall_timeout",

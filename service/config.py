@@ -15,6 +15,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LABELS = r"[a-z0-9_-]+(\.[a-z0-9_-]+)*"
 HOST_PATTERN = re.compile(rf"\*|(\*\.)?{_LABELS}\.?", re.I)  # a name, a *.domain pattern, or * (any)
 ORIGIN_PATTERN = re.compile(rf"\*|https?://({_LABELS}|\[[0-9a-f:.]+\])(:[0-9]{{1,5}})?/?", re.I)
+MAX_REQUEST_SECONDS = 7 * 86400  # the largest --max-request-seconds: a week
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ServiceConfig:
         default_factory=CacheConfig
     )  # KV cache budget: bytes or a fraction of free memory
     max_request_steps: int = 16384  # max_denoising_steps x canvases one request may ask for (its total work)
+    max_request_seconds: float = 600.0  # wall-clock seconds a request may run from admission (then: "length")
     drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
     stall_timeout: float = 30.0  # a reader taking nothing this long while blocks wait is aborted
     auth_token_file: str | None = None
@@ -82,6 +84,11 @@ class ServiceConfig:
         # grpc takes milliseconds: below 1 ms would round to its "no timeout" 0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 86400:
             raise ValueError(f"request_timeout must be a number of seconds in [0.001, 86400], got {v!r}")
+        v = self.max_request_seconds
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_REQUEST_SECONDS:
+            raise ValueError(
+                f"max_request_seconds must be a number of seconds in (0, {MAX_REQUEST_SECONDS}], got {v!r}"
+            )
         for name in ("drain_timeout", "stall_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

@@ -322,22 +322,24 @@ def runtime_fields(engine: AsyncEngine) -> dict:
 
 
 def bounds(d: SamplingParams) -> list[pb.KnobBounds]:
-    """KnobBounds of every numeric knob, from its Knob metadata, with ``d``'s values as the defaults. An integer
-    bound a double cannot hold exactly (the seed's 2^64 − 1) is reported as the next integer, excluded."""
+    """KnobBounds of every numeric knob, from its Knob metadata (``Knob.bounds``: the knob's own bounds narrowed to
+    its dtype, what validation accepts), with ``d``'s values as the defaults. An integer bound a double cannot hold
+    exactly (the seed's 2^64 − 1) is reported as the next integer, excluded."""
     out = []
     for name, k in sp.KNOBS.items():
         if not k.numeric:
             continue
-        hi, hi_open = (math.inf, False) if k.hi is None else (k.hi, k.hi_open)
+        b = k.bounds
+        hi, hi_open = (math.inf, False) if b.hi is None else (b.hi, b.hi_open)
         if k.kind is int and hi != math.inf and float(hi) != hi and not hi_open:
             hi, hi_open = hi + 1, True
         default = getattr(d, name)
         out.append(
             pb.KnobBounds(
                 name=name,
-                min=-math.inf if k.lo is None else k.lo,
+                min=-math.inf if b.lo is None else b.lo,
                 max=hi,
-                min_exclusive=k.lo_open,
+                min_exclusive=b.lo_open,
                 max_exclusive=hi_open,
                 integer=k.kind is int,
                 default_value=0 if default is None else default,

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dgserve.engine.async_engine import AsyncEngine
+from dgserve.engine.async_engine import AsyncEngine, fault_summary
 from dgserve.engine.engine import Engine
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.v1 import text_generation_pb2 as pb
@@ -89,6 +89,7 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         max_model_len=cfg.max_model_len,
         cache_config=cfg.kv_cache_memory,
         max_request_steps=cfg.max_request_steps,
+        max_request_seconds=cfg.max_request_seconds,
         prefix_caching=cfg.prefix_caching,
     )
 
@@ -261,8 +262,8 @@ class Server:
         log.error("engine fault, marking the server not live and not ready: %s", error)
         self.live = False
         self.state.engine = None
-        # callers see the type only: the message may carry the content of the request that was running
-        self.state.loading_error = f"engine fault ({type(error).__name__}); see the server log"
+        # callers see the phase and the type only (fault_summary): never a request's content
+        self.state.loading_error = f"engine fault ({fault_summary(error)}); see the server log"
         asyncio.get_running_loop().create_task(self._set_all(NOT_SERVING))
 
     async def _set_ready(self, status) -> None:

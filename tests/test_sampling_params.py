@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, Knob, KnobError, SamplingParams
+from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, STORAGE, Knob, KnobError, SamplingParams
 
 
 def test_the_table_covers_the_contract_fields():
@@ -43,16 +43,65 @@ def test_every_integer_knob_has_an_upper_bound():
     assert KNOBS["stop"].max_items == 16 and KNOBS["stop"].max_chars == 256
 
 
+def test_the_storage_dtypes_are_torchs():
+    """STORAGE restates torch.finfo / torch.iinfo (the module imports no torch): the same numbers."""
+    import torch
+
+    for name, st in STORAGE.items():
+        if name == "uint64":
+            assert (st.lo, st.hi) == (0, 2**64 - 1)
+            continue
+        dtype = getattr(torch, name)
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        assert (st.lo, st.hi) == (info.min, info.max), name
+        assert st.tiny == (info.tiny if dtype.is_floating_point else 0), name
+
+
+def test_every_numeric_knob_names_the_dtype_that_holds_it():
+    """Bounds come from the table and the dtype: every numeric knob names one, its accepted range lies inside
+    it, and a float knob with an open or positive lower bound starts at the dtype's smallest normal."""
+    for name, k in KNOBS.items():
+        if not k.numeric:
+            continue
+        st, b = STORAGE[k.dtype], k.bounds
+        assert b.lo is not None and b.hi is not None and st.lo <= b.lo and b.hi <= st.hi, name
+        if k.kind is float and k.lo_open:
+            assert (b.lo, b.lo_open) == (st.tiny, False), name
+    assert KNOBS["entropy_bound"].bounds.hi == KNOBS["confidence_threshold"].bounds.hi == 3.4028234663852886e38
+
+
+def test_knob_values_at_their_bounds_fit_their_tensors():
+    """The largest and smallest accepted value of every numeric knob, written into a tensor of its dtype, stays
+    finite and (for a positive knob) positive and normal: what validation passes, the engine can hold."""
+    import torch
+
+    for name, k in KNOBS.items():
+        if not k.numeric or k.dtype == "uint64":  # the seed: bits in an int64 (to_signed64), tested there
+            continue
+        dtype = getattr(torch, k.dtype)
+        for v in (k.bounds.lo, k.bounds.hi):
+            t = torch.zeros(1, dtype=dtype)
+            t[0] = v  # an overflow raises here, as it did inside the engine step
+            assert math.isfinite(t.item()), name
+            if k.kind is float and k.lo_open:
+                assert t.item() >= torch.finfo(dtype).tiny, name
+
+
 def _edges(k: Knob) -> tuple[list, list]:
-    """(accepted, rejected) values at the knob's bounds."""
-    step = 1 if k.kind is int else 1e-6
+    """(accepted, rejected) values at the knob's bounds (its own narrowed by its dtype: ``Knob.bounds``)."""
+    b = k.bounds
     ok, bad = [], []
-    for bound, is_open, sign in ((k.lo, k.lo_open, -1), (k.hi, k.hi_open, +1)):
+    for bound, is_open, sign in ((b.lo, b.lo_open, -1), (b.hi, b.hi_open, +1)):
         if bound is None:
             continue
-        inside = bound - sign * step if is_open else bound
+        if k.kind is int:
+            inside, outside = (bound - sign, bound) if is_open else (bound, bound + sign)
+        else:  # the next double towards the inside / outside
+            towards = math.inf * sign
+            inside = math.nextafter(bound, -towards) if is_open else bound
+            outside = bound if is_open else math.nextafter(bound, towards)
         ok.append(k.kind(inside))
-        bad.append(k.kind(bound if is_open else bound + sign * step))
+        bad.append(k.kind(outside))
     return ok, bad
 
 
@@ -60,8 +109,11 @@ def _edges(k: Knob) -> tuple[list, list]:
 def test_numeric_knobs_at_their_bounds(name):
     k = KNOBS[name]
     ok, bad = _edges(k)
-    base = dict(t_min=0.0, t_max=1e9) if name in ("t_min", "t_max") else {}  # keep t_min < t_max true
+    base = dict(t_min=0.0, t_max=3e38) if name in ("t_min", "t_max") else {}  # keep t_min < t_max true
     for v in ok:
+        if name == "t_min" and v == k.bounds.hi:
+            base = dict(t_max=v)
+            v = math.nextafter(v, 0)
         assert getattr(SamplingParams(**{**base, name: v}), name) == v
     for v in bad:
         with pytest.raises(KnobError, match=rf"^{name} must be {re.escape(k.range_text())}, got ") as e:

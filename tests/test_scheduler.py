@@ -28,6 +28,7 @@ class Plan:
     def __init__(self, out):
         self.admitted = [r.request_id for r in out.admitted]
         self.expired = [r.request_id for r in out.expired]
+        self.timed_out = [r.request_id for r in out.timed_out]
         self.prefill = [(r.request_id, b, e) for r, b, e in out.prefill]
         self.decode = [r.request_id for r in out.decode]
 
@@ -38,9 +39,10 @@ class Ids:
     def __init__(self, scheduler: Scheduler):
         self.s, self.lock = scheduler, threading.Lock()
 
-    def add(self, rid: str, prompt_len: int, deadline: float | None = None) -> None:
+    def add(self, rid: str, prompt_len: int, deadline: float | None = None, time_limit: float | None = None) -> None:
         with self.lock:
-            self.s.add(Request(rid, [0] * prompt_len, None, None, deadline=deadline))  # type: ignore[arg-type]
+            req = Request(rid, [0] * prompt_len, None, None, deadline=deadline, time_limit=time_limit)  # type: ignore[arg-type]
+            self.s.add(req)
 
     def schedule(self) -> Plan:
         with self.lock:
@@ -146,14 +148,27 @@ def test_expired_waiting_requests_are_dropped_without_work():
     assert out.admitted == ["fine"]
 
 
-def test_running_requests_do_not_expire():
+def test_running_requests_end_at_their_deadline_or_time_limit():
+    """A running request is not dropped as expired (that is for the queue, before model work): once its deadline
+    or its time limit from admission has passed, it is planned as timed out (the engine ends it with "length"),
+    leaves the running set, and its slot is admitted into in the same iteration."""
     clock = Clock()
-    s = make(clock)
+    s = make(clock, max_num_seqs=2)
     s.add("a", 1, deadline=clock.t + 1)
-    s.schedule()
-    clock.t += 5
+    s.add("b", 1, time_limit=3.0)
+    clock.t += 0.5
+    s.schedule()  # both admitted at t + 0.5: b ends at t + 3.5, a at its deadline t + 1
+    s.add("c", 1, time_limit=3.0)
+    clock.t += 0.4
     out = s.schedule()
-    assert out.expired == [] and out.decode == ["a"]
+    assert out.timed_out == [] and out.decode == ["a", "b"]
+    clock.t += 0.2
+    out = s.schedule()
+    assert out.expired == [] and out.timed_out == ["a"] and "a" not in s and out.admitted == ["c"]
+    assert out.decode == ["b", "c"]
+    clock.t += 2.5  # b's 3 s since admission are up; c's are not
+    out = s.schedule()
+    assert out.timed_out == ["b"] and out.decode == ["c"]
 
 
 def test_chunked_prefill_fixed_boundaries_and_budget():

@@ -116,6 +116,14 @@ class OutputTracker:
         delta, self.text = shown[len(self.text) :], shown if len(shown) > len(self.text) else self.text
         return toks, delta
 
+    def end(self, reason: str) -> str:
+        """End the output here, before another block, with ``reason`` (a time limit): returns the text delta the
+        rules held back (a possible stop-string prefix, an incomplete UTF-8 tail), which is text after all."""
+        self.finish_reason = reason
+        full = self._text_with([])
+        delta, self.text = full[len(self.text) :], full if len(full) > len(self.text) else self.text
+        return delta
+
     def _text_ids(self, toks: list[int]) -> list[int]:
         return [t for t in toks if t not in self.all_eos]
 

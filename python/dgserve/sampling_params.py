@@ -1,11 +1,14 @@
 """Per-request generation knobs, defined once.
 
-Each knob is a ``SamplingParams`` field whose ``knob`` metadata (a ``Knob``) carries its type, bounds, name in
-generation_config.json and doc. Everything else derives from that table: validation at construction (``KnobError``,
-a ValueError whose message starts with the field and states the bound), the checkpoint's defaults
-(``SamplingParams.from_generation_config``), the gRPC and HTTP field lists and GetModelInfo's bounds
-(``service/convert.py``, ``service/http/protocol.py``, through ``KNOBS``). A field without ``knob`` metadata is not
-a knob: it is left to its own validation and to the layers that know it.
+Each knob is a ``SamplingParams`` field whose ``knob`` metadata (a ``Knob``) carries its type, bounds, the dtype that
+holds it on its way to the sampler, its name in generation_config.json and doc. The bounds a value must meet are the
+knob's own narrowed by its dtype's (``Knob.bounds``: a float32 knob is at most float32's largest finite value, and a
+positive one at least its smallest normal), so that a value that passes validation can be written into the engine's
+tensors without overflowing or flushing to zero. Everything else derives from that table: validation at
+construction (``KnobError``, a ValueError whose message starts with the field and states the bound), the
+checkpoint's defaults (``SamplingParams.from_generation_config``), the gRPC and HTTP field lists and GetModelInfo's
+bounds (``service/convert.py``, ``service/http/protocol.py``, through ``KNOBS``). A field without ``knob`` metadata
+is not a knob: it is left to its own validation and to the layers that know it.
 """
 
 from __future__ import annotations
@@ -31,11 +34,60 @@ KNOB = "knob"  # the dataclass field metadata key
 
 
 @dataclass(frozen=True)
+class Storage:
+    """What a dtype can hold (torch.finfo / torch.iinfo's numbers, without importing torch): lo, hi the most
+    negative and most positive finite values; tiny the smallest positive normal (floats; 0 for integers)."""
+
+    lo: int | float
+    hi: int | float
+    tiny: float = 0.0
+
+
+# the dtypes a knob may name (tests/test_sampling_params.py checks them against torch.finfo / torch.iinfo)
+STORAGE: Mapping[str, Storage] = MappingProxyType(
+    {
+        "float32": Storage(-3.4028234663852886e38, 3.4028234663852886e38, 1.1754943508222875e-38),
+        "float64": Storage(-1.7976931348623157e308, 1.7976931348623157e308, 2.2250738585072014e-308),
+        "int32": Storage(-(1 << 31), (1 << 31) - 1),
+        "int64": Storage(-(1 << 63), (1 << 63) - 1),
+        "uint64": Storage(0, (1 << 64) - 1),  # the seed: held as the int64 with the same bits (to_signed64)
+    }
+)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a knob accepts: lo, hi (None: unbounded on that side), excluded when lo_open / hi_open."""
+
+    lo: int | float | None
+    hi: int | float | None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def text(self) -> str:
+        """ "in [1, 1024]", ">= 0", "> 0", "" when unbounded."""
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo!r}, {self.hi!r}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo!r}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi!r}"
+        return ""
+
+    def contains(self, v: int | float) -> bool:
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok
+
+
+@dataclass(frozen=True)
 class Knob:
     """What one SamplingParams field accepts.
 
     kind: int, float or bool for a scalar; str for a sequence of strings (a str alone becomes a 1-tuple).
-    lo, hi: the bounds (None: unbounded on that side), excluded when lo_open / hi_open. Floats must be finite.
+    lo, hi: the knob's own bounds (None: unbounded on that side), excluded when lo_open / hi_open. Floats must be
+    finite. dtype: the narrowest dtype (a ``STORAGE`` name) that holds the value on its way to the sampler (a knob
+    table of the model runner, or the precision an op computes it in); ``bounds`` narrows lo and hi to it.
     above: the name of a field this one must exceed (t_max > t_min), checked after every field's own bounds.
     nullable: None is accepted (seed: None draws one). max_items, max_chars: a string sequence's limits.
     config_key: the (dotted) key in generation_config.json that sets the checkpoint's default; "" = none.
@@ -47,6 +99,7 @@ class Knob:
     hi: int | float | None = None
     lo_open: bool = False
     hi_open: bool = False
+    dtype: str = ""
     above: str = ""
     nullable: bool = False
     max_items: int | None = None
@@ -54,6 +107,10 @@ class Knob:
     config_key: str = ""
     note: str = ""
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype and self.dtype not in STORAGE:
+            raise ValueError(f"Knob.dtype: {self.dtype!r} is not one of {', '.join(STORAGE)}")
 
     @property
     def scalar(self) -> bool:
@@ -68,20 +125,40 @@ class Knob:
         """The note, else the cross-field rule of field ``name`` in words ("t_max > t_min"), else ""."""
         return self.note or (f"{name} > {self.above}" if self.above else "")
 
+    @property
+    def declared(self) -> Bounds:
+        """The knob's own bounds, as the table states them (what the knob means)."""
+        return Bounds(self.lo, self.hi, self.lo_open, self.hi_open)
+
+    @property
+    def bounds(self) -> Bounds:
+        """The values accepted: the knob's own bounds narrowed to what its dtype holds. The largest finite value of
+        the dtype caps the top (a float32 knob above 3.4e38 would overflow when written into its tensor), and a
+        float whose lower bound is open or positive starts at the dtype's smallest normal (a positive value that
+        rounds to zero or to a subnormal is not the positive number it claims to be)."""
+        b = self.declared
+        if not self.dtype:
+            return b
+        st = STORAGE[self.dtype]
+        lo, lo_open, hi, hi_open = b.lo, b.lo_open, b.hi, b.hi_open
+        if hi is None or hi > st.hi:
+            hi, hi_open = st.hi, False
+        if lo is None or lo < st.lo:
+            lo, lo_open = st.lo, False
+        if st.tiny and lo is not None and 0 <= lo < st.tiny and (lo_open or lo > 0):
+            lo, lo_open = st.tiny, False
+        return Bounds(lo, hi, lo_open, hi_open)
+
     def range_text(self) -> str:
-        """The accepted range: "in [1, 1024]", ">= 0", "> 0", "" when unbounded."""
-        if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo}"
-        if self.hi is not None:
-            return f"{'<' if self.hi_open else '<='} {self.hi}"
-        return ""
+        """The accepted range: "in [1, 1024]", ">= 0", "> 0", "" when unbounded; where the dtype narrows the
+        knob's own bounds, both: "> 0, a float32 in [1.1754943508222875e-38, 3.4028234663852886e+38]"."""
+        own, held = self.declared, self.bounds
+        if held == own:
+            return own.text()
+        return f"{own.text()}, a {self.dtype} {held.text()}" if own.text() else f"a {self.dtype} {held.text()}"
 
     def in_range(self, v: int | float) -> bool:
-        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
-        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-        return lo_ok and hi_ok
+        return self.bounds.contains(v)
 
 
 class KnobError(ValueError):
@@ -110,6 +187,7 @@ class SamplingParams:
     max_new_tokens: int = knob(
         256,
         int,
+        dtype="int64",
         lo=1,
         hi=MAX_NEW_TOKENS_LIMIT,
         config_key="max_new_tokens",
@@ -119,6 +197,7 @@ class SamplingParams:
     max_denoising_steps: int = knob(
         48,
         int,
+        dtype="int64",
         lo=1,
         hi=MAX_DENOISING_STEPS_LIMIT,
         config_key="max_denoising_steps",
@@ -127,6 +206,7 @@ class SamplingParams:
     t_min: float = knob(
         0.4,
         float,
+        dtype="float32",
         lo=0,
         config_key="t_min",
         note="t_min < t_max",
@@ -135,6 +215,7 @@ class SamplingParams:
     t_max: float = knob(
         0.8,
         float,
+        dtype="float32",
         lo=0,
         lo_open=True,
         above="t_min",
@@ -144,6 +225,7 @@ class SamplingParams:
     entropy_bound: float = knob(
         0.1,
         float,
+        dtype="float32",
         lo=0,
         lo_open=True,
         config_key="sampler_config.entropy_bound",
@@ -152,6 +234,7 @@ class SamplingParams:
     stability_threshold: int = knob(
         1,
         int,
+        dtype="int64",
         lo=0,
         hi=MAX_DENOISING_STEPS_LIMIT,
         config_key="stability_threshold",
@@ -160,6 +243,7 @@ class SamplingParams:
     confidence_threshold: float = knob(
         0.005,
         float,
+        dtype="float32",
         lo=0,
         lo_open=True,
         config_key="confidence_threshold",
@@ -168,6 +252,7 @@ class SamplingParams:
     seed: int | None = knob(
         None,
         int,
+        dtype="uint64",
         lo=0,
         hi=SEED_LIMIT - 1,
         nullable=True,

@@ -64,7 +64,7 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     status, kind = STATUS.get(reason, (500, "server_error"))
     message = errors.bounded_message(str(exc)) if status != 500 or isinstance(exc, HttpError) else "internal error"
     if status == 500 and not isinstance(exc, HttpError):
-        log.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        errors.log_internal(exc)
     if status == 400 and param is None:
         field = _FIELD.match(message)
         param = field.group(1) if field else None

@@ -30,11 +30,13 @@ def test_model_info_bounds_are_the_tables():
     got = {b.name: b for b in convert.bounds(d)}
     assert list(got) == [n for n, k in KNOBS.items() if k.numeric]
     for name, b in got.items():
-        k = KNOBS[name]
-        assert b.integer == (k.kind is int) and b.min_exclusive == k.lo_open and b.min == k.lo, name
+        k = KNOBS[name]  # the bounds validation applies: the knob's own, narrowed to its dtype
+        assert b.integer == (k.kind is int) and b.min_exclusive == k.bounds.lo_open and b.min == k.bounds.lo, name
         assert b.default_value == (getattr(d, name) or 0), name
-        if k.hi is None:
-            assert b.max == math.inf and not b.max_exclusive, name
+        assert math.isfinite(b.max), name  # every knob's dtype bounds it
+    for name in ("t_max", "entropy_bound", "confidence_threshold"):  # float32: (0, max] as [tiny, max]
+        assert (got[name].min, got[name].min_exclusive) == (1.1754943508222875e-38, False), name
+        assert (got[name].max, got[name].max_exclusive) == (3.4028234663852886e38, False), name
     assert (got["max_denoising_steps"].max, got["max_denoising_steps"].max_exclusive) == (1024, False)
     assert got["t_max"].note == "t_max > t_min" and got["t_min"].note == "t_min < t_max"
     # 2^64 - 1 is no double: reported exactly as 2^64, excluded

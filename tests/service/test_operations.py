@@ -167,8 +167,9 @@ def test_engine_fault_fails_calls_and_health(model_dir):
             stub = pb_grpc.TextGenerationStub(ch)
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(pb.GenerateRequest(prompt="x", params=params())))
-            # the fault is named by its type only: its message may carry a request's content
+            # the fault is named by its phase and type only: its message may carry a request's content
             assert e.value.code() == grpc.StatusCode.INTERNAL and "RuntimeError" in e.value.details()
+            assert "batched denoising pass" in e.value.details() and "no single request's" in e.value.details()
             assert "simulated device failure" not in e.value.details()
             wait_until(lambda: all(health(ch, n) == "NOT_SERVING" for n in ("", READY, "liveness")))
             assert http_status(s.server.http_port, "/v1/health/live") == 503

@@ -11,10 +11,11 @@ blocks wait is aborted, and its stream raises ``StreamStalledError`` after the b
 Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot before the engine's next step.
 Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a digest of its token) can only be
 aborted by the same owner; to anyone else it looks exactly like an id never seen.
-A request that fails alone (``Engine.step``: its grammar, its output) ends its stream with its error, after the
-blocks it committed; the others carry on. An exception out of the step itself is an engine bug: it fails every
-in-flight stream with ``EngineFaultError`` and stops the engine. Neither message carries another request's content:
-the fault is named by its type only (the server log has the rest).
+A request that fails alone (``Engine.step``: its admission, prefill, block or commit; its grammar; here, building
+its events) ends its stream with its error, after the blocks it committed; the others carry on. An exception out of
+the step itself (``SharedWorkError``: work shared by every request) is an engine bug: it fails every in-flight
+stream with ``EngineFaultError`` and stops the engine. Neither message carries another request's content: the
+fault is named by its type only (the server log has the phase and the rest).
 
 The request is the engine's ``Request`` (dgserve.engine.request), minted once by ``Engine.make_request``; the
 stream hangs on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently
@@ -25,6 +26,7 @@ finished ids live in the engine, under its one lock. The service talks to this f
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -35,7 +37,7 @@ from typing import Any
 
 from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
 from dgserve.engine.prompt import Prompt, Submission
-from dgserve.engine.request import DraftSpec, Request
+from dgserve.engine.request import DraftSpec, Request, RequestFailedError, SharedWorkError
 from dgserve.outputs import FINISH_CANCELLED, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
 
@@ -54,6 +56,14 @@ class EngineUnavailableError(Exception):
 
 class EngineFaultError(Exception):
     """The step loop failed; in-flight requests cannot complete."""
+
+
+def fault_summary(error: Exception) -> str:
+    """What callers may be told of an engine fault: a ``SharedWorkError``'s message (the phase that failed and the
+    cause's type, never a request's content), else the exception's type only (its message may hold content)."""
+    if isinstance(error, SharedWorkError):
+        return str(error)
+    return f"an internal error ({type(error).__name__})"
 
 
 class StreamStalledError(Exception):
@@ -381,7 +391,7 @@ class AsyncEngine:
             try:
                 batch = self._step()
             except Exception as e:
-                log.exception("engine step failed")
+                log.exception("engine fault: %s", e)
                 self.fault = e
                 loop.call_soon_threadsafe(self._fail_all, e)
                 return
@@ -395,14 +405,37 @@ class AsyncEngine:
         batch.extend(("started", r.stream, None) for r in out.admitted if r.stream is not None)
         for req, block in out.blocks:
             if req.stream is not None:
-                batch.append(("block", req.stream, (block, req.result() if block.finish_reason is not None else None)))
+                self._own_events(batch, req, functools.partial(self._block_event, block=block))
         batch.extend(("failed", r.stream, r.error) for r in out.failed if r.stream is not None)
         for req in out.stepped:
             if req.stream is not None and req.drafts is not None:
-                draft = self._make_draft(req, req.drafts)
-                if draft is not None:
-                    batch.append(("draft", req.stream, draft))
+                self._own_events(batch, req, self._draft_event)
         return batch
+
+    def _own_events(self, batch: list[_Event], req: Request, make: Callable[[Request], _Event | None]) -> None:
+        """Append ``make(req)``, one request's event, to ``batch``; an exception there ends that request alone (its
+        stream fails with a RequestFailedError, the log has the type, the traceback at DEBUG), not the engine."""
+        try:
+            event = make(req)
+        except Exception as e:
+            log.error("request %s: building its events failed (%s); ending it alone", req.request_id, type(e).__name__)
+            log.debug("request %s: building its events failed", req.request_id, exc_info=e)
+            self.engine.abort(req.request_id, req.owner)
+            failure = RequestFailedError(f"request {req.request_id}: failed during output (an internal error)")
+            batch.append(("failed", req.stream, failure))
+            return
+        if event is not None:
+            batch.append(event)
+
+    @staticmethod
+    def _block_event(req: Request, block: BlockOutput) -> _Event:
+        """A committed block, with the request's result when it is the last."""
+        return ("block", req.stream, (block, req.result() if block.finish_reason is not None else None))
+
+    def _draft_event(self, req: Request) -> _Event | None:
+        assert req.drafts is not None
+        draft = self._make_draft(req, req.drafts)
+        return None if draft is None else ("draft", req.stream, draft)
 
     def _make_draft(self, req: Request, spec: DraftSpec) -> Draft | None:
         d = self.engine.draft(req)
@@ -447,7 +480,7 @@ class AsyncEngine:
         first = req.first_block_at is None and block.stats.denoising_steps > 0
         if first:
             req.first_block_at = now
-        if block.stats.denoising_steps > 0:
+        if block.stats.denoising_steps > 0 or block.text:  # (a request ended by its time: the text held back)
             stream._push(block)
             self.observer.on_block(block, first, now - req.arrival)
         if result is not None:
@@ -465,8 +498,9 @@ class AsyncEngine:
             )
 
     def _fail_all(self, error: Exception) -> None:
+        fault = EngineFaultError(f"engine failure: {fault_summary(error)}")
         for req in self.engine.in_flight():
-            if req.stream is not None:  # the type only: the message may hold a request's content (the log has it)
-                req.stream._fail(EngineFaultError(f"engine failure: an internal error ({type(error).__name__})"))
+            if req.stream is not None:
+                req.stream._fail(fault)
         if self.on_fault is not None:
             self.on_fault(error)

@@ -12,9 +12,17 @@ One request is one ``Request`` object (dgserve.engine.request), minted here once
 queued and planned by the ``Scheduler``, given a cache slot and knob tensors by the ``ModelRunner``, and returned to the
 caller in each ``StepOutput``: ``step`` is schedule → run → commit.
 
-A request fails alone: what is its own (its grammar, its output decoding) may fail mid-generation; ``step`` then
-ends that request with ``Request.error`` (reported in ``StepOutput.failed``), frees its slot and goes on with the
-others. Only the shared work (the batched passes) can raise out of ``step``: that is an engine fault.
+A request fails alone, by construction: ``step`` runs each request's own work (admission into a slot, its prompt
+chunks, the start of a block, the commit of a block) through one guard, ``_alone``, so an exception there ends that
+request with ``Request.error`` (reported in ``StepOutput.failed``): the exception itself when it is a ValueError
+(the request's input caused it: INVALID_ARGUMENT / 400 naming the field), else a ``RequestFailedError`` (INTERNAL
+for that request only). Its slot is freed and the others go on. A grammar that fails ends its request the same
+way. Only the shared work (scheduling, slot bookkeeping, the batched denoising pass) can raise out of ``step``, as
+a ``SharedWorkError`` naming the phase: that is an engine fault.
+
+Time: a running request whose time is up (``Request.ends_at``: the engine's ``max_request_seconds`` from its
+admission, or its deadline, whichever is sooner) is ended at the start of the next step with finish reason
+"length", keeping the blocks it committed (docs/generation.md, "Limits").
 
 Thread safety: one lock. ``add_request``/``add`` and ``abort`` may be called from any thread while one thread runs
 ``step``; an abort takes effect before the next step (the current one's result for that request is discarded,
@@ -24,6 +32,7 @@ and its slot is freed at the start of the next step, on the engine thread that o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -31,9 +40,9 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -43,10 +52,18 @@ from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
 from dgserve.engine.prefix_cache import prefix_hashes
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission, with_tools
-from dgserve.engine.request import Request, RequestFailedError, RequestKey
+from dgserve.engine.request import Request, RequestFailedError, RequestKey, SharedWorkError
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.model import DiffusionGemma
-from dgserve.outputs import FINISH_CANCELLED, FINISH_ERROR, BlockOutput, BlockStats, GenerationResult, OutputTracker
+from dgserve.outputs import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    BlockOutput,
+    BlockStats,
+    GenerationResult,
+    OutputTracker,
+)
 from dgserve.sampling_params import SamplingParams
 from dgserve.text.token_bounds import PromptTooLongError
 
@@ -59,6 +76,7 @@ if TYPE_CHECKING:  # imported lazily at run time (from_pretrained), only when a 
 MAX_REQUEST_ID_LENGTH = 256
 REMEMBER_FINISHED = 10_000  # finished ids kept for Abort's "already finished" answer
 log = logging.getLogger("dgserve.engine.engine")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,9 @@ class Engine:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
     None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
     the slots that fit. max_request_steps: the most denoising steps one request may ask for (max_denoising_steps
-    times its canvases), so that no request can hold a slot for hours; None: no limit. prefix_caching: keep the
+    times its canvases), so that no request can hold a slot for hours; None: no limit. max_request_seconds: the
+    wall-clock time a request may run from its admission into a slot (its deadline ends it sooner); then it ends
+    with finish reason "length", keeping what it committed; None: no limit. prefix_caching: keep the
     KV of full prompt chunks in what the slots leave of the cache budget and reuse it for prompts that start with
     the same tokens (docs/prefix-caching.md); a request's tokens are the same either way.
     """
@@ -109,6 +129,7 @@ class Engine:
         cache_config: CacheConfig | None = None,
         max_request_steps: int | None = None,
         prefix_caching: bool = True,
+        max_request_seconds: float | None = None,
     ):
         from dgserve.ops.native_check import run_self_check
 
@@ -126,6 +147,9 @@ class Engine:
         eos = tuple(eos_token_ids or ()) or _as_tuple(cfg.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos)
         self.max_request_steps = max_request_steps
+        if max_request_seconds is not None and not max_request_seconds > 0:
+            raise ValueError(f"max_request_seconds must be > 0 or None, got {max_request_seconds!r}")
+        self.max_request_seconds = max_request_seconds
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         sched = scheduler_config or SchedulerConfig()
         self.runner = ModelRunner(
@@ -133,10 +157,12 @@ class Engine:
         )
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
-        self.scheduler = Scheduler(sched, cached_prefix=self.runner.match_prefix if prefix_caching else None)
+        self.scheduler = Scheduler(sched, cached_prefix=self._match_prefix if prefix_caching else None)
         self._finished_ids: OrderedDict[RequestKey, None] = OrderedDict()  # recently finished keys
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # the one lock: scheduler tables, request status, finished ids
+        # the one lock: scheduler tables, request status, finished ids (reentrant: a request failing alone is ended
+        # under it from work that may already hold it, the commit)
+        self._lock = threading.RLock()
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     @classmethod
@@ -244,13 +270,14 @@ class Engine:
         checked against the vocabulary, the context window and the KV cache slot). Thread-safe; raises ValueError
         naming the bad field. A ``ChatPrompt`` with tools gets their output constraint (``with_tools``).
         ``deadline`` (time.monotonic() seconds): a request still waiting then is dropped before any model work (its
-        last block: finish_reason "cancelled"). Of the submission: ``owner`` may abort it (``abort``); ``drafts``
-        are the previews the caller wants (the async engine streams them); ``fill_context``: the caller set no
-        max_new_tokens, and the request may use the room left in the context (``room_left``) instead of
-        ``params.max_new_tokens``, as vLLM does for a request without max_tokens: a structured or tool-calling
-        output is then ended by its grammar or EOS, not cut short; ``cache_salt``: the request reuses only
-        prefix-cache blocks of requests with the same owner and salt (docs/prefix-caching.md); ValueError when
-        empty or longer than 256 characters."""
+        last block: finish_reason "cancelled"); one running then is ended with finish_reason "length", as at the
+        engine's ``max_request_seconds`` after its admission. Of the submission: ``owner`` may abort it
+        (``abort``); ``drafts`` are the previews the caller wants (the async engine streams them);
+        ``fill_context``: the caller set no max_new_tokens, and the request may use the room left in the context
+        (``room_left``) instead of ``params.max_new_tokens``, as vLLM does for a request without max_tokens: a
+        structured or tool-calling output is then ended by its grammar or EOS, not cut short; ``cache_salt``: the
+        request reuses only prefix-cache blocks of requests with the same owner and salt
+        (docs/prefix-caching.md); ValueError when empty or longer than 256 characters."""
         prompt, request_id, owner = sub.prompt, sub.request_id, sub.owner
         salt = _cache_salt(owner, sub.cache_salt)
         params = with_tools(prompt, sub.params or self.default_params())
@@ -279,6 +306,7 @@ class Engine:
             params,
             tracker,
             deadline=deadline,
+            time_limit=self.max_request_seconds,
             owner=owner,
             grammar=grammar,
             drafts=sub.drafts,
@@ -348,44 +376,98 @@ class Engine:
         return self.scheduler.num_waiting
 
     def step(self) -> StepOutput:
-        """One engine iteration, schedule → run → commit: admit into slots, encode the planned prompt chunks, one
-        denoising step for every running canvas whose prompt is encoded, commit finished blocks."""
+        """One engine iteration, schedule → run → commit: end the requests whose time is up, admit into slots,
+        encode the planned prompt chunks, one denoising step for every running canvas whose prompt is encoded,
+        commit finished blocks. Each request's own work runs through ``_alone`` (its failure ends that request);
+        the shared work through ``_shared`` (its failure raises ``SharedWorkError``: an engine fault)."""
         out = StepOutput()
         with self._lock:
-            plan = self.scheduler.schedule()
+            plan = self._shared("scheduling", self.scheduler.schedule)
             for req in plan.expired:
                 out.blocks.append((req, self._expire(req)))
-        self.runner.release_finished()  # aborted since the last step: their slots are free before admission
-        for req in plan.admitted:
-            self.runner.admit(req)
-        out.admitted = plan.admitted
+            for req in plan.timed_out:
+                out.blocks.append((req, self._time_out(req)))
+        # aborted or timed out since the last step: their slots are free before admission
+        self._shared("slot release", self.runner.release_finished)
+        out.admitted = self._alone("admission", plan.admitted, self.runner.admit, out)
         for req, start, end in plan.prefill:
-            self.runner.prefill(req, start, end)
-        for r in plan.decode:
-            if r.block is None:
-                self.runner.start_block(r)
+            self._alone("prefill", [req], functools.partial(self.runner.prefill, start=start, end=end), out)
+        self._alone("block start", [r for r in plan.decode if r.block is None], self.runner.start_block, out)
         with self._lock:  # a grammar that failed before the block's first step: that request ends here
-            active = [r for r in plan.decode if not self._failed_alone(r, out)]
-        if not active:
-            self.runner.release_finished()
-            return out
-        t0 = time.perf_counter()
-        self.runner.run(active)
-        dt = time.perf_counter() - t0
-        out.stepped = active
-        with self._lock:
-            for req in active:
-                req.denoise_seconds += dt
-                if req.finished or self._failed_alone(req, out):
-                    continue
-                if req.block is not None and req.block_done:
-                    try:
-                        out.blocks.append((req, self._commit(req)))
-                    except Exception:
-                        log.exception("request %s: committing its block failed; ending it alone", req.request_id)
-                        self._fail(req, RequestFailedError(f"request {req.request_id}: failed during generation"), out)
-        self.runner.release_finished()
+            active = [r for r in plan.decode if not r.finished and not self._failed_alone(r, out)]
+        if active:
+            t0 = time.perf_counter()
+            self._shared(f"the batched denoising pass over {len(active)} requests", lambda: self.runner.run(active))
+            dt = time.perf_counter() - t0
+            out.stepped = active
+            with self._lock:
+                for req in active:
+                    req.denoise_seconds += dt
+                done = [r for r in active if not r.finished and not self._failed_alone(r, out) and r.block_done]
+                self._alone("commit", done, lambda r: out.blocks.append((r, self._commit(r))), out)
+        self._shared("slot release", self.runner.release_finished)
         return out
+
+    def _alone(
+        self, phase: str, reqs: Sequence[Request], work: Callable[[Request], object], out: StepOutput
+    ) -> list[Request]:
+        """``work(req)`` for each request still in flight, each on its own: an exception ends that request alone
+        (``_end_alone``) and the others go on. Returns the requests whose work succeeded."""
+        ok = []
+        for req in reqs:
+            if req.finished:  # aborted meanwhile, or failed at an earlier phase of this step
+                continue
+            try:
+                work(req)
+            except Exception as e:  # noqa: BLE001 - whatever one request's work raises ends that request only
+                self._end_alone(req, phase, e, out)
+            else:
+                ok.append(req)
+        return ok
+
+    def _end_alone(self, req: Request, phase: str, error: Exception, out: StepOutput) -> None:
+        """End ``req`` after its own work raised ``error`` in ``phase``: with ``error`` itself when it is a
+        ValueError (the request's input caused it; the message names the field: INVALID_ARGUMENT / 400), else with
+        a ``RequestFailedError`` (INTERNAL for this request only). The log line names the request, the phase and the
+        exception's type, never its message (which may quote the request's content); the traceback is at DEBUG."""
+        kind = type(error).__name__
+        if isinstance(error, ValueError):
+            log.info("request %s: its input failed at %s (%s); ending it alone", req.request_id, phase, kind)
+            failure: Exception = error
+        else:
+            log.error("request %s: %s failed (%s); ending it alone", req.request_id, phase, kind)
+            failure = RequestFailedError(f"request {req.request_id}: failed during {phase} (an internal error)")
+        log.debug("request %s: %s failed", req.request_id, phase, exc_info=error)
+        with self._lock:
+            self._fail(req, failure, out)
+
+    @staticmethod
+    def _shared(phase: str, work: Callable[[], _T]) -> _T:
+        """``work()``, shared by every running request: an exception there belongs to no single request and is
+        raised as a ``SharedWorkError`` naming ``phase`` and the cause's type (chained)."""
+        try:
+            return work()
+        except Exception as e:
+            raise SharedWorkError(
+                f"engine fault in {phase}, work shared by every running request (no single request's): "
+                f"{type(e).__name__}"
+            ) from e
+
+    def _match_prefix(self, req: Request) -> int:
+        """The prompt tokens the prefix cache holds for ``req`` (``ModelRunner.match_prefix``), planned at its
+        admission. A lookup that raises costs that request its reuse only (0: its whole prompt is encoded, with the
+        same tokens as a hit gives), never the scheduling of the others."""
+        try:
+            return self.runner.match_prefix(req)
+        except Exception as e:
+            log.error(
+                "request %s: prefix cache lookup failed (%s); encoding its whole prompt",
+                req.request_id,
+                type(e).__name__,
+            )
+            log.debug("request %s: prefix cache lookup failed", req.request_id, exc_info=e)
+            req.prefix_hit = None
+            return 0
 
     def _failed_alone(self, req: Request, out: StepOutput) -> bool:
         """End ``req`` when its own state failed (its grammar); True when it did. Under the lock."""
@@ -432,6 +514,16 @@ class Engine:
         req.tracker.finish_reason = FINISH_CANCELLED
         self._remember_finished(req)
         return BlockOutput(0, [], "", BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_CANCELLED)
+
+    def _time_out(self, req: Request) -> BlockOutput:
+        """End a running request whose time is up (the scheduler has marked it finished): the block being denoised
+        is dropped, what was committed stays, and the last "block" carries no tokens, the text the output rules
+        held back, and finish_reason "length" (a budget, time, cut the output). Under the lock."""
+        req.block = None
+        text = req.tracker.end(FINISH_LENGTH)
+        self._remember_finished(req)
+        log.info("request %s: its time is up after %d blocks; ending it (length)", req.request_id, len(req.blocks))
+        return BlockOutput(req.block_index, [], text, BlockStats(0, 0.0, float("nan"), 0.0, 0.0), FINISH_LENGTH)
 
     # ------------------------------------------------------------------ validation
 

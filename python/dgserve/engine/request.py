@@ -27,7 +27,13 @@ RequestKey = tuple[str | None, str]  # (owner, request_id): request ids are a na
 
 class RequestFailedError(Exception):
     """A request ended by a failure of its own (not of the engine): the others carry on. The message is generic
-    (it names the request, never its content); the server log has the cause."""
+    (it names the request and the phase, never its content); the server log has the cause's type."""
+
+
+class SharedWorkError(RuntimeError):
+    """An exception in work shared by every running request (scheduling, slot bookkeeping, the batched denoising
+    pass): it belongs to no single request, so the engine cannot go on (an engine fault). The message names the
+    phase and the cause's type, never a request's content; the cause is chained."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class Request:
     prompt_ids: list[int]  # validated once, at admission (``Engine.make_request``)
     params: SamplingParams  # params.seed is set: the one seed of the request
     tracker: OutputTracker  # the output rules: tokens and text so far, finish reason
-    deadline: float | None = None  # time.monotonic() after which a still-waiting request is dropped
+    deadline: float | None = None  # time.monotonic(): a still-waiting request is dropped, a running one ended
+    time_limit: float | None = None  # seconds a request may run from its admission into a slot (None: no limit)
     owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
     grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
     drafts: DraftSpec | None = None  # previews wanted by the caller
@@ -84,6 +91,15 @@ class Request:
     def key(self) -> RequestKey:
         """(owner, request_id): request ids are a namespace per caller (two callers may use the same id)."""
         return (self.owner, self.request_id)
+
+    @property
+    def ends_at(self) -> float | None:
+        """time.monotonic() at which a running request is ended with finish reason "length" (docs/generation.md,
+        "Limits"): the sooner of its deadline and its admission plus ``time_limit``; None when neither is set."""
+        limit = None if self.time_limit is None or self.admitted_at is None else self.admitted_at + self.time_limit
+        if limit is None or self.deadline is None:
+            return limit if limit is not None else self.deadline
+        return min(limit, self.deadline)
 
     @property
     def seed(self) -> int:

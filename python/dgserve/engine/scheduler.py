@@ -3,6 +3,8 @@
 A request is *waiting* (queued) until a running slot is free, then *running* until it finishes or is aborted.
 Each ``schedule()`` call plans one engine iteration:
 
+* end running requests whose time is up (``Request.ends_at``: their deadline, or their time limit counted from
+  admission), which frees their slots for this iteration's admissions;
 * admit waiting requests FIFO while fewer than ``max_num_seqs`` run; drop waiting requests whose deadline has
   passed (they never cost model work); at admission, ``cached_prefix`` (when given) says how many leading prompt
   tokens the prefix cache holds, and prefill starts after them (a multiple of ``prefill_chunk``, so the chunk
@@ -76,12 +78,13 @@ class ScheduleOutput:
 
     admitted: list[Request] = field(default_factory=list)  # moved from waiting to running now
     expired: list[Request] = field(default_factory=list)  # dropped from the queue: deadline passed
+    timed_out: list[Request] = field(default_factory=list)  # running past Request.ends_at: ended (marked finished)
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end) prompt slices
     decode: list[Request] = field(default_factory=list)  # one denoising step each, in admission order
 
     @property
     def empty(self) -> bool:
-        return not (self.admitted or self.expired or self.prefill or self.decode)
+        return not (self.admitted or self.expired or self.timed_out or self.prefill or self.decode)
 
 
 class Scheduler:
@@ -186,6 +189,7 @@ class Scheduler:
         out = ScheduleOutput()
         now = self.clock()
         self._expire(now, out)
+        self._time_out(now, out)
         self._admit(now, out)
         self._plan_prefill(out)
         out.decode = [s for s in self._running.values() if s.prefill_done]
@@ -196,6 +200,12 @@ class Scheduler:
             req = self._waiting.pop(key)
             req.status = FINISHED
             out.expired.append(req)
+
+    def _time_out(self, now: float, out: ScheduleOutput) -> None:
+        for key in [key for key, s in self._running.items() if (end := s.ends_at) is not None and end <= now]:
+            req = self._running.pop(key)
+            req.status = FINISHED
+            out.timed_out.append(req)
 
     def _admit(self, now: float, out: ScheduleOutput) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
