@@ -67,6 +67,18 @@ def prefix_hashes(ids: Sequence[int], block_tokens: int, salt: str | None = None
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """What the prefix cache holds (for metrics): bytes held and the capacity, the blocks cached, the blocks
+    evicted whole and the blocks that dropped their sliding part, since start."""
+
+    held_bytes: int
+    capacity_bytes: int
+    blocks: int
+    evicted_blocks: int
+    dropped_sliding: int
+
+
 KV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]  # per layer keys, values; None: dropped
 
 
