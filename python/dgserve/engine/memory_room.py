@@ -23,6 +23,7 @@ bounds nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,12 +82,37 @@ def read_memory(root: str | Path = "/") -> MemoryReading:
     """The memory reading of this process (module docstring), from the files under ``root``. OSError when even
     /proc/meminfo has no MemAvailable (the caller then needs a budget in bytes)."""
     root = Path(root)
+    return _reading(root, _cgroup_dirs(root))
+
+
+def own_cgroup(root: str | Path = "/") -> tuple[Path, int] | None:
+    """(directory, version) of this process's memory cgroup (v1 with a memory hierarchy, else v2), or None."""
+    dirs = _cgroup_dirs(Path(root))
+    return dirs[0] if dirs else None
+
+
+def room_reader(root: str | Path = "/") -> Callable[[], int | None]:
+    """A cheap repeated ``read_memory(root).available``: the cgroup directories are found once, each call reads
+    only the limit, usage and meminfo files (a few file reads); None when they cannot be read."""
+    root = Path(root)
+    dirs = _cgroup_dirs(root)
+
+    def read() -> int | None:
+        try:
+            return _reading(root, dirs).available
+        except OSError:
+            return None
+
+    return read
+
+
+def _reading(root: Path, dirs: list[tuple[Path, int]]) -> MemoryReading:
     host = _meminfo(root / "proc/meminfo")
     if host is None:
         raise OSError(f"cannot read MemAvailable from {root / 'proc/meminfo'}")
     rss = _status_rss(root / "proc/self/status")
     best: tuple[int, Path, int, int] | None = None  # (room, dir, limit, usage)
-    for d, version in _cgroup_dirs(root):
+    for d, version in dirs:
         limit, usage = _limit_and_usage(d, version)
         if limit is None:
             continue

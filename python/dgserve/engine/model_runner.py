@@ -34,7 +34,7 @@ import torch
 from dgserve.config import ConfigError
 from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
-from dgserve.engine.memory_room import read_memory
+from dgserve.engine.memory_room import read_memory, room_reader
 from dgserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
@@ -44,6 +44,9 @@ from dgserve.model.cache import SlotCache
 from dgserve.sampling_params import to_signed64
 
 log = logging.getLogger("dgserve")
+# what the prefix cache leaves free in host memory for the process's own working memory (a pass's activations
+# beyond what it already holds): it frees blocks rather than take the process closer than this to its limit
+HOST_MIN_ROOM = 128 << 20
 
 
 def free_memory(device: torch.device) -> tuple[int, str]:
@@ -110,8 +113,18 @@ class ModelRunner:
         self.prefix: PrefixCache | None = None
         if prefix_caching:
             layer_bytes = [prefill_chunk * b for b in SlotCache.layer_position_bytes(cfg, model.dtype)]
+            # in host memory the cache keeps its blocks in maps of their own and yields to the process's other
+            # memory (the container's limit included): docs/prefix-caching.md, "Memory and eviction"
+            host = dev.type == "cpu"
             self.prefix = PrefixCache(
-                prefill_chunk, layer_bytes, self.cache.sliding, cfg.sliding_window, budget - self.cache_bytes
+                prefill_chunk,
+                layer_bytes,
+                self.cache.sliding,
+                cfg.sliding_window,
+                budget - self.cache_bytes,
+                page_backed=host,
+                room=room_reader() if host else None,
+                min_room=HOST_MIN_ROOM,
             )
         self.sampler = Sampler(model.dtype)
         S = self.num_slots
@@ -205,7 +218,8 @@ class ModelRunner:
             return
         key, parent = req.prefix_hashes[c], req.prefix_hashes[c - 1] if c else None
         if not self.prefix.touch(key):  # not cached yet: copy it out of the slot
-            self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end))
+            # on the host the cache copies the views into its own maps; elsewhere the copies are made here
+            self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end, copy=not self.prefix.page_backed))
 
     def _encode(self, req: Request, ids: list[int]) -> None:
         """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
