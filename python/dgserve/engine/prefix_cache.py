@@ -21,7 +21,9 @@ cache therefore frees memory from the least recently used block first: a leaf (n
 whole, any other block drops its sliding part and keeps its full layers (a prefix's tail goes before its head, so
 no cached block is ever unreachable). A match ends at the longest run of cached blocks whose last W − 1 positions
 still have their sliding part. The slots are planned first and the cache only takes what they leave, so it never
-makes a request fail that would fit without it.
+makes a request fail that would fit without it. In host memory it also yields to the process's other memory (the
+``room`` it reads before each store: the container's limit less its usage), and each block lives in memory maps of
+its own, so what it frees goes back to the system (``own_pages``).
 
 Not thread-safe: the engine thread calls it (``ModelRunner``), and the lookup at admission runs under the engine's
 lock inside ``Scheduler.schedule``.
