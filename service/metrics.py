@@ -13,9 +13,10 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dgserve.engine.async_engine import EngineObserver, Finished
+from dgserve.engine.prefix_cache import PrefixCacheStats
 from dgserve.outputs import BlockOutput
 
 log = logging.getLogger("dgserve.metrics")
@@ -87,6 +88,8 @@ class Metrics(EngineObserver):
         self.prefix_hits = Counter(
             p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV reused)", registry=r
         )
+        self.prefix_cache = PrefixCacheCollector()
+        r.register(self.prefix_cache)
         r.register(self.connections)
         r.register(NvmlCollector())
         r.register(NativeOpsCollector())
@@ -97,9 +100,10 @@ class Metrics(EngineObserver):
         num_waiting: Callable[[], int],
         max_num_seqs: int,
         kv_cache_usage: Callable[[], float] | None = None,
+        prefix_cache: Callable[[], PrefixCacheStats | None] | None = None,
     ):
         """Read the engine's gauges at scrape time: each callable runs on the scraping thread, so it may read only
-        what is safe there (host ints, Engine.kv_cache_usage)."""
+        what is safe there (host ints, Engine.kv_cache_usage, Engine.prefix_cache_stats)."""
         sources: dict[str, Callable[[], float]] = {
             "dgserve_num_requests_running": num_running,
             "dgserve_num_requests_waiting": num_waiting,
@@ -110,6 +114,7 @@ class Metrics(EngineObserver):
             for g in self.gauges[name]:
                 g.set_function(read)
         self.max_running.set(max_num_seqs)
+        self.prefix_cache.read = prefix_cache
 
     # EngineObserver
     def on_started(self, queue_seconds: float) -> None:
@@ -147,6 +152,39 @@ class Metrics(EngineObserver):
         """A sample's current value (tests, debugging); 0 when absent."""
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else v
+
+
+class PrefixCacheCollector:
+    """The prefix cache's memory (docs/prefix-caching.md), read from the engine at scrape time:
+    dgserve_prefix_cache_bytes (held) and dgserve_prefix_cache_capacity_bytes (what the slots leave of the KV cache
+    budget), dgserve_prefix_cache_blocks, and the counters dgserve_prefix_cache_evictions_total (blocks evicted
+    whole) and dgserve_prefix_cache_sliding_dropped_total (blocks that gave up their sliding layers' part). Nothing
+    without prefix caching or before the engine is loaded."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], PrefixCacheStats | None] | None = None
+
+    def collect(self):
+        stats = self.read() if self.read is not None else None
+        if stats is None:
+            return
+        p = "dgserve_prefix_cache_"
+        for name, doc, value in (
+            ("bytes", "Bytes of KV held by the prefix cache", stats.held_bytes),
+            (
+                "capacity_bytes",
+                "Bytes the prefix cache may hold (the KV cache budget the slots leave)",
+                stats.capacity_bytes,
+            ),
+            ("blocks", "Prompt chunks held by the prefix cache", stats.blocks),
+        ):
+            yield GaugeMetricFamily(p + name, doc, value=value)
+        yield CounterMetricFamily(p + "evictions", "Prefix cache blocks evicted whole", value=stats.evicted_blocks)
+        yield CounterMetricFamily(
+            p + "sliding_dropped",
+            "Prefix cache blocks that dropped their sliding layers' keys and values under pressure",
+            value=stats.dropped_sliding,
+        )
 
 
 class ConnectionsCollector:

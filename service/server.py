@@ -241,7 +241,11 @@ class Server:
             self.state.names = tuple(names)
             self.state.info = convert.model_info(aengine, self.state.names)
             self.metrics.track_engine(
-                lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs, engine.kv_cache_usage
+                lambda: aengine.num_running,
+                lambda: aengine.num_waiting,
+                aengine.max_num_seqs,
+                engine.kv_cache_usage,
+                engine.prefix_cache_stats,
             )
             self.state.engine = aengine
             if not self.state.draining:

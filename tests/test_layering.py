@@ -99,6 +99,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.v1.*",
                 "dgserve.text.token_bounds",
                 "dgserve.text.client_json",  # the one reader of a client's JSON
+                "dgserve.text.inert",  # content is content: caller strings never become control tokens
                 "dgserve.text.gemma4",  # the Gemma 4 markers and the built-in format's tool pieces
                 "dgserve.text.messages",
                 "dgserve.text.reasoning",
@@ -135,7 +136,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     (
         "engine",
         (
-            ("dgserve.engine.block", "dgserve.engine.cache_config", "dgserve.engine.prefix_cache"),
+            (
+                "dgserve.engine.block",
+                "dgserve.engine.cache_config",
+                "dgserve.engine.prefix_cache",
+                "dgserve.engine.memory_room",
+            ),
             ("dgserve.engine.request",),  # the one per-request record
             ("dgserve.engine.scheduler", "dgserve.engine.sampler", "dgserve.engine.prompt"),
             ("dgserve.engine.model_runner",),

@@ -92,6 +92,48 @@ def test_no_room_caches_nothing():
     assert len(pc) == 0 and pc.held_bytes == 0
 
 
+def test_the_cache_yields_to_the_room_the_process_has_left():
+    """With a room reading, a store first frees blocks until it leaves ``min_room``; with none to free it stores
+    nothing. Capacity alone would hold all four."""
+    free = [100]
+    pc = PrefixCache(2, [10], [False], 2, capacity_bytes=1000, room=lambda: free[0], min_room=70)
+    keys = [prefix_hashes([i, i], 2)[0] for i in range(4)]
+    assert pc.store(keys[0], None, *_kv(0)) and pc.store(keys[1], None, *_kv(1))  # 100 − 10 ≥ 70
+    free[0] = 75  # the process grew: storing would leave 65 < 70, so the least recent block goes first
+    assert pc.store(keys[2], None, *_kv(2)) and keys[0] not in pc and pc.evicted_blocks == 1
+    free[0] = 20  # 60 short, 20 to give: everything goes, and still no room
+    assert not pc.store(keys[3], None, *_kv(3)) and len(pc) == 0 and pc.held_bytes == 0
+    free[0] = None  # unreadable: capacity alone decides
+    assert pc.store(keys[3], None, *_kv(3))
+
+
+def _anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_page_backed_blocks_give_their_pages_back():
+    """Host blocks live in maps of their own: evicting one, or dropping its sliding part, returns its pages at
+    once (the resident set falls by its size), and the copies hold the slot's values."""
+    mib = 1 << 20
+    k = [torch.full((1, 2, 4 * mib), float(i)) for i in range(2)]  # 32 MiB per tensor, 64 MiB per layer
+    v = [torch.full((1, 2, 4 * mib), -float(i)) for i in range(2)]
+    layer = 2 * k[0].nbytes
+    pc = PrefixCache(2, [layer, layer], [True, False], 2, capacity_bytes=3 * layer, page_backed=True)
+    a, b = prefix_hashes([1, 1], 2)[0], prefix_hashes([2, 2], 2)[0]
+    before = _anon_mib()
+    assert pc.store(a, None, k, v)
+    assert _anon_mib() - before > 120  # 128 MiB copied
+    (hit,) = pc.match([a], 2)
+    assert all(torch.equal(x, y) for x, y in zip(hit[0] + hit[1], k + v, strict=True))
+    assert hit[0][0].data_ptr() != k[0].data_ptr()
+    del hit
+    assert pc.store(b, None, k, v)  # 256 MiB > 192: block a (LRU leaf) is evicted
+    assert a not in pc and 120 < _anon_mib() - before < 136
+    pc._free_some(keep=None)  # b is a leaf: evicted whole
+    assert len(pc) == 0 and _anon_mib() - before < 8
+
+
 def _two_layers(x: float):
     """Keys/values of a block on two layers: layer 0 sliding, layer 1 full."""
     return [torch.full((1, 2, 1), x), torch.full((1, 2, 1), x + 0.5)], [torch.full((1, 2, 1), -x)] * 2

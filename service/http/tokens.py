@@ -5,9 +5,10 @@
                       "return_token_strs"? → {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int], "model"?} → {"prompt": str}
 
-A chat is rendered by the checkpoint's chat template exactly as /v1/chat/completions renders it; text is encoded as
-a completion's prompt is. At most max_model_len tokens (a longer prompt could never be used; refused with bounded
-work). Errors are OpenAI error bodies naming the field, as for generation.
+A chat is rendered and tokenized by the checkpoint's chat template exactly as /v1/chat/completions does it (the
+caller's text never becomes control tokens: docs/architecture.md, "Content is content"); text is encoded as a
+completion's prompt is (special-token texts in it are parsed). At most max_model_len tokens (a longer prompt
+could never be used; refused with bounded work). Errors are OpenAI error bodies naming the field, as for generation.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shlex
 import socket
 import string
 import subprocess
@@ -55,15 +56,26 @@ FUZZ_CODES = {
 
 class ServerProcess:
     """``python -m dgserve.service`` on 127.0.0.1 with ephemeral ports; ``port``/``http_port`` parsed from its log.
-    ``nofile``: its open-file limit, soft and hard (None: inherited)."""
+    ``nofile``: its open-file limit, soft and hard (None: inherited). ``cgroup``: a cgroup directory the server
+    joins before it starts (its ``cgroup.procs``)."""
 
-    def __init__(self, model_dir, *extra: str, ready_timeout: float = 120, nofile: int | None = None):
+    def __init__(
+        self,
+        model_dir,
+        *extra: str,
+        ready_timeout: float = 120,
+        nofile: int | None = None,
+        cgroup: str | None = None,
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "DGSERVE_"))}
+        setup = [] if nofile is None else [f"ulimit -n {int(nofile)}"]
+        if cgroup is not None:
+            setup.append(f"echo $$ > {shlex.quote(os.path.join(cgroup, 'cgroup.procs'))}")
         self.proc = subprocess.Popen(
             [
-                # the file limit through a shell's ulimit, not preexec_fn: a Python callback between fork and exec
-                # in a process with gRPC threads (the test runner) can hang or break the child
-                *([] if nofile is None else ["sh", "-c", f'ulimit -n {int(nofile)} && exec "$@"', "sh"]),
+                # limits through a shell, not preexec_fn: a Python callback between fork and exec in a process
+                # with gRPC threads (the test runner) can hang or break the child
+                *(["sh", "-c", " && ".join([*setup, 'exec "$@"']), "sh"] if setup else []),
                 *SERVER_COMMAND,
                 "--model",
                 str(model_dir),

@@ -1,7 +1,7 @@
 """Prefix caching on a real server (docs/prefix-caching.md): a conversation's second turn reuses the first's prompt
 whichever door each came through, reports it (HTTP ``usage.prompt_tokens_details.cached_tokens``, gRPC
-``Usage.cached_tokens``, Prometheus queried/hit token counters), returns the same tokens as without reuse, and never
-shares blocks between authenticated callers."""
+``Usage.cached_tokens``, Prometheus queried/hit token counters and the bytes held and evictions), returns the same
+tokens as without reuse, and never shares blocks between authenticated callers."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ import openai
 import pytest
 from service_helpers import ServerThread, base_config
 
+from dgserve import Engine, SamplingParams
+from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.scheduler import SchedulerConfig
+from dgserve.model.cache import SlotCache
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
+from service.metrics import Metrics
 
 CHUNK = 8  # the servers' prefill chunk: the prefix cache's block
 SYSTEM = "You are a careful assistant. " * 12
@@ -90,6 +95,35 @@ def test_second_turn_reuses_the_first_and_says_so(servers):
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
     assert plain.choices[0].message.content == second.choices[0].message.content
     assert _metric(off, "dgserve_prefix_cache_queries_total") == 0
+    # the bytes the cache holds: whole blocks, within what the slots leave of the budget
+    held, cap = _metric(on, "dgserve_prefix_cache_bytes"), _metric(on, "dgserve_prefix_cache_capacity_bytes")
+    assert 0 < held <= cap and held % _metric(on, "dgserve_prefix_cache_blocks") == 0
+    assert "dgserve_prefix_cache_bytes" not in urllib.request.urlopen(_url(off) + "/metrics").read().decode()
+
+
+def test_metrics_follow_the_bytes_held_and_the_evictions(model_dir):
+    """An engine whose budget leaves the prefix cache room for three blocks: the gauge follows the bytes held, the
+    counters the blocks evicted and stripped, read at scrape time as the server reads them."""
+    sched = SchedulerConfig(max_num_seqs=2, prefill_chunk=CHUNK, max_prefill_tokens=CHUNK)
+    probe = Engine.from_pretrained(model_dir, scheduler_config=sched, cache_config=CacheConfig(memory=1 << 30))
+    cfg, dtype = probe.model.config, probe.model.dtype
+    block = CHUNK * SlotCache.position_bytes(cfg, dtype)
+    slots = 2 * SlotCache.bytes_per_slot(cfg, probe.max_model_len, probe.runner.chunk, dtype)
+    eng = Engine(
+        probe.model, probe.tokenizer, scheduler_config=sched, cache_config=CacheConfig(memory=slots + 3 * block)
+    )
+    metrics = Metrics()
+    metrics.track_engine(lambda: 0, lambda: 0, 2, eng.kv_cache_usage, eng.prefix_cache_stats)
+    assert metrics.value("dgserve_prefix_cache_capacity_bytes") == 3 * block
+    assert metrics.value("dgserve_prefix_cache_bytes") == 0
+    for i in range(4):  # distinct prompts of 2 whole blocks each: the third evicts
+        eng.generate([5 + i] * (2 * CHUNK + 1), SamplingParams(max_new_tokens=16, max_denoising_steps=2, seed=i))
+        stats = eng.prefix_cache_stats()
+        assert stats is not None and 0 < stats.held_bytes <= 3 * block
+        assert metrics.value("dgserve_prefix_cache_bytes") == stats.held_bytes
+        assert metrics.value("dgserve_prefix_cache_blocks") == stats.blocks
+    assert metrics.value("dgserve_prefix_cache_evictions_total") == stats.evicted_blocks > 0
+    assert metrics.value("dgserve_prefix_cache_sliding_dropped_total") == stats.dropped_sliding
 
 
 def test_reuse_crosses_the_doors_and_streams_report_it(servers):

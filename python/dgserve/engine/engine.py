@@ -49,8 +49,8 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
+from dgserve.engine.prefix_cache import PrefixCacheStats, prefix_hashes
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
-from dgserve.engine.prefix_cache import prefix_hashes
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission, with_tools
 from dgserve.engine.request import Request, RequestFailedError, RequestKey, SharedWorkError
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -637,6 +637,11 @@ class Engine:
         cache's blocks (``ModelRunner.kv_cache_usage``: a snapshot of host ints, safe to read from the metrics
         scrape while the engine thread steps)."""
         return self.runner.kv_cache_usage()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's bytes held, capacity and evictions (``ModelRunner.prefix_cache_stats``; None without
+        prefix caching): safe to read from the metrics scrape."""
+        return self.runner.prefix_cache_stats()
 
 
 def check_request_id(value: str, field: str = "request_id") -> None:

@@ -15,7 +15,8 @@ batch invariant: docs/exactness.md; batched over the slots in place on accelerat
 head a tile of canvases at a time, and the sampler. The batched path has static shapes per (B, length bucket) and
 no allocation proportional to the context; capturing it in CUDA graphs is the GPU issues' work.
 
-Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the device's free memory); it decides how
+Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the memory the process may still take:
+``free_memory``, which on the CPU heeds the container's cgroup limit); it decides how
 many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does and
 ``check_fits`` rejects a request that needs more. What the slots leave of the budget holds the prefix cache
 (engine/prefix_cache.py, docs/prefix-caching.md): each full prompt chunk is copied out of the slot once encoded,
@@ -25,6 +26,7 @@ then ``admit``).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -32,7 +34,8 @@ import torch
 from dgserve.config import ConfigError
 from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
-from dgserve.engine.prefix_cache import PrefixCache
+from dgserve.engine.memory_room import read_memory, room_reader
+from dgserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
@@ -40,16 +43,24 @@ from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
 from dgserve.sampling_params import to_signed64
 
+log = logging.getLogger("dgserve")
+# what the prefix cache leaves free in host memory for the process's own working memory (a pass's activations
+# beyond what it already holds): it frees blocks rather than take the process closer than this to its limit
+HOST_MIN_ROOM = 128 << 20
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free now: CUDA's mem_get_info, or MemAvailable from /proc/meminfo on the CPU."""
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes this process may still take, what bounds them, for the log): CUDA's mem_get_info on a GPU; on the
+    CPU the host's MemAvailable bounded by the memory limit of the process's cgroup less its usage
+    (``memory_room.read_memory``)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ConfigError("kv_cache_memory: cannot read MemAvailable from /proc/meminfo; give a size in bytes")
+        free = torch.cuda.mem_get_info(device)[0]
+        return free, f"{free >> 20} MiB free on {device}"
+    try:
+        reading = read_memory()
+    except OSError as e:
+        raise ConfigError(f"kv_cache_memory: {e}; give a size in bytes") from e
+    return reading.available, reading.describe()
 
 
 def plan_slots(model: DiffusionGemma, max_num_seqs: int, max_model_len: int, chunk: int, budget: int):
@@ -89,7 +100,11 @@ class ModelRunner:
         self.model = model
         cfg, dev = model.config, model.device
         self.chunk = max(prefill_chunk, cfg.canvas_length)  # the most positions one pass writes
-        budget = cc.memory if cc.memory is not None else int(cc.fraction * free_memory(dev))
+        budget = cc.memory
+        if budget is None:
+            free, why = free_memory(dev)
+            budget = int(cc.fraction * free)
+            log.info("kv cache budget: %d MiB, %s of %s", budget >> 20, cc.fraction, why)
         self.num_slots, self.slot_len = plan_slots(model, max_num_seqs, max_model_len, self.chunk, budget)
         self.cache = SlotCache(cfg, self.num_slots, self.slot_len, self.chunk, model.dtype, dev, zero=model.batch_rows)
         self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
@@ -98,8 +113,18 @@ class ModelRunner:
         self.prefix: PrefixCache | None = None
         if prefix_caching:
             layer_bytes = [prefill_chunk * b for b in SlotCache.layer_position_bytes(cfg, model.dtype)]
+            # in host memory the cache keeps its blocks in maps of their own and yields to the process's other
+            # memory (the container's limit included): docs/prefix-caching.md, "Memory and eviction"
+            host = dev.type == "cpu"
             self.prefix = PrefixCache(
-                prefill_chunk, layer_bytes, self.cache.sliding, cfg.sliding_window, budget - self.cache_bytes
+                prefill_chunk,
+                layer_bytes,
+                self.cache.sliding,
+                cfg.sliding_window,
+                budget - self.cache_bytes,
+                page_backed=host,
+                room=room_reader() if host else None,
+                min_room=HOST_MIN_ROOM,
             )
         self.sampler = Sampler(model.dtype)
         S = self.num_slots
@@ -193,7 +218,8 @@ class ModelRunner:
             return
         key, parent = req.prefix_hashes[c], req.prefix_hashes[c - 1] if c else None
         if not self.prefix.touch(key):  # not cached yet: copy it out of the slot
-            self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end))
+            # on the host the cache copies the views into its own maps; elsewhere the copies are made here
+            self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end, copy=not self.prefix.page_backed))
 
     def _encode(self, req: Request, ids: list[int]) -> None:
         """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
@@ -281,3 +307,11 @@ class ModelRunner:
             held += self.prefix.held_bytes
             total += self.prefix.capacity_bytes
         return min(1.0, max(0.0, held / total))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's bytes held, capacity and eviction counts (None without prefix caching): host ints,
+        safe to read from the metrics scrape (a snapshot that may straddle a step)."""
+        p = self.prefix
+        if p is None:
+            return None
+        return PrefixCacheStats(p.held_bytes, p.capacity_bytes, len(p), p.evicted_blocks, p.dropped_sliding)

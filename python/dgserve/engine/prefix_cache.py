@@ -21,7 +21,9 @@ cache therefore frees memory from the least recently used block first: a leaf (n
 whole, any other block drops its sliding part and keeps its full layers (a prefix's tail goes before its head, so
 no cached block is ever unreachable). A match ends at the longest run of cached blocks whose last W − 1 positions
 still have their sliding part. The slots are planned first and the cache only takes what they leave, so it never
-makes a request fail that would fit without it.
+makes a request fail that would fit without it. In host memory it also yields to the process's other memory (the
+``room`` it reads before each store: the container's limit less its usage), and each block lives in memory maps of
+its own, so what it frees goes back to the system (``own_pages``).
 
 Not thread-safe: the engine thread calls it (``ModelRunner``), and the lookup at admission runs under the engine's
 lock inside ``Scheduler.schedule``.
@@ -31,9 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,7 @@ _ROOT = b"dgserve prefix cache v1"
 
 
 MAX_CACHE_SALT_LENGTH = 256
+MAX_MAPPED_BLOCKS = 12_000  # blocks kept in maps of their own: 24,000 maps, well under Linux's default 65,530
 
 
 def cache_salt(owner: str | None, salt: str | None) -> str | None:
@@ -67,6 +71,47 @@ def prefix_hashes(ids: Sequence[int], block_tokens: int, salt: str | None = None
     return tuple(out)
 
 
+def own_pages(
+    keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], sliding: Sequence[bool]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of a block's host tensors in two anonymous memory maps, one for its full layers and one for its
+    sliding layers, each freed (its pages unmapped) when the last tensor viewing it goes.
+
+    Why: the blocks are the one long-lived allocation whose count churns. Copies made by ``malloc`` leave holes in
+    its heap when evicted; other allocations split the holes, the next blocks take fresh memory, and the process
+    grows with no bound although the cache stays within its capacity. A block in maps of its own gives its pages
+    back on eviction, and the sliding part on its own gives its pages back when it is dropped."""
+    out_k: list[torch.Tensor] = list(keys)
+    out_v: list[torch.Tensor] = list(values)
+    for group in (True, False):
+        layers = [i for i, s in enumerate(sliding) if bool(s) == group]
+        parts = [t for i in layers for t in (keys[i], values[i])]
+        if not parts:
+            continue
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # as malloc maps a large block (not shared memory)
+        buf = torch.frombuffer(mmap.mmap(-1, sum(t.nbytes for t in parts), flags=private), dtype=torch.uint8)
+        off = 0
+        for i in layers:
+            for out, t in ((out_k, keys[i]), (out_v, values[i])):
+                view = buf[off : off + t.nbytes].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                out[i] = view
+                off += t.nbytes
+    return out_k, out_v
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """What the prefix cache holds (for metrics): bytes held and the capacity, the blocks cached, the blocks
+    evicted whole and the blocks that dropped their sliding part, since start."""
+
+    held_bytes: int
+    capacity_bytes: int
+    blocks: int
+    evicted_blocks: int
+    dropped_sliding: int
+
+
 KV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]  # per layer keys, values; None: dropped
 
 
@@ -87,9 +132,12 @@ class PrefixCache:
     """The cached blocks of one model runner, within ``capacity_bytes`` (see the module docstring).
 
     block_tokens: the prefill chunk. layer_bytes[l]: one block's keys and values on layer l. sliding[l]: layer l
-    is a sliding-window layer (window W). Counters for metrics and tests: ``queried_tokens`` (prompt tokens looked
-    up), ``hit_tokens`` (of those, found cached), ``evicted_blocks``, ``dropped_sliding`` (blocks that gave up
-    their sliding part).
+    is a sliding-window layer (window W). page_backed (host memory): each stored block is copied into memory maps
+    of its own (``own_pages``), so what eviction frees goes back to the system. room: the bytes the process may
+    still take (``memory_room.room_reader``), read before each store: blocks are freed until storing leaves it
+    ``min_room`` (None: capacity alone bounds the cache). Counters for metrics and tests:
+    ``queried_tokens`` (prompt tokens looked up), ``hit_tokens`` (of those, found cached), ``evicted_blocks``,
+    ``dropped_sliding`` (blocks that gave up their sliding part).
     """
 
     def __init__(
@@ -99,6 +147,9 @@ class PrefixCache:
         sliding: Sequence[bool],
         window: int,
         capacity_bytes: int,
+        page_backed: bool = False,
+        room: Callable[[], int | None] | None = None,
+        min_room: int = 0,
     ):
         if block_tokens < 1 or not layer_bytes or len(layer_bytes) != len(sliding) or min(layer_bytes) < 1:
             raise ValueError(f"prefix cache: block of {block_tokens} tokens, layer bytes {list(layer_bytes)}")
@@ -107,6 +158,8 @@ class PrefixCache:
         self.block_bytes = sum(layer_bytes)  # a whole block
         self.sliding_bytes = sum(b for b, s in zip(layer_bytes, self.sliding_layers, strict=True) if s)
         self.capacity_bytes = max(0, capacity_bytes)
+        self.page_backed = page_backed
+        self.room, self.min_room = room, min_room
         self.held_bytes = 0
         self._blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()  # least recently used first
         self.queried_tokens = self.hit_tokens = self.evicted_blocks = self.dropped_sliding = 0
@@ -161,34 +214,63 @@ class PrefixCache:
             parent = self._blocks.get(parent_key)
             if parent is None:
                 return False
-        while self.held_bytes + self.block_bytes > self.capacity_bytes:
-            if not self._free_some(keep=parent):
-                return False
+        if not self._make_room(keep=parent):
+            return False
+        if self.page_backed:  # the runner passed views of its slot: copy them
+            keys, values = self._copy(keys, values)
         self._blocks[key] = PrefixBlock(key, parent, list(keys), list(values))
         self.held_bytes += self.block_bytes
         if parent is not None:
             parent.children += 1
         return True
 
-    def _free_some(self, keep: PrefixBlock | None) -> bool:
+    def _copy(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """A block's own copies: in maps of its own (``own_pages``) while the process's map count allows (two
+        maps a block, at most ``MAX_MAPPED_BLOCKS`` blocks), else ordinary copies."""
+        if len(self._blocks) < MAX_MAPPED_BLOCKS:
+            try:
+                return own_pages(keys, values, self.sliding_layers)
+            except OSError:  # out of maps (vm.max_map_count) or address space: an ordinary copy still works
+                pass
+        return [k.clone() for k in keys], [v.clone() for v in values]
+
+    def _free_some(self, keep: PrefixBlock | None) -> int:
         """Free memory from the least recently used block that has some to give: evict it if it is a leaf (other
-        than ``keep``), else drop its sliding part. False when nothing can be freed."""
+        than ``keep``), else drop its sliding part. The bytes freed; 0 when nothing can be freed."""
         for block in self._blocks.values():
             if block.children == 0 and block is not keep:
                 del self._blocks[block.key]
-                self.held_bytes -= self.block_bytes if block.sliding else self.block_bytes - self.sliding_bytes
+                freed = self.block_bytes if block.sliding else self.block_bytes - self.sliding_bytes
+                self.held_bytes -= freed
                 if block.parent is not None:
                     block.parent.children -= 1
                 self.evicted_blocks += 1
-                return True
+                return freed
             if block.sliding and self.sliding_bytes:
                 block.keys = [None if s else k for k, s in zip(block.keys, self.sliding_layers, strict=True)]
                 block.values = [None if s else v for v, s in zip(block.values, self.sliding_layers, strict=True)]
                 block.sliding = False
                 self.held_bytes -= self.sliding_bytes
                 self.dropped_sliding += 1
-                return True
-        return False
+                return self.sliding_bytes
+        return 0
+
+    def _make_room(self, keep: PrefixBlock | None) -> bool:
+        """Free blocks until one more fits the capacity and, with ``room``, leaves the process ``min_room`` bytes
+        (one reading of the room; freed maps go back at once). False when that cannot be done."""
+        while self.held_bytes + self.block_bytes > self.capacity_bytes:
+            if not self._free_some(keep):
+                return False
+        room = self.room() if self.room is not None else None
+        if room is None:
+            return True
+        short = self.min_room + self.block_bytes - room
+        while short > 0:
+            freed = self._free_some(keep)
+            if not freed:
+                return False
+            short -= freed
+        return True
 
     def clear(self) -> None:
         self._blocks.clear()

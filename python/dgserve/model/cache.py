@@ -173,14 +173,17 @@ class SlotCache:
             self.write(dst, layer, start, k, v)
         self.lengths[dst] = n
 
-    def copy_out(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def copy_out(
+        self, slot: int, start: int, end: int, copy: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of positions start .. end−1 of ``slot`` on every layer: (keys, values), each a per-layer list of
-        [nkv, end − start, hd] tensors. The positions must still be held (on sliding layers: within the ring)."""
+        [nkv, end − start, hd] tensors. The positions must still be held (on sliding layers: within the ring).
+        ``copy`` False: views (``read``), for a caller that copies them before the slot changes."""
         keys, values = [], []
         for layer in range(len(self.sliding)):
             k, v = self.read(slot, layer, start, end)
-            keys.append(k.clone())
-            values.append(v.clone())
+            keys.append(k.clone() if copy else k)
+            values.append(v.clone() if copy else v)
         return keys, values
 
     def copy_in(

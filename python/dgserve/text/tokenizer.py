@@ -16,6 +16,7 @@ a long text that passes is first counted in bounded chunks, stopping as soon as 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import jinja2.sandbox
 import jinja2.utils
 import tokenizers
 
-from dgserve.text import gemma4
+from dgserve.text import gemma4, inert
 from dgserve.text.messages import check_unicode, message_text, validate_messages
 from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
@@ -214,8 +215,12 @@ class Tokenizer:
         transformers does; tool call arguments are objects there. A template error raises ValueError with jinja's
         message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
         """
-        plain = validate_messages(messages)
-        plain_tools = _plain_tools(tools)
+        return self._render(validate_messages(messages), _plain_tools(tools), add_generation_prompt, enable_thinking)
+
+    def _render(
+        self, plain: list[dict], plain_tools: list[dict], add_generation_prompt: bool, enable_thinking: bool
+    ) -> str:
+        """The template (or the built-in format) applied to validated messages and tools."""
         if self._template is None:
             bos = self.bos_token or "<bos>"
             return render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
@@ -240,11 +245,32 @@ class Tokenizer:
         max_tokens: int | None = None,
         tools: Sequence[dict] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
-        template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
+        """Token ids of the rendered chat. The special tokens the template writes become their ids; no BOS is added
+        beyond what the template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=
+        True)` does. Text the caller supplied (message content, reasoning, tool calls and results, tool
+        declarations) never becomes a special token: a `<|turn>` typed in it is ordinary text (`dgserve.text.inert`;
+        a conversation without such text gets exactly the ids of encoding `apply_chat_template`'s string).
         `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`."""
-        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools)
-        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        plain, plain_tools = validate_messages(messages), _plain_tools(tools)
+        strings = inert.caller_strings([plain, plain_tools])
+        if not self._specials.needs_defang(strings):
+            text = self._render(plain, plain_tools, add_generation_prompt, enable_thinking)
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        swap = self._specials.sentinels([*strings, self.chat_template or ""])
+        plain, plain_tools = inert.defang([plain, plain_tools], swap)
+        text = self._render(plain, plain_tools, add_generation_prompt, enable_thinking)
+        restore = {v: k for k, v in swap.items()}
+        if max_tokens is not None:
+            self._check_bound(text.translate({ord(k): v for k, v in restore.items()}), max_tokens)
+        ids = self._specials.encode(self._tok, text, restore)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLongError(len(ids), max_tokens, "counted")
+        return ids
+
+    @functools.cached_property
+    def _specials(self) -> inert.SpecialTokens:
+        """The special tokens and the copy of the tokenizer that reads their texts as text (built on first use)."""
+        return inert.SpecialTokens(self._tok)
 
 
 def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
