@@ -274,7 +274,7 @@ def test_the_prompt_bound_still_holds(gemma_tok):
 
 def test_deeply_nested_arguments_with_markers(gemma_tok):
     args: dict = {"city": "<|turn>"}
-    for _ in range(400):
+    for _ in range(100):  # deep, within the bounded reader's 128 levels
         args = {"a": args}
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [_call(args)]}]
     ids = gemma_tok.encode_chat(messages)
