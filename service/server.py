@@ -223,6 +223,7 @@ class Server:
             events=self.connection_events,
             hosts=HostPolicy.build(cfg.allowed_hosts, own),
             origins=OriginPolicy.build(cfg.allowed_origins),
+            pages=cfg.playground,
         )
         await self._http.start()
         self.http_port = self._http.port
@@ -240,7 +241,12 @@ class Server:
             self.state.names = tuple(names)
             self.state.info = convert.model_info(aengine, self.state.names)
             self.metrics.track_engine(
-                lambda: aengine.num_running, lambda: aengine.num_waiting, aengine.max_num_seqs, engine.kv_cache_usage
+                lambda: aengine.num_running,
+                lambda: aengine.num_waiting,
+                aengine.max_num_seqs,
+                engine.kv_cache_usage,
+                model_name=self.state.names[0],
+                canvas_length=engine.model.config.canvas_length,
             )
             self.state.engine = aengine
             if not self.state.draining:
