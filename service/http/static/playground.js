@@ -141,7 +141,7 @@
     S.rows = []; S.frames = []; S.committed = []; S.text = "";
     $("canvas").replaceChildren();
     $("text").textContent = "";
-    Object.assign($("canvas").dataset, { state: "running", frames: 0, committed: "", text: "", seed: "" });
+    Object.assign($("canvas").dataset, { state: "running", frames: 0, frameLog: "", committed: "", text: "", seed: "" });
     $("curl").value = curl(b);
     busy(true);
     status("running…");
@@ -157,7 +157,9 @@
       $("curl").value = curl(S.last);
       $("canvas").dataset.seed = seed;
       await read(r.body);
-      Object.assign($("canvas").dataset, { committed: JSON.stringify(S.committed), text: S.text, state: "done" });
+      Object.assign($("canvas").dataset, {  // what was drawn, for a test to read back
+        frameLog: JSON.stringify(S.frames), committed: JSON.stringify(S.committed), text: S.text, state: "done",
+      });
       status("done · seed " + seed + " · " + S.frames.length + " draft frames");
     } catch (e) {
       $("canvas").dataset.state = "error";
