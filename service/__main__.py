@@ -221,6 +221,13 @@ SWITCHES = [  # (flag, environment variable, field, value when set, help)
         False,
         "do not reuse the KV of prompt prefixes across requests (docs/prefix-caching.md)",
     ),
+    (
+        "--no-playground",
+        "DGSERVE_NO_PLAYGROUND",
+        "playground",
+        False,
+        "do not serve the playground and dashboard pages (/, /playground, /dashboard) on the HTTP port",
+    ),
 ]
 
 

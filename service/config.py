@@ -59,6 +59,7 @@ class ServiceConfig:
     allowed_hosts: tuple[str, ...] = ()
     # origins (scheme://host[:port]) whose browser requests are served besides same-origin ones; ("*",): any
     allowed_origins: tuple[str, ...] = ()
+    playground: bool = True  # serve the playground and dashboard pages on the HTTP port (docs/playground.md)
 
     def __post_init__(self) -> None:
         for name, lo, hi in (

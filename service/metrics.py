@@ -4,7 +4,8 @@
 Names follow the NIM / vLLM conventions with a ``dgserve_`` prefix; "first token" is the first committed block.
 The three gauges an inference gateway's endpoint picker scores replicas on (requests waiting, requests running, KV
 cache utilisation) are also served under the vLLM names the picker reads by default (``VLLM_ALIASES``,
-docs/deployment.md "Inference gateway").
+docs/deployment.md "Inference gateway"). vLLM's token counters, latency histograms, prefix-cache counters and the
+diffusion counters are served under vLLM's names and labels too, from the same events (``vllm_metrics.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dgserve.engine.async_engine import EngineObserver, Finished
 from dgserve.engine.prefix_cache import PrefixCacheStats
 from dgserve.outputs import BlockOutput
+
+from .vllm_metrics import VllmMetrics
 
 log = logging.getLogger("dgserve.metrics")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -66,6 +69,12 @@ class Metrics(EngineObserver):
         self.steps_per_block = Histogram(
             p + "denoise_steps_per_block", "Denoising steps per committed block", buckets=_STEPS, registry=r
         )
+        self.block_time = Histogram(
+            p + "block_seconds",
+            "Wall time of a committed block's denoising steps (shared with the batch)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.tokens_per_forward = Histogram(
             p + "tokens_per_forward", "Tokens per decoder forward, per block", buckets=_TPF, registry=r
         )
@@ -90,6 +99,7 @@ class Metrics(EngineObserver):
         )
         self.prefix_cache = PrefixCacheCollector()
         r.register(self.prefix_cache)
+        self.vllm = VllmMetrics(r)
         r.register(self.connections)
         r.register(NvmlCollector())
         r.register(NativeOpsCollector())
@@ -101,9 +111,15 @@ class Metrics(EngineObserver):
         max_num_seqs: int,
         kv_cache_usage: Callable[[], float] | None = None,
         prefix_cache: Callable[[], PrefixCacheStats | None] | None = None,
+        model_name: str | None = None,
+        canvas_length: int = 0,
     ):
         """Read the engine's gauges at scrape time: each callable runs on the scraping thread, so it may read only
-        what is safe there (host ints, Engine.kv_cache_usage, Engine.prefix_cache_stats)."""
+        what is safe there (host ints, Engine.kv_cache_usage, Engine.prefix_cache_stats). ``model_name`` (the first
+        served name) labels the vLLM-named metrics, which exist from then on; ``canvas_length`` sizes their
+        canvas-positions counter."""
+        if model_name is not None:
+            self.vllm.bind(model_name, canvas_length)
         sources: dict[str, Callable[[], float]] = {
             "dgserve_num_requests_running": num_running,
             "dgserve_num_requests_waiting": num_waiting,
@@ -119,22 +135,27 @@ class Metrics(EngineObserver):
     # EngineObserver
     def on_started(self, queue_seconds: float) -> None:
         self.queue_time.observe(queue_seconds)
+        self.vllm.on_started(queue_seconds)
 
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries.inc(queried_tokens)
         self.prefix_hits.inc(hit_tokens)
+        self.vllm.on_prefix_cache(queried_tokens, hit_tokens)
 
     def on_block(self, block: BlockOutput, first: bool, seconds_since_arrival: float) -> None:
         if first:
             self.ttfb.observe(seconds_since_arrival)
         self.steps_per_block.observe(block.stats.denoising_steps)
+        self.block_time.observe(block.stats.denoise_seconds)
         self.tokens_per_forward.observe(block.stats.tokens_per_forward)
+        self.vllm.on_block(block, first, seconds_since_arrival)
 
     def on_finished(self, f: Finished) -> None:
         self.e2e.observe(f.total_seconds)
         self.prompt_tokens.inc(f.prompt_tokens)
         self.generation_tokens.inc(f.completion_tokens)
         self.finished.labels(f.finish_reason).inc()
+        self.vllm.on_finished(f)
 
     def on_abort(self, reason: str) -> None:
         self.aborted.labels(reason).inc()

@@ -224,6 +224,7 @@ class Server:
             events=self.connection_events,
             hosts=HostPolicy.build(cfg.allowed_hosts, own),
             origins=OriginPolicy.build(cfg.allowed_origins),
+            pages=cfg.playground,
         )
         await self._http.start()
         self.http_port = self._http.port
@@ -246,6 +247,8 @@ class Server:
                 aengine.max_num_seqs,
                 engine.kv_cache_usage,
                 engine.prefix_cache_stats,
+                model_name=self.state.names[0],
+                canvas_length=engine.model.config.canvas_length,
             )
             self.state.engine = aengine
             if not self.state.draining:

@@ -159,6 +159,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.in_flight",
                 "dgserve.service.config",
                 "dgserve.service.errors",
+                "dgserve.service.vllm_metrics",
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream
@@ -178,7 +179,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.site",
             ),
             ("dgserve.service.http.sse", "dgserve.service.http.responses_input", "dgserve.service.http.messages_input"),
-            ("dgserve.service.servicer", "dgserve.service.http.generate", "dgserve.service.http.tokens"),
+            (
+                "dgserve.service.servicer",
+                "dgserve.service.http.generate",
+                "dgserve.service.http.tokens",
+                "dgserve.service.http.playground",
+            ),
             ("dgserve.service.http.responses_api", "dgserve.service.http.messages_api"),
             ("dgserve.service.http.app",),
             ("dgserve.service.http.front_door", "dgserve.service.http"),

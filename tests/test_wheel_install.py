@@ -62,6 +62,12 @@ def test_the_wheel_holds_the_server_in_our_namespace(installed, tmp_path):
     out = _run([str(installed / "python"), "-c", code], cwd=tmp_path, env=_env()).stdout.split("\n")
     assert out[0].startswith(str(installed.parent)) and "/site-packages/dgserve/service/__init__.py" in out[0]
     assert out[1] == "None", "no top-level `service` module is installed"
+    # the built-in pages' files (package data): each one the pages route serves, and the vendored licence
+    from dgserve.service.http.playground import ASSETS, PAGES
+
+    static = pathlib.Path(out[0]).parent / "http" / "static"
+    for name in [*ASSETS, *PAGES.values(), "uPlot.LICENSE", "README.md"]:
+        assert (static / name).is_file(), f"{name} is not in the wheel"
 
 
 def test_installed_dgserve_serve_from_anywhere(installed, tmp_path):
@@ -117,6 +123,11 @@ def _both_front_doors(installed, ports, tmp_path) -> None:
             extra_body={"max_denoising_steps": 4},
         )
     )
+    import httpx
+
+    base = f"http://127.0.0.1:{ports['http']}"
+    for path in ("/playground", "/dashboard", "/playground/static/uPlot.iife.min.js"):
+        assert httpx.get(base + path, timeout=10).status_code == 200, path
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip() and chunks[-1].choices[0].finish_reason in ("stop", "length")
     r = _run(

@@ -13,6 +13,7 @@ call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in on
     GET, DELETE /v1/responses/{id}            a stored response of the caller
     POST /v1/messages                         the Messages API (messages_api.py); stream: its event stream
     POST /v1/messages/count_tokens            the input tokens /v1/messages would submit
+    GET  /, /playground, /dashboard           the built-in pages (playground.py; off with --no-playground)
 
 Errors are OpenAI error JSON, except on the Messages routes: Anthropic's error objects there.
 
@@ -37,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgserve import __version__
 
 from .. import errors
-from . import messages_api, responses_api, tokens
+from . import messages_api, playground, responses_api, tokens
 from .access_log import AccessLog
 from .errors import HttpError, anthropic_error_response, error_response
 from .gate import Gate
@@ -47,9 +48,10 @@ from .site import HostPolicy, OriginPolicy, SiteGuard
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
 
 
-def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
+def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool = True) -> FastAPI:
     """The app; ``hosts`` and ``origins`` say who may reach it from a browser (site.py), checked before any
-    route runs and after the access log has the request's id (refusals are logged and counted)."""
+    route runs and after the access log has the request's id (refusals are logged and counted). ``pages``: serve
+    the playground and dashboard (playground.py)."""
     app = FastAPI(title="dgserve", docs_url=None, redoc_url=None, openapi_url=None)
     counter = Counter(
         "dgserve_http_requests",
@@ -154,6 +156,8 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy) -> FastAPI:
     async def count_message_tokens(request: Request):
         return await messages_api.count_tokens(gate, request)
 
+    if pages:
+        playground.add_routes(app, gate, _openai_errors)
     return app
 
 

@@ -42,7 +42,8 @@ class HttpFrontDoor:
     """The FastAPI app served by uvicorn on ``sock``, in this event loop, holding at most ``max_connections``
     connections, each of which must deliver a complete request within ``request_timeout`` seconds
     (service/http/bounded.py); ``events`` counts and logs the connections closed or shed for that. ``hosts`` and
-    ``origins``: who may reach it from a browser (service/http/site.py)."""
+    ``origins``: who may reach it from a browser (service/http/site.py); ``pages``: serve the playground and
+    dashboard (service/http/playground.py)."""
 
     def __init__(
         self,
@@ -54,12 +55,13 @@ class HttpFrontDoor:
         events: ConnectionEvents,
         hosts: HostPolicy,
         origins: OriginPolicy,
+        pages: bool = True,
     ):
         self.door = DoorState(max_connections, request_timeout, events)
         self.gate, self.sock = gate, BoundedListener.wrap(sock, self.door)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(gate, hosts, origins),
+            build_app(gate, hosts, origins, pages),
             lifespan="off",
             http=protocol_class(self.door),
             loop="none",

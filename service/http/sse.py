@@ -1,9 +1,9 @@
 """Streaming responses: a request's events as server-sent events (``text/event-stream``).
 
-The body: the role opener (chat), one chunk per committed block, drafts as ``event: dgserve.draft`` chunks with
-no choices (so an OpenAI client yields no text for them), the finishing chunk with the ``dgserve`` extension, the
-usage chunk when asked for, ``data: [DONE]``. A request that fails after the headers were sent ends with its
-OpenAI error body as one more event, then ``[DONE]``.
+The body: the role opener (chat), one chunk per committed block (its ``dgserve.block``: stats and token ids),
+drafts as ``event: dgserve.draft`` chunks with no choices (so an OpenAI client yields no text for them), the
+finishing chunk with the ``dgserve`` extension, the usage chunk when asked for, ``data: [DONE]``. A request that
+fails after the headers were sent ends with its OpenAI error body as one more event, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ async def body(feed: events.Events, out: responses.Output, include_usage: bool) 
 def _encode(event: events.Event, out: responses.Output, include_usage: bool) -> list[bytes]:
     """The server-sent events for one event (none for StartEvent: the seed went out in the headers)."""
     if isinstance(event, events.BlockEvent):
-        stats = out.add_block(event)
-        return [sse(responses.chunk(out, event, extra={"block": stats}))]
+        stats = out.add_block(event)  # (+ the block's token ids: the canvas it committed, for the playground)
+        return [sse(responses.chunk(out, event, extra={"block": {**stats, "token_ids": list(event.token_ids)}}))]
     if isinstance(event, events.DraftEvent):
         draft = responses.chunk(out, no_choices=True, extra={"draft": responses.draft(event)})
         return [sse(draft, event="dgserve.draft")]

@@ -1,0 +1,138 @@
+"""The built-in pages on the HTTP port (service/http/playground.py, docs/playground.md), over HTTP: served from the
+package with a same-origin Content-Security-Policy, small, off with --no-playground; the token-pieces route is an
+API route like the others (auth, JSON only, same origin, 400 naming ``ids``); streamed blocks carry the token ids
+the page draws. The browser test is test_playground_browser.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import httpx
+import pytest
+from service_helpers import ServerThread, base_config
+
+from dgserve.service.__main__ import build_config
+from dgserve.service.http import playground
+
+STATIC = pathlib.Path(playground.__file__).parent / "static"
+# the vendored chart library, pinned (static/README.md)
+UPLOT_SHA256 = {
+    "uPlot.iife.min.js": "19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f",
+    "uPlot.min.css": "df630c6a8d6f8eeaff264b50f73ce5b114f646ffd9a0bb74f049b0a00135fa04",
+}
+BUDGET_BYTES = 100_000  # every file the pages load, together (they ship with every install)
+
+
+def url(s: ServerThread) -> str:
+    return f"http://127.0.0.1:{s.server.http_port}"
+
+
+def test_pages_and_assets_are_served_with_a_self_only_csp(server):
+    r = httpx.get(url(server) + "/", timeout=30)
+    assert r.status_code == 307 and r.headers["location"] == "/playground"
+    for path in ("/playground", "/dashboard"):
+        r = httpx.get(url(server) + path, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        csp = r.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
+        assert "frame-ancestors 'none'" in csp and "unsafe" not in csp
+        # every script and style the page loads is one of ours, by a same-origin path (no CDN)
+        for ref in _refs(r.text):
+            assert ref.startswith("/playground/static/") or ref in ("/playground", "/dashboard", "/metrics", "data:,")
+            if ref.startswith("/playground/static/"):
+                a = httpx.get(url(server) + ref, timeout=30)
+                assert a.status_code == 200 and a.content == (STATIC / ref.rsplit("/", 1)[1]).read_bytes()
+                assert a.headers["content-security-policy"] == csp
+                assert a.headers["x-content-type-options"] == "nosniff"
+        assert "<script>" not in r.text and "style=" not in r.text  # nothing inline: the CSP would block it
+    for name in ("README.md", "uPlot.LICENSE", "..%2Fplayground.py", "nope.js"):
+        assert httpx.get(url(server) + "/playground/static/" + name, timeout=30).status_code == 404
+
+
+def _refs(html: str) -> list[str]:
+    import re
+
+    return re.findall(r'(?:src|href)="([^"]+)"', html)
+
+
+def test_the_assets_are_small_and_the_vendored_library_is_pinned():
+    served = [*playground.ASSETS, *playground.PAGES.values()]
+    sizes = {name: (STATIC / name).stat().st_size for name in served}
+    assert sum(sizes.values()) < BUDGET_BYTES, sizes
+    for name, digest in UPLOT_SHA256.items():
+        assert hashlib.sha256((STATIC / name).read_bytes()).hexdigest() == digest, name
+    assert "MIT License" in (STATIC / "uPlot.LICENSE").read_text()
+    assert "1.6.32" in (STATIC / "README.md").read_text()
+
+
+def test_no_playground_flag_and_env():
+    assert build_config(["--no-playground"], {})[0].playground is False
+    assert build_config([], {"DGSERVE_NO_PLAYGROUND": "1"})[0].playground is False
+    assert build_config([], {})[0].playground is True
+
+
+def test_without_the_playground_its_routes_are_404(model_dir):
+    s = ServerThread(base_config(model_dir, playground=False))
+    try:
+        for path in ("/", "/playground", "/dashboard", "/playground/static/playground.js"):
+            assert httpx.get(url(s) + path, timeout=30).status_code == 404, path
+        assert httpx.get(url(s) + "/metrics", timeout=30).status_code == 200
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text("secret-a\n")
+    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
+    yield s
+    s.stop()
+
+
+def test_pieces_is_an_api_route_behind_auth_and_the_site_guard(guarded):
+    base, ok = url(guarded), {"Authorization": "Bearer secret-a"}
+    # the page itself is public (it holds no data); what it calls is not
+    assert httpx.get(base + "/playground", timeout=30).status_code == 200
+    r = httpx.post(base + "/playground/pieces", json={"ids": [1, 2]}, timeout=30)
+    assert r.status_code == 401
+    r = httpx.post(base + "/playground/pieces", json={"ids": [1, 2]}, headers=ok, timeout=30)
+    assert r.status_code == 200 and len(r.json()["pieces"]) == 2
+    text = httpx.post(base + "/playground/pieces", content=b'{"ids":[1]}', timeout=30, headers=ok)
+    assert text.status_code == 415  # (no Content-Type: not JSON)
+    foreign = {**ok, "Origin": "http://evil.example"}
+    assert httpx.post(base + "/playground/pieces", json={"ids": [1]}, headers=foreign, timeout=30).status_code == 403
+    same = {**ok, "Origin": base}
+    assert httpx.post(base + "/playground/pieces", json={"ids": [1]}, headers=same, timeout=30).status_code == 200
+    for bad in ({"ids": [10**9]}, {"ids": "1"}, {"ids": [True]}, {"ids": [1], "x": 1}, [1], {"ids": [0] * 5000}):
+        r = httpx.post(base + "/playground/pieces", json=bad, headers=ok, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("ids"), (bad, r.text)
+
+
+def test_pieces_are_each_ids_own_text(server):
+    ids = [5, 17, 40]
+    r = httpx.post(url(server) + "/playground/pieces", json={"ids": ids}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()["pieces"]
+    for i, piece in zip(ids, got, strict=True):
+        one = httpx.post(url(server) + "/detokenize", json={"tokens": [i]}, timeout=30).json()["prompt"]
+        assert piece == one
+
+
+def test_streamed_blocks_carry_their_token_ids(server):
+    body = {"prompt": "Once", "max_tokens": 40, "seed": 3, "max_denoising_steps": 4}
+    with httpx.stream("POST", url(server) + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        raw = r.read().decode()
+    blocks = [
+        json.loads(line[6:])["dgserve"]["block"]
+        for line in raw.split("\n")
+        if line.startswith("data: {") and '"block":' in line
+    ]
+    ids = [t for b in blocks for t in b["token_ids"]]
+    assert blocks and all(len(b["token_ids"]) == b["tokens"] for b in blocks)
+    whole = httpx.post(url(server) + "/v1/completions", json=body, timeout=60).json()
+    assert len(ids) == whole["usage"]["completion_tokens"]
+    text = httpx.post(url(server) + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text == whole["choices"][0]["text"]
