@@ -24,7 +24,7 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     owner = gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    call = _parse(body, engine.default_params(), gate.state.info, chat)
+    call = _parse(body, engine.default_params(), gate.state.info, chat, gate.trust_chat_template)
     gate.state.check_model(call.model)
     feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)
@@ -38,9 +38,9 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
         gate.calls.leave()
 
 
-def _parse(body, defaults, info, chat: bool) -> protocol.Call:
+def _parse(body, defaults, info, chat: bool, trust_chat_template: bool) -> protocol.Call:
     if chat:
-        return protocol.chat_request(body, defaults, info.max_model_len)
+        return protocol.chat_request(body, defaults, info.max_model_len, trust_chat_template)
     return protocol.completion_request(body, defaults, info.vocab_size, info.max_model_len)
 
 

@@ -16,6 +16,7 @@ a long text that passes is first counted in bounded chunks, stopping as soon as 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -196,6 +197,8 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
         tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """Render `messages` as a prompt string.
 
@@ -213,14 +216,26 @@ class Tokenizer:
         `pad_token` and transformers' helpers (`raise_exception`, `tojson`, `strftime_now`, `namespace`), as
         transformers does; tool call arguments are objects there. A template error raises ValueError with jinja's
         message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
+
+        `chat_template`: a template given with the request (rendered as the checkpoint's would be, in the same
+        sandbox; the server accepts one only when its operator trusts its callers). `continue_final_message`: the
+        last message, an assistant's, is left open for the model to continue (transformers' rule: the rendered
+        text is cut right after that message's text); give it without `add_generation_prompt`.
         """
         plain = validate_messages(messages)
         plain_tools = _plain_tools(tools)
-        if self._template is None:
+        final = _final_text(plain, add_generation_prompt) if continue_final_message else ""
+        template = self._template if chat_template is None else request_template(chat_template)
+        if template is None:
             bos = self.bos_token or "<bos>"
-            return render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
+            text = render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
+        else:
+            text = self._render(template, plain, plain_tools, add_generation_prompt, enable_thinking)
+        return _cut_after(text, final) if continue_final_message else text
+
+    def _render(self, template, plain, plain_tools, add_generation_prompt, enable_thinking) -> str:
         try:
-            return self._template.render(
+            return template.render(
                 messages=plain,
                 tools=plain_tools or None,
                 add_generation_prompt=bool(add_generation_prompt),
@@ -239,12 +254,53 @@ class Tokenizer:
         enable_thinking: bool = False,
         max_tokens: int | None = None,
         tools: Sequence[dict] | None = None,
+        **options,
     ) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
         template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
-        `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`."""
-        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools)
+        `max_tokens`: as for `encode`, applied to the rendered text. `tools` and `options` (continue_final_message,
+        chat_template): as for `apply_chat_template`."""
+        text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools, **options)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+
+
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+
+
+@functools.lru_cache(maxsize=16)
+def request_template(source: str) -> jinja2.Template:
+    """A chat template sent with a request, compiled in the sandbox (the last few kept compiled); ValueError
+    naming ``chat_template`` when it is too long or does not compile."""
+    if not isinstance(source, str) or not source:
+        raise ValueError("chat_template must be a non-empty string")
+    if len(source) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise ValueError(f"chat_template: {len(source)} characters; at most {MAX_REQUEST_TEMPLATE_CHARS}")
+    return _compile_template(source, "chat_template")
+
+
+def _final_text(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The text of the last message, which continue_final_message leaves open: an assistant's, with text."""
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+    if messages[-1]["role"] not in ("assistant", "model"):
+        raise ValueError("continue_final_message: the last message must be an assistant message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # the last text part (transformers' rule)
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    return content
+
+
+def _cut_after(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text (its last occurrence), as transformers does:
+    with the text's trailing spaces when the template kept them."""
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    if rendered[at : at + len(final.lstrip())] == final.lstrip():
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
 
 
 def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
