@@ -347,6 +347,20 @@ def to_signed64(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``n`` choices and seed ``seed`` (docs/seeded-noise.md,
+    "Several choices"): choice 0 runs with the request's seed itself, so it equals the n = 1 output; choice i > 0
+    with splitmix64 of seed + i·0x9E3779B97F4A7C15 (mod 2^64), a bijection of the sum, so the seeds of one request
+    are distinct and no choice's seed is its neighbour's seed + 1."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+_MASK64 = (1 << 64) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 TEMPERATURE_ZERO_SEED = 0  # the seed a temperature-0 request without one runs with
 

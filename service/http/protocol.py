@@ -4,7 +4,7 @@ Requests: ``completion_request`` / ``chat_request`` check a decoded JSON body an
 SamplingParams, options). Every field is checked once, with a ValueError whose message starts with the OpenAI
 field name (``max_tokens must be ...``, ``messages[2].role ...``); the diffusion knobs are extra body fields with
 the proto's names and SamplingParams' single validation. An OpenAI field that dgserve cannot honour faithfully is
-accepted only at its no-op value (``n: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
+accepted only at its no-op value (``best_of: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
 field we do not know, is a ValueError naming it, with the reason — never silently ignored. What vLLM's clients send
 maps onto the same objects: ``structured_outputs`` / ``guided_*`` become the response_format, ``stop_token_ids``,
 ``min_tokens`` and ``skip_special_tokens`` are SamplingParams', ``add_generation_prompt`` /
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
+from dgserve.engine.engine import MAX_REQUEST_ID_LENGTH
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
-from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
+from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, choice_seed, with_temperature
 from dgserve.structured import ResponseFormat
 from dgserve.structured.tools import ToolSet
 
@@ -38,6 +40,7 @@ GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
 # fields"); checked for their type only
 NEUTRAL = {"metadata": dict, "prompt_cache_key": str, "safety_identifier": str, "user": str}
 MAX_METADATA_PAIRS = 16
+MAX_CHOICES = 16  # n: choices per request, each a request in the engine
 # the knobs as body fields: SamplingParams' scalar knobs under their own names (the diffusion knobs are extra body
 # fields with the proto's names), except max_new_tokens, which OpenAI calls max_tokens / max_completion_tokens; the
 # bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
@@ -54,6 +57,7 @@ COMMON = {
     "temperature",
     "cache_salt",
     "stop_token_ids",
+    "n",
     *KNOBS,
     *GUIDED,
     *NEUTRAL,
@@ -74,7 +78,6 @@ CHAT_FIELDS = COMMON | {
 }
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
 NO_OP: dict[str, tuple[object, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "logprobs": (False, 0),
@@ -99,7 +102,6 @@ _LOGPROBS = "log-probabilities are not returned (a canvas position is accepted o
 _LOGPROBS += "drawn once from one distribution)"
 _PENALTY = "the diffusion sampler writes a whole canvas in parallel: there is no token-by-token history to penalise"
 WHY = {
-    "n": "one completion per request",
     "best_of": "one completion per request",
     "logprobs": _LOGPROBS,
     "top_logprobs": _LOGPROBS,
@@ -134,6 +136,7 @@ class Call:
     drafts: DraftSpec | None = None
     fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
     cache_salt: str | None = None  # prefix-cache isolation (docs/prefix-caching.md)
+    n: int = 1  # choices: n requests, seeds derived from the request's (``submissions``)
 
     def submission(self, request_id: str | None, owner: str | None) -> Submission:
         """The request as the engine's one submission (``owner``: the caller, None when auth is off)."""
@@ -146,6 +149,30 @@ class Call:
             fill_context=self.fill_context,
             cache_salt=self.cache_salt,
         )
+
+    def submissions(self, request_id: str, owner: str | None) -> list[Submission]:
+        """The ``n`` choices as submissions, to be submitted together so they batch. Choice 0 is ``submission``
+        with the request's id; choice i > 0 runs as ``<request_id>#<i>`` with seed ``choice_seed(seed, i)``
+        (docs/seeded-noise.md, "Several choices"). A request with n > 1 and no seed draws its one seed here."""
+        if self.n == 1:
+            return [self.submission(request_id, owner)]
+        seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
+        return [
+            dataclasses.replace(
+                self.submission(choice_request_id(request_id, i), owner),
+                params=dataclasses.replace(self.params, seed=choice_seed(seed, i)),
+            )
+            for i in range(self.n)
+        ]
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine id of choice ``index``: the request's for choice 0, ``<id>#<index>`` after it (the id cut so that
+    it stays within the 256 characters an id may have)."""
+    if index == 0:
+        return request_id
+    suffix = f"#{index}"
+    return request_id[: MAX_REQUEST_ID_LENGTH - len(suffix)] + suffix
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -249,12 +276,24 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
                 raise ValueError("stream_options.include_usage must be a boolean")
         include_usage = options.get("include_usage", False)
     drafts = _drafts(body.get("drafts"), stream)
+    n = _choices(body.get("n"), drafts is not None)
     model = _optional(body, "model", str) or ""
     params = sampling_params(body, defaults, limit_field)
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     salt = _optional(body, "cache_salt", str)
-    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt)
+    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt, n)
+
+
+def _choices(n, drafts: bool) -> int:
+    """``n``: an integer in [1, MAX_CHOICES] (absent: 1); drafts (previews of one canvas) only with one choice."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {clip(json.dumps(n))}")
+    if n > 1 and drafts:
+        raise ValueError("n: drafts are available only with n 1")
+    return n
 
 
 def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "max_tokens") -> SamplingParams:

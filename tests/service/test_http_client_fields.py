@@ -347,3 +347,85 @@ def test_grpc_takes_stop_token_ids_and_min_tokens(stub, local_engine):
     params = pb.SamplingParams(max_new_tokens=32, seed=5, min_tokens=20, **KNOBS)
     fin = list(stub.Generate(pb.GenerateRequest(prompt="the quick", params=params), timeout=60))[-1].finished
     assert fin.usage.completion_tokens >= 20
+
+
+# ---------------------------------------------------------------------------------------------- n > 1
+
+
+def test_n_choices_are_n_seeds_derived_from_the_request_seed(url, client):
+    from dgserve.sampling_params import choice_seed
+
+    body = {"prompt": "the quick", "max_tokens": 24, "seed": 5, "ignore_eos": True, **KNOBS}
+    many = _post(url, "/v1/completions", {**body, "n": 3}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    alone = [_post(url, "/v1/completions", {**body, "seed": choice_seed(5, i)}).json() for i in range(3)]
+    assert choice_seed(5, 0) == 5  # choice 0 is the n = 1 output
+    assert [c["text"] for c in many["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in many["choices"]}) == 3
+    usage = many["usage"]
+    assert usage["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]  # the prompt once, as OpenAI counts it
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone) == 72
+    ext = many["dgserve"]
+    assert ext["seed"] == 5 and [c["seed"] for c in ext["choices"]] == [choice_seed(5, i) for i in range(3)]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=16, seed=2, extra_body=KNOBS
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_n_without_a_seed_draws_one_and_reports_it(url):
+    from dgserve.sampling_params import choice_seed
+
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": 2, **KNOBS}).json()
+    seed = r["dgserve"]["seed"]
+    assert [c["seed"] for c in r["dgserve"]["choices"]] == [seed, choice_seed(seed, 1)]
+
+
+def test_n_streams_each_choice_with_its_index(url):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "seed": 4, **KNOBS}
+    whole = _post(url, "/v1/chat/completions", {**body, "n": 3}).json()
+    stream = {**body, "n": 3, "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, roles, usage, ids = {0: "", 1: "", 2: ""}, {}, [], None, set()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=stream, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            ids.add(chunk["id"])
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+                continue
+            (c,) = chunk["choices"]
+            if c["delta"].get("role"):
+                roles.append(c["index"])
+            text[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert roles == [0, 1, 2] and set(finish) == {0, 1, 2} and len(ids) == 1  # one response id
+    assert [text[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
+    assert usage == whole["usage"]
+
+
+@pytest.mark.parametrize("n", [0, 17, "two", True, 2.5])
+def test_bad_n_is_400_naming_it(url, n):
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": 2, "stream": True, "drafts": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_a_client_going_away_cancels_every_choice(server, url):
+    from service_helpers import wait_until
+
+    eng = server.engine
+    body = {"prompt": "long", "stream": True, "max_tokens": 16 * 200, "ignore_eos": True, "n": 3, **KNOBS}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert eng.num_running + eng.num_waiting == 3
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
