@@ -429,3 +429,13 @@ def test_a_client_going_away_cancels_every_choice(server, url):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
     wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
+
+
+def test_the_responses_api_takes_the_neutral_fields_codex_sends(url):
+    body = {"input": "hi", "max_output_tokens": 16, "seed": 1, "store": False, **KNOBS}
+    plain = _post(url, "/v1/responses", body).json()["output"][0]["content"]
+    neutral = {"prompt_cache_key": "s1", "client_metadata": {"session_id": "s1"}, "service_tier": "auto"}
+    r = _post(url, "/v1/responses", {**body, **neutral})
+    assert r.status_code == 200 and r.json()["output"][0]["content"] == plain, r.text
+    r = _post(url, "/v1/responses", {**body, "service_tier": "flex"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier", r.text
