@@ -228,6 +228,16 @@ SWITCHES = [  # (flag, environment variable, field, value when set, help)
         False,
         "do not serve the playground and dashboard pages (/, /playground, /dashboard) on the HTTP port",
     ),
+    (
+        "--trust-request-chat-template",
+        "DGSERVE_TRUST_REQUEST_CHAT_TEMPLATE",
+        "trust_request_chat_template",
+        True,
+        (
+            "let chat requests send their own chat_template (sandboxed jinja, but its work is unbounded: trusted "
+            "callers only; off: 400 naming chat_template)"
+        ),
+    ),
 ]
 
 

@@ -53,6 +53,7 @@ class ServiceConfig:
     reflection: bool = True
     warm_up: bool = True
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (docs/prefix-caching.md)
+    trust_request_chat_template: bool = False  # chat requests may send their own chat_template (docs/generation.md)
     responses_store_max_entries: int = 1024  # Responses API responses kept in memory (docs/responses-api.md)
     responses_store_max_bytes: int = 64 << 20  # their JSON bytes in all
     # HTTP Host names served besides localhost, IP literals, the bound address and the machine's names; ("*",): any

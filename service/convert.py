@@ -79,6 +79,12 @@ def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams) -> Samplin
         if most is not None and len(msg.stop) > most:  # before copying millions of strings into a tuple
             raise ValueError(f"params.stop has {len(msg.stop)} strings; at most {most} are allowed")
         kw["stop"] = tuple(msg.stop)
+    if msg.stop_token_ids:
+        if len(msg.stop_token_ids) > sp.MAX_STOP_TOKEN_IDS:  # before copying millions of ids into a tuple
+            raise ValueError(
+                f"params.stop_token_ids has {len(msg.stop_token_ids)} ids; at most {sp.MAX_STOP_TOKEN_IDS} are allowed"
+            )
+        kw["stop_token_ids"] = tuple(msg.stop_token_ids)
     try:
         return dataclasses.replace(defaults, **kw)
     except ValueError as e:
@@ -278,7 +284,7 @@ def finished(f: events.FinishEvent) -> pb.Finished:
 
 def params_message(p: SamplingParams) -> pb.SamplingParams:
     kw = {name: getattr(p, name) for name in _SCALARS if getattr(p, name) is not None}
-    return pb.SamplingParams(stop=list(p.stop), n=1, **kw)
+    return pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), n=1, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- model info

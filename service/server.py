@@ -213,6 +213,7 @@ class Server:
             owner=owner,
             max_body_bytes=cfg.max_message_bytes,
             responses=store,
+            trust_chat_template=cfg.trust_request_chat_template,
         )
         assert self.connection_plan is not None, "start() plans the connections before binding"
         own = (cfg.host, *await asyncio.to_thread(_machine_names))

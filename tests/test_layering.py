@@ -177,6 +177,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.access_log",
                 "dgserve.service.http.bounded",
                 "dgserve.service.http.site",
+                "dgserve.service.http.choices",
             ),
             ("dgserve.service.http.sse", "dgserve.service.http.responses_input", "dgserve.service.http.messages_input"),
             (

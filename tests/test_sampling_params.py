@@ -13,10 +13,11 @@ from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, STORAGE, Knob, KnobErro
 
 
 def test_the_table_covers_the_contract_fields():
-    """docs/architecture.md, "Public API": the ten fields, in order, all knobs; the scalars are all but stop. The one
-    field after
-    them, response_format (structured output), is not a knob: it has no bounds table."""
-    assert [f.name for f in dataclasses.fields(SamplingParams)] == [*KNOBS, "response_format"]
+    """docs/architecture.md, "Public API": the ten fields, in order, all knobs; then the output knobs min_tokens
+    and skip_special_tokens; the scalars are all but stop. The two fields after them, stop_token_ids (a list of ids
+    checked against the vocabulary by the engine) and response_format (structured output), are not knobs: they
+    have no bounds table."""
+    assert [f.name for f in dataclasses.fields(SamplingParams)] == [*KNOBS, "stop_token_ids", "response_format"]
     assert list(KNOBS) == [
         "max_new_tokens",
         "max_denoising_steps",
@@ -28,8 +29,10 @@ def test_the_table_covers_the_contract_fields():
         "seed",
         "ignore_eos",
         "stop",
+        "min_tokens",
+        "skip_special_tokens",
     ]
-    assert SCALAR_KNOBS == tuple(list(KNOBS)[:-1])
+    assert SCALAR_KNOBS == tuple(k for k in KNOBS if k != "stop")
     assert SamplingParams() == SamplingParams(256, 48, 0.4, 0.8, 0.1, 1, 0.005, None, False, ())
     doc = SamplingParams.__doc__ or ""
     assert all(f"    {n}: {k.doc}. Accepts: " in doc for n, k in KNOBS.items())  # the docstring lists the table
@@ -110,6 +113,8 @@ def test_numeric_knobs_at_their_bounds(name):
     k = KNOBS[name]
     ok, bad = _edges(k)
     base = dict(t_min=0.0, t_max=3e38) if name in ("t_min", "t_max") else {}  # keep t_min < t_max true
+    if name == "min_tokens":  # keep min_tokens <= max_new_tokens true
+        base = dict(max_new_tokens=KNOBS["max_new_tokens"].hi)
     for v in ok:
         if name == "t_min" and v == k.bounds.hi:
             base = dict(t_max=v)
@@ -180,3 +185,19 @@ def test_a_field_without_knob_metadata_is_not_a_knob():
         SamplingParams(response_format=fmt, max_new_tokens=0)
     with pytest.raises(ValueError, match=r"^response_format"):
         SamplingParams(response_format={"type": "json_object"})  # type: ignore[arg-type]
+
+
+def test_min_tokens_at_most_max_new_tokens_and_output_fields_not_with_a_grammar():
+    from dgserve.structured import ResponseFormat
+
+    assert SamplingParams(max_new_tokens=8, min_tokens=8).min_tokens == 8
+    with pytest.raises(KnobError, match=r"^min_tokens must be <= max_new_tokens \(8\), got 9"):
+        SamplingParams(max_new_tokens=8, min_tokens=9)
+    fmt = ResponseFormat("json_object")
+    for kw in ({"min_tokens": 1}, {"stop_token_ids": (3,)}):
+        with pytest.raises(ValueError, match=rf"^{next(iter(kw))}: cannot be combined with response_format"):
+            SamplingParams(response_format=fmt, **kw)
+    assert SamplingParams(stop_token_ids=[4, 5]).stop_token_ids == (4, 5)
+    for bad in ((True,), ("1",), (-1,)):
+        with pytest.raises(KnobError, match=r"^stop_token_ids\[0\] must be a non-negative integer"):
+            SamplingParams(stop_token_ids=bad)

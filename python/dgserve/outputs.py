@@ -68,6 +68,11 @@ class OutputTracker:
 
     Text comes from an `IncrementalDecoder` over the output ids without EOS tokens, so each block costs decodes of
     a window (the previous block and this one), not of the whole output so far.
+
+    ``stop_token_ids`` end the output as EOS does (kept in ``token_ids``, never in the text), with finish reason
+    "stop". ``min_tokens``: EOS, a stop token or a stop string ends the output only after that many tokens (a stop
+    string counts when the token that completes it comes after them); the sampler never draws EOS or a stop token
+    there (``banned_ids``), so these rules only guard what a caller of the tracker alone could feed it.
     """
 
     def __init__(
@@ -78,6 +83,8 @@ class OutputTracker:
         stop: tuple[str, ...],
         tokenizer=None,
         skip_special_tokens: bool = True,
+        stop_token_ids: tuple[int, ...] = (),
+        min_tokens: int = 0,
     ):
         if stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
@@ -85,6 +92,8 @@ class OutputTracker:
         self.eos_ids = frozenset() if ignore_eos else eos_ids
         self.all_eos = eos_ids
         self.stop = stop
+        self.stop_ids = frozenset(stop_token_ids)
+        self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         # skip_special_tokens False keeps marker tokens in the text (tool calls and reasoning, docs/tools.md)
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
@@ -92,15 +101,29 @@ class OutputTracker:
         self.text = ""  # text emitted so far
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
+        self._stop_floor = 0  # characters of the text of the first min_tokens tokens (a stop match ends after it)
+
+    @property
+    def banned_ids(self) -> frozenset[int]:
+        """The ids the sampler must not draw at positions before ``min_tokens``: the EOS ids (unless ignore_eos)
+        and the stop token ids."""
+        return self.eos_ids | self.stop_ids
+
+    def banned_positions(self) -> int:
+        """How many positions of the next block lie within the first ``min_tokens`` tokens (0: none)."""
+        return max(0, self.min_tokens - len(self.token_ids))
 
     def add_block(self, block: list[int]) -> tuple[list[int], str]:
         """Take a committed canvas → (the tokens it contributes, the text delta); sets finish_reason."""
         toks = block[: self.max_new_tokens - len(self.token_ids)]
         reason = None
-        for j, t in enumerate(toks):
-            if t in self.eos_ids:
-                toks, reason = toks[: j + 1], FINISH_EOS
+        for j in range(self.banned_positions(), len(toks)):
+            if toks[j] in self.eos_ids or toks[j] in self.stop_ids:
+                toks, reason = toks[: j + 1], FINISH_EOS if toks[j] in self.eos_ids else FINISH_STOP
                 break
+        within = self.banned_positions()
+        if within:  # the text of the first min_tokens tokens: no stop string may end inside it
+            self._stop_floor = len(self._text_with(toks[:within]))
         full = self._text_with(toks)
         hit = self._find_stop(full)
         if hit is not None:
@@ -125,16 +148,17 @@ class OutputTracker:
         return delta
 
     def _text_ids(self, toks: list[int]) -> list[int]:
-        return [t for t in toks if t not in self.all_eos]
+        return [t for t in toks if t not in self.all_eos and t not in self.stop_ids]
 
     def _text_with(self, toks: list[int]) -> str:
-        """The output's full text (EOS excluded) if `toks` were appended."""
+        """The output's full text (EOS and stop tokens excluded) if `toks` were appended."""
         if self._decoder is None:
             return ""
         return self._decoder.text_with(self._text_ids(toks))
 
     def _find_stop(self, full: str) -> tuple[int, int] | None:
-        """Earliest stop-string match (start, end) not already emitted; it may span blocks."""
+        """Earliest stop-string match (start, end) not already emitted and ending after the first min_tokens
+        tokens' text; it may span blocks."""
         if not self.stop:
             return None
         longest = max(len(s) for s in self.stop)
@@ -142,6 +166,8 @@ class OutputTracker:
         best = None
         for s in self.stop:
             i = full.find(s, start)
+            while 0 <= i and i + len(s) <= self._stop_floor:
+                i = full.find(s, i + 1)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, i + len(s))
         return best

@@ -28,6 +28,7 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_DENOISING_STEPS_LIMIT = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
 SEED_LIMIT = 1 << 64
 
 KNOB = "knob"  # the dataclass field metadata key
@@ -267,6 +268,19 @@ class SamplingParams:
         max_chars=MAX_STOP_LENGTH,
         doc="strings that end generation (text cut before the match; may span blocks)",
     )
+    min_tokens: int = knob(
+        0,
+        int,
+        lo=0,
+        hi=MAX_NEW_TOKENS_LIMIT,
+        note="min_tokens <= max_new_tokens",
+        doc="tokens generated before EOS, a stop token or a stop string may end the output (the sampler never "
+        "draws EOS or a stop token there)",
+    )
+    skip_special_tokens: bool = knob(True, bool, doc="decode the output text without special tokens")
+    # not a knob (a list of ids, checked against the vocabulary by the engine): token ids that end generation as
+    # EOS does, with finish_reason "stop"; kept in token_ids, never in the text
+    stop_token_ids: tuple[int, ...] = ()
     # not a knob (no bounds table): a ``ResponseFormat`` (JSON schema, JSON object, regex, choice) the output
     # follows (docs/structured-output.md); None = free text
     response_format: ResponseFormat | None = None
@@ -277,6 +291,9 @@ class SamplingParams:
         for name, k in KNOBS.items():
             if k.above and not getattr(self, name) > getattr(self, k.above):
                 raise KnobError(name, f"must be > {k.above} ({getattr(self, k.above)}), got {getattr(self, name)}")
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        if self.min_tokens > self.max_new_tokens:
+            raise KnobError("min_tokens", f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.response_format is not None:
             if not isinstance(self.response_format, ResponseFormat):
                 raise ValueError(f"response_format must be a ResponseFormat, got {type(self.response_format).__name__}")
@@ -287,6 +304,9 @@ class SamplingParams:
                     "stop: cannot be combined with response_format (the grammar ends the output where the document "
                     "is complete; a stop string could cut it)"
                 )
+            for name in ("stop_token_ids", "min_tokens"):  # the grammar decides where the document ends
+                if getattr(self, name):
+                    raise ValueError(f"{name}: cannot be combined with response_format (the grammar ends the output)")
 
     @classmethod
     def from_generation_config(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> SamplingParams:
@@ -358,6 +378,18 @@ def _checked(name: str, k: Knob, value: Any) -> Any:
     return value
 
 
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """``value`` as a tuple of at most MAX_STOP_TOKEN_IDS non-negative ints; KnobError naming ``name[i]``."""
+    if not isinstance(value, (list, tuple)):
+        raise KnobError(name, f"must be a list of token ids, got {type(value).__name__}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise KnobError(name, f"has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise KnobError(f"{name}[{i}]", f"must be a non-negative integer token id, got {t!r}")
+    return tuple(value)
+
+
 def _checked_strings(name: str, k: Knob, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         items: tuple[Any, ...] = (value,)
@@ -400,6 +432,20 @@ def to_signed64(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``n`` choices and seed ``seed`` (docs/seeded-noise.md,
+    "Several choices"): choice 0 runs with the request's seed itself, so it equals the n = 1 output; choice i > 0
+    with splitmix64 of seed + i·0x9E3779B97F4A7C15 (mod 2^64), a bijection of the sum, so the seeds of one request
+    are distinct and no choice's seed is its neighbour's seed + 1."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+_MASK64 = (1 << 64) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 TEMPERATURE_ZERO_SEED = 0  # the seed a temperature-0 request without one runs with
 

@@ -25,12 +25,14 @@ class Gate:
         owner: Callable[[str], str] | None,
         max_body_bytes: int,
         responses: ResponseStore | None = None,
+        trust_chat_template: bool = False,
     ):
         # owner: the caller's identity from its Authorization header (errors.UnauthenticatedError when the token
         # is not accepted); None when auth is off. The same BearerAuth.owner the gRPC door uses, so a request
         # started over HTTP can be aborted over gRPC only with the same token.
         self.state, self.metrics, self.live, self.owner = state, metrics, live, owner
         self.max_body_bytes = max_body_bytes
+        self.trust_chat_template = trust_chat_template  # requests may send a chat_template (an operator's choice)
         self.calls = InFlight()  # generation requests not yet finished (the drain waits for them)
         # the Responses API's stored responses, scoped by the same owner as request ids
         self.responses = responses if responses is not None else ResponseStore(1024, 64 << 20)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from .. import events
 from . import protocol, responses, sse
 from .body import read_json
+from .choices import Choices
 from .gate import Gate
 
 
@@ -24,38 +25,45 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     owner = gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    call = _parse(body, engine.default_params(), gate.state.info, chat)
+    call = _parse(body, engine.default_params(), gate.state.info, chat, gate.trust_chat_template)
     gate.state.check_model(call.model)
-    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
-    out = responses.Output(feed.request_id, call.model or gate.state.names[0], feed.seed, chat)
-    headers = {"X-Dgserve-Seed": str(out.seed)}
+    feeds = await Choices.open(engine, call.submissions(request.state.request_id, owner))
+    rid, model = feeds.feeds[0].request_id, call.model or gate.state.names[0]
+    outs = [responses.Output(rid, model, f.seed, chat, index=i) for i, f in enumerate(feeds.feeds)]
+    headers = {"X-Dgserve-Seed": str(outs[0].seed)}
     gate.calls.enter()
     if call.stream:
-        return sse.EventStream(sse.body(feed, out, call.include_usage), feed.cancel, gate.calls.leave, headers)
+        return sse.EventStream(sse.body(feeds, outs, call.include_usage), feeds.cancel, gate.calls.leave, headers)
     try:
-        return await _complete(request, feed, out, headers)
+        return await _complete(request, feeds, outs, headers)
     finally:
         gate.calls.leave()
 
 
-def _parse(body, defaults, info, chat: bool) -> protocol.Call:
+def _parse(body, defaults, info, chat: bool, trust_chat_template: bool) -> protocol.Call:
     if chat:
-        return protocol.chat_request(body, defaults, info.max_model_len)
+        return protocol.chat_request(body, defaults, info.max_model_len, trust_chat_template)
     return protocol.completion_request(body, defaults, info.vocab_size, info.max_model_len)
 
 
-async def _complete(request: Request, feed: events.Events, out: responses.Output, headers: dict) -> Response:
-    """The non-streaming answer: the whole output as one JSON body (499, unread, when the client went away)."""
-
-    def add(event: events.Event) -> None:
-        if isinstance(event, events.BlockEvent):
-            out.add_block(event)
-        elif isinstance(event, events.FinishEvent):
-            out.finish(event)
-
-    if not await read_all(request, feed, add):  # cancelled: the client went away, nobody reads this
+async def _complete(request: Request, feeds: Choices, outs: list[responses.Output], headers: dict) -> Response:
+    """The non-streaming answer: every choice's whole output as one JSON body (499, unread, when the client went
+    away: every choice is cancelled)."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, feeds))
+    try:
+        async for i, event in feeds.events():
+            if isinstance(event, events.ErrorEvent):
+                raise event.error
+            if isinstance(event, events.BlockEvent):
+                outs[i].add_block(event)
+            elif isinstance(event, events.FinishEvent):
+                outs[i].finish(event)
+    finally:
+        watcher.cancel()
+        feeds.cancel("client_cancelled")
+    if any(o.finished is None for o in outs):  # cancelled: the client went away, nobody reads this
         return Response(status_code=499)
-    return JSONResponse(responses.response(out), headers=headers)
+    return JSONResponse(responses.response(outs), headers=headers)
 
 
 async def read_all(request: Request, feed: events.Events, add: Callable[[events.Event], object]) -> bool:
@@ -76,7 +84,7 @@ async def read_all(request: Request, feed: events.Events, add: Callable[[events.
         feed.cancel("client_cancelled")
 
 
-async def _cancel_on_disconnect(request: Request, feed: events.Events) -> None:
+async def _cancel_on_disconnect(request: Request, feed: events.Events | Choices) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -4,8 +4,13 @@ Requests: ``completion_request`` / ``chat_request`` check a decoded JSON body an
 SamplingParams, options). Every field is checked once, with a ValueError whose message starts with the OpenAI
 field name (``max_tokens must be ...``, ``messages[2].role ...``); the diffusion knobs are extra body fields with
 the proto's names and SamplingParams' single validation. An OpenAI field that dgserve cannot honour faithfully is
-accepted only at its no-op value (``n: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
-field we do not know, is a ValueError naming it — never silently ignored.
+accepted only at its no-op value (``best_of: 1``, ``logprobs: false``, ``top_p: 1`` ...); any other value, and any
+field we do not know, is a ValueError naming it, with the reason — never silently ignored. What vLLM's clients send
+maps onto the same objects: ``structured_outputs`` / ``guided_*`` become the response_format, ``stop_token_ids``,
+``min_tokens`` and ``skip_special_tokens`` are SamplingParams', ``add_generation_prompt`` /
+``continue_final_message`` / ``chat_template`` shape the ChatPrompt's rendering. Neutral fields that ask nothing of
+the output (``metadata``, ``user``, ``prompt_cache_key``, ``safety_identifier``, chat's ``store``) are accepted,
+checked for their type, and ignored (docs/generation.md, "HTTP fields").
 
 The body was decoded with bounded work and shape (``body.decode_body``), so checking it is O(fields): a list is
 refused by its length (token ids, messages) before its items are looked at. The draft options' bounds and the
@@ -16,17 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
+from dgserve.engine.engine import MAX_REQUEST_ID_LENGTH
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
-from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, with_temperature
+from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, choice_seed, with_temperature
 from dgserve.structured import ResponseFormat
 from dgserve.structured.tools import ToolSet
 
 from .. import events
 from ..errors import clip
 
+# vLLM's output constraints, read as a response_format (``output_format``); at most one constraint per request
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+# fields accepted and ignored: they ask for nothing a server must do to the output (docs/generation.md, "HTTP
+# fields"); checked for their type only
+NEUTRAL = {"metadata": dict, "prompt_cache_key": str, "safety_identifier": str, "user": str}
+MAX_METADATA_PAIRS = 16
+MAX_CHOICES = 16  # n: choices per request, each a request in the engine
 # the knobs as body fields: SamplingParams' scalar knobs under their own names (the diffusion knobs are extra body
 # fields with the proto's names), except max_new_tokens, which OpenAI calls max_tokens / max_completion_tokens; the
 # bounds and validation are SamplingParams' own (one table: dgserve.sampling_params.KNOBS)
@@ -38,12 +52,15 @@ COMMON = {
     "stream_options",
     "max_tokens",
     "stop",
-    "user",
     "drafts",
     "response_format",
     "temperature",
     "cache_salt",
+    "stop_token_ids",
+    "n",
     *KNOBS,
+    *GUIDED,
+    *NEUTRAL,
 }
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {
@@ -54,28 +71,55 @@ CHAT_FIELDS = COMMON | {
     "tool_choice",
     "parallel_tool_calls",
     "reasoning_effort",
+    "store",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
 }
 # OpenAI fields with no faithful meaning here, accepted only at the value that asks for nothing
 NO_OP: dict[str, tuple[object, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "logprobs": (False, 0),
     "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
     "top_p": (1,),
+    "top_k": (0, -1),  # vLLM's "no truncation"
+    "min_p": (0,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
     "logit_bias": ({},),
     "suffix": ("",),
     "functions": ([],),
+    "service_tier": ("auto", "default"),
 }
+_LOGPROBS = "log-probabilities are not returned (a canvas position is accepted over several denoising steps, not "
+_LOGPROBS += "drawn once from one distribution)"
+_PENALTY = "the diffusion sampler writes a whole canvas in parallel: there is no token-by-token history to penalise"
 WHY = {
-    "n": "one completion per request",
     "best_of": "one completion per request",
-    "logprobs": "log-probabilities are not returned",
-    "top_logprobs": "log-probabilities are not returned",
+    "logprobs": _LOGPROBS,
+    "top_logprobs": _LOGPROBS,
+    "prompt_logprobs": _LOGPROBS,
     "top_p": "the diffusion sampler has no nucleus truncation",
+    "top_k": "the diffusion sampler has no top-k truncation (it draws from the whole distribution at every position)",
+    "min_p": "the diffusion sampler has no min-p truncation (it draws from the whole distribution at every position)",
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "repetition_penalty": _PENALTY,
+    "length_penalty": "no beam search: a diffusion canvas is refined in parallel, not searched token by token",
+    "use_beam_search": "no beam search: a diffusion canvas is refined in parallel, not searched token by token",
+    "include_stop_str_in_output": "the text is always cut before the stop string",
+    "spaces_between_special_tokens": "special tokens are decoded as written, with no spaces put between them",
+    "logit_bias": "logit biases are not supported",
     "functions": "the deprecated functions field is not supported: send tools",
+    "service_tier": "this server has one service tier: auto or default",
+    "guided_grammar": "grammars are not supported (send guided_json, guided_regex or guided_choice)",
 }
 CHAT_KWARGS = ("enable_thinking", "add_generation_prompt")
 
@@ -92,6 +136,7 @@ class Call:
     drafts: DraftSpec | None = None
     fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
     cache_salt: str | None = None  # prefix-cache isolation (docs/prefix-caching.md)
+    n: int = 1  # choices: n requests, seeds derived from the request's (``submissions``)
 
     def submission(self, request_id: str | None, owner: str | None) -> Submission:
         """The request as the engine's one submission (``owner``: the caller, None when auth is off)."""
@@ -105,6 +150,30 @@ class Call:
             cache_salt=self.cache_salt,
         )
 
+    def submissions(self, request_id: str, owner: str | None) -> list[Submission]:
+        """The ``n`` choices as submissions, to be submitted together so they batch. Choice 0 is ``submission``
+        with the request's id; choice i > 0 runs as ``<request_id>#<i>`` with seed ``choice_seed(seed, i)``
+        (docs/seeded-noise.md, "Several choices"). A request with n > 1 and no seed draws its one seed here."""
+        if self.n == 1:
+            return [self.submission(request_id, owner)]
+        seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
+        return [
+            dataclasses.replace(
+                self.submission(choice_request_id(request_id, i), owner),
+                params=dataclasses.replace(self.params, seed=choice_seed(seed, i)),
+            )
+            for i in range(self.n)
+        ]
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine id of choice ``index``: the request's for choice 0, ``<id>#<index>`` after it (the id cut so that
+    it stays within the 256 characters an id may have)."""
+    if index == 0:
+        return request_id
+    suffix = f"#{index}"
+    return request_id[: MAX_REQUEST_ID_LENGTH - len(suffix)] + suffix
+
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -116,18 +185,43 @@ def completion_request(body, defaults: SamplingParams, vocab_size: int, max_len:
     return _call(body, _completion_prompt(body.get("prompt"), vocab_size, max_len), defaults, "max_tokens")
 
 
-def chat_request(body, defaults: SamplingParams, max_len: int | None = None) -> Call:
+def chat_request(body, defaults: SamplingParams, max_len: int | None = None, trust_chat_template: bool = False) -> Call:
     """POST /v1/chat/completions body → Call (messages through the checkpoint's chat template). ``max_len`` (the
-    context window): more messages, or content parts in all, are refused (each renders to at least a token)."""
+    context window): more messages, or content parts in all, are refused (each renders to at least a token).
+    ``trust_chat_template``: the operator lets requests send their own ``chat_template`` (else it is refused)."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
     messages = chat_messages(body, max_len)
     kwargs = chat_template_kwargs(body)
     tools = ToolSet.from_openai(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     thinking = kwargs.get("enable_thinking", _reasoning_effort(body.get("reasoning_effort")))
-    prompt = ChatPrompt(messages, kwargs.get("add_generation_prompt", True), thinking, tools=tools)
+    _optional(body, "store", bool)  # accepted, nothing is stored (docs/generation.md, "HTTP fields")
+    rendering = _rendering(body, kwargs, trust_chat_template)
+    prompt = ChatPrompt(messages, enable_thinking=thinking, tools=tools, **rendering)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _call(body, prompt, defaults, limit)
+
+
+def _rendering(body: dict, kwargs: dict, trust_chat_template: bool) -> dict:
+    """How the chat is rendered: add_generation_prompt (vLLM's top-level field, or chat_template_kwargs'; default
+    true, false when continue_final_message is given), continue_final_message and chat_template (only when the
+    operator trusts its callers: a template is code the server runs, in a sandbox but with no bound on its work)."""
+    if body.get("chat_template") is not None and not trust_chat_template:
+        raise ValueError(
+            "chat_template: a chat template sent with the request is refused on this server (the operator can "
+            "allow it with --trust-request-chat-template)"
+        )
+    cont = bool(_optional(body, "continue_final_message", bool))
+    generation_prompt = _optional(body, "add_generation_prompt", bool)
+    if generation_prompt is None:
+        generation_prompt = kwargs.get("add_generation_prompt", not cont)
+    if cont and generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt true")
+    return {
+        "add_generation_prompt": generation_prompt,
+        "continue_final_message": cont,
+        "chat_template": _optional(body, "chat_template", str),
+    }
 
 
 def chat_messages(body: dict, max_len: int | None = None) -> tuple:
@@ -182,12 +276,24 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
                 raise ValueError("stream_options.include_usage must be a boolean")
         include_usage = options.get("include_usage", False)
     drafts = _drafts(body.get("drafts"), stream)
+    n = _choices(body.get("n"), drafts is not None)
     model = _optional(body, "model", str) or ""
     params = sampling_params(body, defaults, limit_field)
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     salt = _optional(body, "cache_salt", str)
-    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt)
+    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt, n)
+
+
+def _choices(n, drafts: bool) -> int:
+    """``n``: an integer in [1, MAX_CHOICES] (absent: 1); drafts (previews of one canvas) only with one choice."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {clip(json.dumps(n))}")
+    if n > 1 and drafts:
+        raise ValueError("n: drafts are available only with n 1")
+    return n
 
 
 def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "max_tokens") -> SamplingParams:
@@ -206,7 +312,12 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
     for name in KNOBS:
         if body.get(name) is not None:
             kw[name] = body[name]
-    fmt = response_format(body.get("response_format"))
+    if body.get("stop_token_ids") is not None:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list):
+            raise ValueError("stop_token_ids must be a list of token ids")
+        kw["stop_token_ids"] = tuple(ids)
+    fmt = output_format(body)
     if fmt is not None:
         kw["response_format"] = fmt
     try:
@@ -220,6 +331,84 @@ def sampling_params(body: dict, defaults: SamplingParams, limit_field: str = "ma
             if message.startswith(ours):
                 message = theirs + message[len(ours) :]
         raise ValueError(message) from None
+
+
+def output_format(body: dict) -> ResponseFormat | None:
+    """The request's output constraint: OpenAI's ``response_format`` or one of vLLM's (``structured_outputs``,
+    ``guided_json``, ``guided_regex``, ``guided_choice``), at most one of them; ValueError naming the field."""
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if given and given[0] == "response_format" and body["response_format"] == {"type": "text"}:
+        given = given[1:]  # {"type": "text"} asks for nothing
+    if len(given) > 1:
+        raise ValueError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)")
+    if not given:
+        return response_format(body.get("response_format"))
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        return response_format(value)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    return _guided(name, value)
+
+
+# structured_outputs' constraints (exactly one) and its options (accepted at the value that asks for nothing)
+STRUCTURED_KINDS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
+STRUCTURED_OPTIONS = {
+    "disable_fallback": False,
+    "disable_any_whitespace": False,
+    "disable_additional_properties": False,
+}
+
+
+def _structured_outputs(value) -> ResponseFormat:
+    """vLLM's ``structured_outputs``: {json | regex | choice | json_object: true} → ResponseFormat."""
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs must be an object with one of json, regex, choice, json_object")
+    for key, v in value.items():
+        if key in STRUCTURED_OPTIONS and v not in (None, STRUCTURED_OPTIONS[key]):
+            raise ValueError(f"structured_outputs.{key}: not supported (only {STRUCTURED_OPTIONS[key]})")
+        if key not in STRUCTURED_OPTIONS and key not in STRUCTURED_KINDS and v is not None:
+            raise ValueError(f"structured_outputs.{clip(key)}: not supported")
+    kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_KINDS[:4])}")
+    kind = kinds[0]
+    field = f"structured_outputs.{kind}"
+    if kind in ("grammar", "structural_tag"):
+        raise ValueError(f"{field}: not supported (supported: json, regex, choice, json_object)")
+    if kind == "json_object":
+        if value[kind] is not True:
+            raise ValueError(f"{field} must be true")
+        return ResponseFormat("json_object")
+    return _guided(field, value[kind], {"json": "json", "regex": "regex", "choice": "choice"}[kind])
+
+
+def _guided(field: str, value, kind: str | None = None) -> ResponseFormat:
+    """One of vLLM's constraints (``guided_json`` / ``_regex`` / ``_choice``, or ``structured_outputs``' json /
+    regex / choice) → ResponseFormat; ValueError naming ``field``."""
+    kind = kind or field.removeprefix("guided_")
+    try:
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise ValueError("response_format: must be a JSON schema (an object, or its JSON text)") from None
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("response_format: must be a JSON schema (an object, or its JSON text)")
+            return ResponseFormat("json_schema", schema=json.dumps(value))
+        if kind == "regex":
+            if not isinstance(value, str):
+                raise ValueError("response_format: must be a string (a regular expression)")
+            return ResponseFormat("regex", regex=value)
+        if not isinstance(value, list):
+            raise ValueError("response_format: must be a list of strings")
+        return ResponseFormat("choice", choices=tuple(value))
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(
+            field + message[len("response_format") :] if message.startswith("response_format") else message
+        ) from None
 
 
 def response_format(value) -> ResponseFormat | None:
@@ -317,6 +506,7 @@ def _object(body) -> dict:
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
+    _check_neutral(body)
     for name, value in body.items():
         if name in known or value is None:
             continue
@@ -326,6 +516,16 @@ def _check_fields(body: dict, known: set[str]) -> None:
             continue
         why = WHY.get(name, "not supported by this server")
         raise ValueError(f"{clip(name)}: {why} (got {clip(json.dumps(value))})")
+
+
+def _check_neutral(body: dict) -> None:
+    """The fields accepted and ignored (``NEUTRAL``) must still have their type; ``metadata`` is OpenAI's: at most
+    16 string pairs."""
+    for name, kind in NEUTRAL.items():
+        _optional(body, name, kind)
+    metadata = body.get("metadata") or {}
+    if len(metadata) > MAX_METADATA_PAIRS or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"metadata must be an object of at most {MAX_METADATA_PAIRS} string values")
 
 
 def _same_number(a, b) -> bool:

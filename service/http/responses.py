@@ -38,6 +38,7 @@ class Output:
     model: str
     seed: int
     chat: bool
+    index: int = 0  # the choice (n > 1: one Output per choice, all with the response's id)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     blocks: list[dict] = dataclasses.field(default_factory=list)
     transcript: events.Transcript = dataclasses.field(default_factory=events.Transcript)
@@ -113,23 +114,53 @@ def extension(out: Output) -> dict:
     return ext
 
 
-def response(out: Output) -> dict:
-    """The non-streaming body (chat.completion or text_completion)."""
-    f = out.finished
-    if f is None:
+def response(outs: list[Output]) -> dict:
+    """The non-streaming body (chat.completion or text_completion) of a request's choices, all finished: one
+    choice each, the usage of all (``choices.total_usage``), the ``dgserve`` object of the first (with n > 1, a
+    ``choices`` list of each one's)."""
+    out = outs[0]
+    finished = [o.finished for o in outs]
+    if any(f is None for f in finished):
         raise RuntimeError(f"response: request {out.request_id!r} has not finished")
-    content = {"message": message(out.transcript)} if out.chat else {"text": out.text}
-    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason(f.reason)}
     return {
         "id": out.request_id,
         "object": out.object,
         "created": out.created,
         "model": out.model,
-        "choices": [choice],
-        "usage": usage(f.usage),
+        "choices": [choice(o) for o in outs],
+        "usage": usage(total_usage([f.usage for f in finished if f is not None])),
         "system_fingerprint": None,
-        "dgserve": extension(out),
+        "dgserve": extensions(outs),
     }
+
+
+def choice(out: Output) -> dict:
+    f = out.finished
+    assert f is not None
+    content = {"message": message(out.transcript)} if out.chat else {"text": out.text}
+    return {"index": out.index, **content, "logprobs": None, "finish_reason": finish_reason(f.reason)}
+
+
+def total_usage(each: list[events.Usage]) -> events.Usage:
+    """The usage of a request's choices together: the prompt (and its cached tokens) once, as OpenAI counts it,
+    the completion tokens, blocks and denoising steps of all."""
+    first = each[0]
+    return events.Usage(
+        first.prompt_tokens,
+        sum(u.completion_tokens for u in each),
+        sum(u.blocks for u in each),
+        sum(u.denoising_steps for u in each),
+        first.cached_tokens,
+    )
+
+
+def extensions(outs: list[Output]) -> dict:
+    """The ``dgserve`` object of a request: the first choice's; with n > 1 also ``choices``, each one's (its index,
+    seed, blocks and timing)."""
+    ext = extension(outs[0])
+    if len(outs) > 1:
+        ext["choices"] = [{"index": o.index, **extension(o)} for o in outs]
+    return ext
 
 
 def message(t: events.Transcript) -> dict:
@@ -180,10 +211,10 @@ def chunk(
         body["choices"] = []
     elif out.chat:
         d = {"role": "assistant", "content": ""} if role else chat_delta(piece)
-        body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": out.index, "delta": d, "logprobs": None, "finish_reason": finish}]
     else:
         text = "" if piece is None else piece.content
-        body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": out.index, "text": text, "logprobs": None, "finish_reason": finish}]
     if usage_ is not None or no_choices:
         body["usage"] = usage_
     if extra is not None:

@@ -45,9 +45,16 @@ FIELDS = {
     "include",
     "cache_salt",
     *protocol.KNOBS,
+    *protocol.NEUTRAL,  # accepted and ignored, as on chat completions (prompt_cache_key: Codex CLI sends one)
+    "client_metadata",  # Codex CLI's ids of its session and turn: ignored
 }
 # Responses fields with no faithful meaning here, accepted only at the value that asks for nothing
-NO_OP: dict[str, tuple[object, ...]] = {"truncation": ("disabled",), "background": (False,), "top_p": (1, 1.0)}
+NO_OP: dict[str, tuple[object, ...]] = {
+    "truncation": ("disabled",),
+    "background": (False,),
+    "top_p": (1, 1.0),
+    "service_tier": ("auto", "default"),
+}
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")

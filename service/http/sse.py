@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from .. import events
 from . import responses
+from .choices import Choices
 from .errors import error_body
 
 
@@ -25,20 +26,27 @@ def sse(data: dict | str, event: str | None = None) -> bytes:
     return ((f"event: {event}\n" if event else "") + f"data: {text}\n\n").encode()
 
 
-async def body(feed: events.Events, out: responses.Output, include_usage: bool) -> AsyncGenerator[bytes, None]:
-    """The SSE body of one request (see the module docstring); ``out`` collects what it produced."""
-    if out.chat:
-        yield sse(responses.chunk(out, role=True))
+async def body(feeds: Choices, outs: list[responses.Output], include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """The SSE body of one request (see the module docstring); ``outs`` (one per choice) collect what it produced.
+    With n > 1 the choices' chunks interleave, each with its ``index``; the usage chunk (all choices together)
+    comes once, after the last choice finished."""
+    if outs[0].chat:
+        for out in outs:
+            yield sse(responses.chunk(out, role=True))
     try:
-        async for event in feed:
-            for data in _encode(event, out, include_usage):
+        async for i, event in feeds.events():
+            for data in _encode(event, outs[i]):
                 yield data
     except Exception as e:  # noqa: BLE001 - an encoding failure, too, can only travel as an event now
         yield sse(error_body(e)[1])
+    finished = [o.finished for o in outs]
+    if include_usage and all(f is not None for f in finished):
+        total = responses.total_usage([f.usage for f in finished if f is not None])
+        yield sse(responses.chunk(outs[0], no_choices=True, usage_=responses.usage(total)))
     yield sse("[DONE]")
 
 
-def _encode(event: events.Event, out: responses.Output, include_usage: bool) -> list[bytes]:
+def _encode(event: events.Event, out: responses.Output) -> list[bytes]:
     """The server-sent events for one event (none for StartEvent: the seed went out in the headers)."""
     if isinstance(event, events.BlockEvent):
         stats = out.add_block(event)  # (+ the block's token ids: the canvas it committed, for the playground)
@@ -52,8 +60,6 @@ def _encode(event: events.Event, out: responses.Output, include_usage: bool) -> 
         frames = [sse(responses.chunk(out, event))] if held else []
         reason = responses.finish_reason(event.reason)
         frames.append(sse(responses.chunk(out, finish=reason, extra=responses.extension(out))))
-        if include_usage:
-            frames.append(sse(responses.chunk(out, no_choices=True, usage_=responses.usage(event.usage))))
         return frames
     if isinstance(event, events.ErrorEvent):  # after the headers, an error can only travel as an event
         return [sse(error_body(event.error)[1])]

@@ -195,6 +195,7 @@ def test_model_info(stub):
         "stability_threshold",
         "confidence_threshold",
         "seed",
+        "min_tokens",
     }
     assert info.max_num_seqs == 4 and info.max_queue_len == 4 and info.max_stop_strings == 16
     alias = list(stub.Generate(pb.GenerateRequest(model="tiny-alias", prompt="a", params=params(max_new_tokens=1))))

@@ -188,7 +188,7 @@ def test_request_id_in_and_out(server):
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logprobs": 2}, "logprobs"),
         ({"top_p": 0.9}, "top_p"),
         ({"seed": -1}, "seed"),

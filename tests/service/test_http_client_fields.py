@@ -136,3 +136,306 @@ def test_structured_request_without_max_tokens_fills_the_context():
     chat = {"messages": [{"role": "user", "content": "x"}], **fmt}
     assert protocol.chat_request(chat, d).fill_context
     assert not protocol.chat_request({**chat, "max_completion_tokens": 9}, d).fill_context
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's fields
+
+
+def _post(url, route: str, body: dict) -> httpx.Response:
+    return httpx.post(url + route, json=body, timeout=60)
+
+
+def _complete(url, **body) -> dict:
+    r = _post(url, "/v1/completions", {"prompt": "the quick", "max_tokens": 32, "seed": 5, **KNOBS, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_token_ids_end_like_eos_with_finish_reason_stop(url, local_engine):
+    p = local_engine.default_params(max_new_tokens=32, seed=5, ignore_eos=True, **KNOBS)
+    free = local_engine.generate("the quick", p)
+    tok = free.token_ids[6]
+    first = free.token_ids.index(tok)
+    got = _complete(url, ignore_eos=True, stop_token_ids=[tok])
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["choices"][0]["text"] == local_engine.tokenizer.decode(free.token_ids[:first])
+    assert got["usage"]["completion_tokens"] == first + 1  # the stop token is counted, never shown
+
+
+def test_min_tokens_holds_off_eos(url, local_engine):
+    for seed in range(40):
+        free = local_engine.generate("the quick", local_engine.default_params(max_new_tokens=64, seed=seed, **KNOBS))
+        if free.finish_reason == "eos" and len(free.token_ids) < 40:
+            break
+    else:
+        pytest.fail("no seed ended with EOS within 40 tokens")
+    n = len(free.token_ids) + 10
+    got = _complete(url, seed=seed, max_tokens=64, min_tokens=n)
+    assert got["usage"]["completion_tokens"] >= n
+
+
+@pytest.mark.parametrize(
+    "field, value, check",
+    [
+        ("guided_choice", ["yes", "no"], lambda t: t in ("yes", "no")),
+        ("guided_regex", "[a-c]{3}", lambda t: len(t) == 3 and set(t) <= set("abc")),
+        ("guided_json", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, None),
+        ("guided_json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}', None),
+        ("structured_outputs", {"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+        ("structured_outputs", {"regex": "x[0-9]"}, lambda t: len(t) == 2 and t[0] == "x" and t[1].isdigit()),
+        ("structured_outputs", {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, None),
+        ("structured_outputs", {"json_object": True}, None),
+    ],
+)
+def test_vllm_output_constraints_are_a_response_format(url, field, value, check):
+    import json
+
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "pick"}], field: value, **KNOBS})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    if check is None:
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert check(text), text
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"frobnicate": 1}}, "structured_outputs.frobnicate"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": 3}, "guided_regex"),
+        ({"guided_choice": ["a"], "stop_token_ids": [5]}, "stop_token_ids"),
+        ({"min_tokens": 3, "guided_regex": "a+"}, "min_tokens"),
+        ({"stop_token_ids": "5"}, "stop_token_ids"),
+        ({"stop_token_ids": [10**7]}, "stop_token_ids[0]"),
+        ({"min_tokens": 33}, "min_tokens"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ],
+)
+def test_bad_vllm_fields_are_400_naming_them(url, body, param):
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 32, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("top_k", 40, "top-k"),
+        ("min_p", 0.1, "min-p"),
+        ("repetition_penalty", 1.2, "penalise"),
+        ("presence_penalty", 0.5, "penalise"),
+        ("frequency_penalty", 0.5, "penalise"),
+        ("logprobs", True, "log-probabilities"),
+        ("top_logprobs", 3, "log-probabilities"),
+        ("use_beam_search", True, "beam search"),
+        ("service_tier", "flex", "one service tier"),
+    ],
+)
+def test_what_a_diffusion_sampler_cannot_do_is_400_with_the_reason(url, field, value, reason):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, field: value}
+    r = _post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and reason in error["message"], error
+
+
+def test_neutral_fields_are_accepted_and_change_nothing(url):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "seed": 3, **KNOBS}
+    plain = _post(url, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    neutral = {
+        "metadata": {"run": "a"},
+        "store": True,
+        "prompt_cache_key": "k",
+        "safety_identifier": "u1",
+        "service_tier": "auto",
+        "user": "me",
+        "top_k": -1,
+        "min_p": 0,
+        "repetition_penalty": 1,
+        "spaces_between_special_tokens": True,
+        "skip_special_tokens": True,
+    }
+    r = _post(url, "/v1/chat/completions", {**chat, **neutral})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
+    assert _post(url, "/v1/chat/completions", {**chat, "service_tier": "default"}).status_code == 200
+    for bad, param in (({"metadata": {"a": 1}}, "metadata"), ({"store": "yes"}, "store"), ({"user": 3}, "user")):
+        r = _post(url, "/v1/chat/completions", {**chat, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _prompt_tokens(url, body: dict) -> int:
+    r = _post(url, "/v1/chat/completions", {"max_tokens": 8, **KNOBS, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_add_generation_prompt_and_continue_final_message_render_as_asked(url, local_engine):
+    user = {"role": "user", "content": "hi"}
+    partial = {"role": "assistant", "content": "The quick brown"}
+    ids = local_engine.prompt_ids(ChatPrompt((user, partial), False, continue_final_message=True))
+    assert local_engine.tokenizer.decode(ids, skip_special_tokens=False).endswith("The quick brown")
+    assert _prompt_tokens(url, {"messages": [user, partial], "continue_final_message": True}) == len(ids)
+    no_prompt = local_engine.prompt_ids(ChatPrompt((user,), False))
+    assert _prompt_tokens(url, {"messages": [user], "add_generation_prompt": False}) == len(no_prompt)
+    assert len(no_prompt) < len(local_engine.prompt_ids(ChatPrompt((user,))))
+    for body, param in (
+        ({"messages": [user, partial], "continue_final_message": True, "add_generation_prompt": True}, None),
+        ({"messages": [user], "continue_final_message": True}, None),
+        ({"messages": [user], "add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ):
+        r = _post(url, "/v1/chat/completions", {"max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == (param or "continue_final_message"), r.text
+
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def test_chat_template_is_refused_unless_the_operator_trusts_requests(url):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "chat_template": TEMPLATE}
+    r = _post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def trusting_url(model_dir):
+    from service_helpers import ServerThread, base_config
+
+    s = ServerThread(base_config(model_dir, trust_request_chat_template=True))
+    yield f"http://127.0.0.1:{s.server.http_port}"
+    s.stop()
+
+
+def test_a_trusted_request_chat_template_renders_the_chat(trusting_url, local_engine):
+    messages = [{"role": "user", "content": "hi"}]
+    want = len(local_engine.tokenizer.encode("[user] hi\n>"))
+    assert _prompt_tokens(trusting_url, {"messages": messages, "chat_template": TEMPLATE}) == want
+    bad = _post(trusting_url, "/v1/chat/completions", {"messages": messages, "chat_template": "{% for %}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template", bad.text
+
+
+def test_the_trust_flag_and_its_environment_fallback():
+    from dgserve.service.__main__ import build_config
+
+    assert not build_config([], {})[0].trust_request_chat_template
+    assert build_config(["--trust-request-chat-template"], {})[0].trust_request_chat_template
+    assert build_config([], {"DGSERVE_TRUST_REQUEST_CHAT_TEMPLATE": "1"})[0].trust_request_chat_template
+
+
+def test_grpc_takes_stop_token_ids_and_min_tokens(stub, local_engine):
+    p = local_engine.default_params(max_new_tokens=32, seed=5, ignore_eos=True, **KNOBS)
+    free = local_engine.generate("the quick", p)
+    tok = free.token_ids[6]
+    params = pb.SamplingParams(max_new_tokens=32, seed=5, ignore_eos=True, stop_token_ids=[tok], **KNOBS)
+    out = list(stub.Generate(pb.GenerateRequest(prompt="the quick", params=params), timeout=60))
+    fin = out[-1].finished
+    assert fin.finish_reason == pb.FINISH_REASON_STOP
+    assert fin.usage.completion_tokens == free.token_ids.index(tok) + 1
+    started = out[0].started.params
+    assert list(started.stop_token_ids) == [tok] and started.min_tokens == 0 and started.skip_special_tokens
+    params = pb.SamplingParams(max_new_tokens=32, seed=5, min_tokens=20, **KNOBS)
+    fin = list(stub.Generate(pb.GenerateRequest(prompt="the quick", params=params), timeout=60))[-1].finished
+    assert fin.usage.completion_tokens >= 20
+
+
+# ---------------------------------------------------------------------------------------------- n > 1
+
+
+def test_n_choices_are_n_seeds_derived_from_the_request_seed(url, client):
+    from dgserve.sampling_params import choice_seed
+
+    body = {"prompt": "the quick", "max_tokens": 24, "seed": 5, "ignore_eos": True, **KNOBS}
+    many = _post(url, "/v1/completions", {**body, "n": 3}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    alone = [_post(url, "/v1/completions", {**body, "seed": choice_seed(5, i)}).json() for i in range(3)]
+    assert choice_seed(5, 0) == 5  # choice 0 is the n = 1 output
+    assert [c["text"] for c in many["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in many["choices"]}) == 3
+    usage = many["usage"]
+    assert usage["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]  # the prompt once, as OpenAI counts it
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone) == 72
+    ext = many["dgserve"]
+    assert ext["seed"] == 5 and [c["seed"] for c in ext["choices"]] == [choice_seed(5, i) for i in range(3)]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=16, seed=2, extra_body=KNOBS
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_n_without_a_seed_draws_one_and_reports_it(url):
+    from dgserve.sampling_params import choice_seed
+
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": 2, **KNOBS}).json()
+    seed = r["dgserve"]["seed"]
+    assert [c["seed"] for c in r["dgserve"]["choices"]] == [seed, choice_seed(seed, 1)]
+
+
+def test_n_streams_each_choice_with_its_index(url):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "seed": 4, **KNOBS}
+    whole = _post(url, "/v1/chat/completions", {**body, "n": 3}).json()
+    stream = {**body, "n": 3, "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, roles, usage, ids = {0: "", 1: "", 2: ""}, {}, [], None, set()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=stream, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            ids.add(chunk["id"])
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+                continue
+            (c,) = chunk["choices"]
+            if c["delta"].get("role"):
+                roles.append(c["index"])
+            text[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert roles == [0, 1, 2] and set(finish) == {0, 1, 2} and len(ids) == 1  # one response id
+    assert [text[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
+    assert usage == whole["usage"]
+
+
+@pytest.mark.parametrize("n", [0, 17, "two", True, 2.5])
+def test_bad_n_is_400_naming_it(url, n):
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": 2, "stream": True, "drafts": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_a_client_going_away_cancels_every_choice(server, url):
+    from service_helpers import wait_until
+
+    eng = server.engine
+    body = {"prompt": "long", "stream": True, "max_tokens": 16 * 200, "ignore_eos": True, "n": 3, **KNOBS}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert eng.num_running + eng.num_waiting == 3
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
+
+
+def test_the_responses_api_takes_the_neutral_fields_codex_sends(url):
+    body = {"input": "hi", "max_output_tokens": 16, "seed": 1, "store": False, **KNOBS}
+    plain = _post(url, "/v1/responses", body).json()["output"][0]["content"]
+    neutral = {"prompt_cache_key": "s1", "client_metadata": {"session_id": "s1"}, "service_tier": "auto"}
+    r = _post(url, "/v1/responses", {**body, **neutral})
+    assert r.status_code == 200 and r.json()["output"][0]["content"] == plain, r.text
+    r = _post(url, "/v1/responses", {**body, "service_tier": "flex"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier", r.text

@@ -293,9 +293,17 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
             params = dataclasses.replace(params, seed=secrets.randbits(64))
-        keep = isinstance(prompt, ChatPrompt) and prompt.keeps_markers
+        self._check_stop_token_ids(params)
+        keep = (isinstance(prompt, ChatPrompt) and prompt.keeps_markers) or not params.skip_special_tokens
         tracker = OutputTracker(
-            params.max_new_tokens, self.eos_ids, params.ignore_eos, params.stop, self.tokenizer, not keep
+            params.max_new_tokens,
+            self.eos_ids,
+            params.ignore_eos,
+            params.stop,
+            self.tokenizer,
+            not keep,
+            params.stop_token_ids,
+            params.min_tokens,
         )
         grammar = self._structured_row(params)
         # prefix-cache keys, salted with the caller's identity and chosen salt: no block is shared across them
@@ -569,6 +577,8 @@ class Engine:
                     prompt.enable_thinking,
                     max_tokens=max_tokens,
                     tools=tools,
+                    continue_final_message=prompt.continue_final_message,
+                    chat_template=prompt.chat_template,
                 )
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
@@ -606,6 +616,13 @@ class Engine:
     def canvases(self, max_new_tokens: int) -> int:
         """How many canvases (blocks) a request of ``max_new_tokens`` may generate: the ceiling of tokens / C."""
         return -(-max_new_tokens // self.model.config.canvas_length)
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+        """ValueError naming ``stop_token_ids[i]`` for an id outside the vocabulary."""
+        V = self.model.config.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= V:
+                raise ValueError(f"stop_token_ids[{i}]: token id {t} is outside the vocabulary [0, {V})")
 
     def check_work(self, params: SamplingParams) -> None:
         """ValueError naming the knobs when a request asks for more denoising steps than ``max_request_steps``."""

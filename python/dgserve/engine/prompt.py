@@ -28,12 +28,16 @@ class ChatPrompt:
     tools (unless tool_choice is "none"), and ``Engine.make_request`` turns them into the request's output
     constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools it may call
     or ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
-    reasoning, content and tool calls."""
+    reasoning, content and tool calls. ``continue_final_message``: the last (assistant) message is left open and
+    the model continues it; ``chat_template``: a template sent with the request, used instead of the checkpoint's
+    (``Tokenizer.apply_chat_template``)."""
 
     messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     enable_thinking: bool = False
     tools: ToolSet | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
 
     @property
     def calls_tools(self) -> bool:
@@ -82,8 +86,8 @@ class Submission:
 def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:
     """``params`` with the output constraint of a ``ChatPrompt``'s tools (docs/tools.md): a tool_calls
     ``ResponseFormat`` unless tool_choice is "none". A request that may call tools cannot also ask for a
-    response_format, stop strings or ignore_eos (ValueError naming that field): the tool grammar decides where the
-    output ends (EOS after the calls, or where the text ends)."""
+    response_format, stop strings, stop_token_ids, min_tokens or ignore_eos (ValueError naming that field): the
+    tool grammar decides where the output ends (EOS after the calls, or where the text ends)."""
     if not isinstance(prompt, ChatPrompt) or prompt.tools is None:
         return params
     fmt = prompt.tools.response_format(thinking=prompt.enable_thinking)
@@ -96,4 +100,7 @@ def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:
         raise ValueError(f"stop: {why}")
     if params.ignore_eos:
         raise ValueError(f"ignore_eos: {why}")
+    for name in ("stop_token_ids", "min_tokens"):
+        if getattr(params, name):
+            raise ValueError(f"{name}: {why}")
     return dataclasses.replace(params, response_format=fmt)

@@ -104,16 +104,28 @@ class Sampler:
 def _bitmask(reqs: list[Request], canvas_length: int, vocab_size: int) -> torch.Tensor | None:
     """The diffusion step's bitmask [B, C, ceil(V/32)] int32 for a batch, or None when no row is constrained
     (then the op runs exactly as without structured output). Unconstrained rows get all bits set, which gives
-    bit-for-bit the unmasked results (tests/ops/test_diffusion_step_bitmask.py)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    bit-for-bit the unmasked results (tests/ops/test_diffusion_step_bitmask.py). A row is constrained by its grammar,
+    or by ``min_tokens`` while its block holds positions within the first min_tokens tokens: there its EOS and stop
+    token ids are masked (``min_tokens_ban``; a request with min_tokens has no grammar)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None or r.tracker.banned_positions()]
     if not rows:
         return None
     mask = torch.full((len(reqs), canvas_length, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i in rows:
         grammar = reqs[i].grammar
-        assert grammar is not None
-        mask[i] = grammar.bitmask(canvas_length)
+        if grammar is not None:
+            mask[i] = grammar.bitmask(canvas_length)
+        else:
+            min_tokens_ban(mask[i], reqs[i].tracker.banned_positions(), reqs[i].tracker.banned_ids)
     return mask
+
+
+def min_tokens_ban(mask: torch.Tensor, positions: int, ids: frozenset[int]) -> None:
+    """Clear the bits of ``ids`` at the first ``positions`` positions of one row's mask [C, ceil(V/32)] int32, in
+    place: the sampler cannot draw them there (docs/generation.md, "Output rules": min_tokens)."""
+    for t in ids:
+        word = 0xFFFFFFFF ^ (1 << (t % 32))
+        mask[:positions, t // 32] &= word - (1 << 32) if word >= 1 << 31 else word
 
 
 def _verify(r: Request, accepted: torch.Tensor, processed: torch.Tensor) -> None:

@@ -197,6 +197,8 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
         tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """Render `messages` as a prompt string.
 
@@ -214,18 +216,44 @@ class Tokenizer:
         `pad_token` and transformers' helpers (`raise_exception`, `tojson`, `strftime_now`, `namespace`), as
         transformers does; tool call arguments are objects there. A template error raises ValueError with jinja's
         message. Without one: the built-in Gemma 4 format, see `render_gemma4`.
-        """
-        return self._render(validate_messages(messages), _plain_tools(tools), add_generation_prompt, enable_thinking)
 
-    def _render(
-        self, plain: list[dict], plain_tools: list[dict], add_generation_prompt: bool, enable_thinking: bool
+        `chat_template`: a template given with the request (rendered as the checkpoint's would be, in the same
+        sandbox; the server accepts one only when its operator trusts its callers). `continue_final_message`: the
+        last message, an assistant's, is left open for the model to continue (transformers' rule: the rendered
+        text is cut right after that message's text); give it without `add_generation_prompt`.
+        """
+        return self._render_chat(
+            validate_messages(messages),
+            _plain_tools(tools),
+            add_generation_prompt,
+            enable_thinking,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+        )
+
+    def _render_chat(
+        self,
+        plain: list[dict],
+        plain_tools: list[dict],
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
-        """The template (or the built-in format) applied to validated messages and tools."""
-        if self._template is None:
+        """The template (the request's, the checkpoint's or the built-in format) applied to validated messages and
+        tools, cut after the final message's text for ``continue_final_message``."""
+        final = _final_text(plain, add_generation_prompt) if continue_final_message else ""
+        template = self._template if chat_template is None else request_template(chat_template)
+        if template is None:
             bos = self.bos_token or "<bos>"
-            return render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
+            text = render_gemma4(plain, bos, add_generation_prompt, enable_thinking, plain_tools)
+        else:
+            text = self._render(template, plain, plain_tools, add_generation_prompt, enable_thinking)
+        return _cut_after(text, final) if continue_final_message else text
+
+    def _render(self, template, plain, plain_tools, add_generation_prompt, enable_thinking) -> str:
         try:
-            return self._template.render(
+            return template.render(
                 messages=plain,
                 tools=plain_tools or None,
                 add_generation_prompt=bool(add_generation_prompt),
@@ -244,21 +272,24 @@ class Tokenizer:
         enable_thinking: bool = False,
         max_tokens: int | None = None,
         tools: Sequence[dict] | None = None,
+        **options,
     ) -> list[int]:
         """Token ids of the rendered chat. The special tokens the template writes become their ids; no BOS is added
         beyond what the template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=
         True)` does. Text the caller supplied (message content, reasoning, tool calls and results, tool
         declarations) never becomes a special token: a `<|turn>` typed in it is ordinary text (`dgserve.text.inert`;
         a conversation without such text gets exactly the ids of encoding `apply_chat_template`'s string).
-        `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`."""
+        `max_tokens`: as for `encode`, applied to the rendered text. `tools` and `options` (continue_final_message,
+        chat_template): as for `apply_chat_template`."""
         plain, plain_tools = validate_messages(messages), _plain_tools(tools)
         strings = inert.caller_strings([plain, plain_tools])
         if not self._specials.needs_defang(strings):
-            text = self._render(plain, plain_tools, add_generation_prompt, enable_thinking)
+            text = self._render_chat(plain, plain_tools, add_generation_prompt, enable_thinking, **options)
             return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
-        swap = self._specials.sentinels([*strings, self.chat_template or ""])
+        templates = [self.chat_template or "", options.get("chat_template") or ""]
+        swap = self._specials.sentinels([*strings, *templates])
         plain, plain_tools = inert.defang([plain, plain_tools], swap)
-        text = self._render(plain, plain_tools, add_generation_prompt, enable_thinking)
+        text = self._render_chat(plain, plain_tools, add_generation_prompt, enable_thinking, **options)
         restore = {v: k for k, v in swap.items()}
         if max_tokens is not None:
             self._check_bound(text.translate({ord(k): v for k, v in restore.items()}), max_tokens)
@@ -271,6 +302,45 @@ class Tokenizer:
     def _specials(self) -> inert.SpecialTokens:
         """The special tokens and the copy of the tokenizer that reads their texts as text (built on first use)."""
         return inert.SpecialTokens(self._tok)
+
+
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+
+
+@functools.lru_cache(maxsize=16)
+def request_template(source: str) -> jinja2.Template:
+    """A chat template sent with a request, compiled in the sandbox (the last few kept compiled); ValueError
+    naming ``chat_template`` when it is too long or does not compile."""
+    if not isinstance(source, str) or not source:
+        raise ValueError("chat_template must be a non-empty string")
+    if len(source) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise ValueError(f"chat_template: {len(source)} characters; at most {MAX_REQUEST_TEMPLATE_CHARS}")
+    return _compile_template(source, "chat_template")
+
+
+def _final_text(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The text of the last message, which continue_final_message leaves open: an assistant's, with text."""
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+    if messages[-1]["role"] not in ("assistant", "model"):
+        raise ValueError("continue_final_message: the last message must be an assistant message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # the last text part (transformers' rule)
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    return content
+
+
+def _cut_after(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text (its last occurrence), as transformers does:
+    with the text's trailing spaces when the template kept them."""
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    if rendered[at : at + len(final.lstrip())] == final.lstrip():
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
 
 
 def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
