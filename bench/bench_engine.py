@@ -420,7 +420,7 @@ def _kv_plan(model, args, device) -> dict:
     tile = model.canvas_tile * C * V * TILE_BYTES_PER_LOGIT
     self_cond = C * V * elt  # per running request
     margin = ACTIVATION_MARGIN.get(device.type, ACTIVATION_MARGIN["cpu"])
-    free = free_memory(device)
+    free, _ = free_memory(device)  # (bytes, what bounds them)
     fit = max(1, min(slots, (free - tile - margin) // (per_slot + self_cond)))
     return {
         "max_model_len": max_len,

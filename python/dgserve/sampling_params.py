@@ -273,6 +273,7 @@ class SamplingParams:
         int,
         lo=0,
         hi=MAX_NEW_TOKENS_LIMIT,
+        dtype="int64",
         note="min_tokens <= max_new_tokens",
         doc="tokens generated before EOS, a stop token or a stop string may end the output (the sampler never "
         "draws EOS or a stop token there)",
