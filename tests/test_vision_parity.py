@@ -99,3 +99,70 @@ def test_fp32_logits_with_images_match_transformers(tiny_checkpoint, hf_model_lo
     # the images matter: the same placeholders with other pixels give other logits
     other = model.denoise(model.prefill(ids, pixel_values=pv.flip(0) * 0 + 0.5, image_position_ids=pos), canvas)
     assert (other - ours).abs().max().item() > 1e-3
+
+
+def _image_prompt(sizes, layout, seed):
+    from dgserve.engine.prompt import ImagePrompt
+
+    imgs = [preprocess(to_rgb(im), 16, 3, 70) for im in _images(sizes, seed=seed)]
+    it = iter(imgs)
+    parts = [p if isinstance(p, int) else next(it) for p in layout]
+    return ImagePrompt(tuple(_prompt(parts, torch.Generator().manual_seed(seed))[0].tolist()), tuple(imgs))
+
+
+def test_seeded_generation_with_images_matches_transformers(tiny_checkpoint, hf_model_loader):
+    from hf_reference import Margins, hf_generate
+
+    from dgserve import Engine, SamplingParams
+
+    path = tiny_checkpoint("vis")
+    hf = hf_model_loader(path, torch.float32, attn="sdpa")
+    # chunks of 80 tokens: the first (64 placeholders from 4 on) lies in the first, a full cacheable chunk; the second
+    # (from 82 on) in the second
+    from dgserve.engine.scheduler import SchedulerConfig
+
+    engine = Engine.from_pretrained(path, scheduler_config=SchedulerConfig(prefill_chunk=80, max_prefill_tokens=80))
+    prompt = _image_prompt([(96, 96), (96, 144)], [3, "img", 12, "img", 2], seed=5)
+    pv, pos = pad_batch(list(prompt.images))
+    ids = torch.tensor([prompt.ids])
+    margins = Margins()
+    case = dict(max_new_tokens=32, steps=8, t_min=0.4, t_max=0.8, entropy_bound=0.1)
+    ref, _ = hf_generate(
+        hf,
+        prompt.ids,
+        7,
+        margins=margins,
+        pixel_values=pv,
+        image_position_ids=pos,
+        mm_token_type_ids=(ids == IMAGE).long(),
+        **case,
+    )
+    assert margins.worst() > 1, f"near-tie {margins}"
+    params = SamplingParams(max_new_tokens=32, max_denoising_steps=8, t_min=0.4, t_max=0.8, entropy_bound=0.1, seed=7)
+    res = engine.generate(prompt, params)
+    assert res.token_ids == ref[: len(res.token_ids)]
+    # the prefix cache: the same images again reuse their chunks and give the same tokens; other pixels behind
+    # the same placeholder ids never share KV
+    again = engine.generate(prompt, params)
+    assert again.token_ids == res.token_ids and again.cached_tokens > 0
+    other = _image_prompt([(96, 96), (96, 144)], [3, "img", 12, "img", 2], seed=6)
+    other = type(other)(prompt.ids, other.images)  # same ids, other pixels
+    assert other.images[0].tokens == prompt.images[0].tokens
+    fresh = engine.generate(other, params)
+    assert fresh.cached_tokens == 0
+
+
+def test_chunks_never_split_an_image():
+    """scheduler.chunk_end: a chunk stops before an image it would split, one starting with an image ends after it,
+    and the chunks realign to multiples of the chunk size (the prefix cache's blocks)."""
+    from types import SimpleNamespace
+
+    from dgserve.engine.scheduler import chunk_end
+
+    img = SimpleNamespace(tokens=10)
+    seq = SimpleNamespace(prefilled=0, prompt_len=50, images=((12, img), (25, img)))
+    ends = []
+    while seq.prefilled < seq.prompt_len:
+        seq.prefilled = chunk_end(seq, 16)
+        ends.append(seq.prefilled)
+    assert ends == [12, 22, 25, 35, 48, 50]

@@ -30,7 +30,7 @@ import jinja2.utils
 import tokenizers
 
 from dgserve.text import gemma4
-from dgserve.text.messages import check_unicode, message_text, validate_messages
+from dgserve.text.messages import IMAGE_MARK, check_unicode, message_text, validate_messages
 from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
 log = logging.getLogger("dgserve")
@@ -239,12 +239,31 @@ class Tokenizer:
         enable_thinking: bool = False,
         max_tokens: int | None = None,
         tools: Sequence[dict] | None = None,
+        image_runs: Sequence[Sequence[int]] = (),
     ) -> list[int]:
         """Token ids of the rendered chat. Special-token texts become their ids; no BOS is added beyond what the
         template wrote (it writes `<bos>` itself), as transformers' `apply_chat_template(tokenize=True)` does.
-        `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`."""
+        `max_tokens`: as for `encode`, applied to the rendered text. `tools`: as for `apply_chat_template`.
+        ``image_runs``: the ids of each ``{"type": "image"}`` part in order (BOI, the placeholders, EOI), spliced
+        where the part stands; the text between is tokenized piece by piece (special tokens split the text anyway,
+        so these are the ids transformers' processor makes). ValueError when the parts and runs disagree."""
         text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools)
-        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        if not image_runs:
+            if IMAGE_MARK in text:
+                raise ValueError("messages: an image part without its image")
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) != len(image_runs) + 1:
+            raise ValueError(f"messages: {len(pieces) - 1} image places in the prompt for {len(image_runs)} images")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            room = None if max_tokens is None else max(max_tokens - len(ids), 0)
+            ids += self.encode(piece, add_special_tokens=False, max_tokens=room)
+            if k < len(image_runs):
+                ids += image_runs[k]
+                if max_tokens is not None and len(ids) > max_tokens:
+                    raise PromptTooLongError(len(ids), max_tokens, "at least")
+        return ids
 
 
 def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
