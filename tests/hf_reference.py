@@ -191,9 +191,11 @@ def hf_generate(
     eos_ids=(1,),
     pad_id=0,
     margins: Margins | None = None,
+    **model_kwargs,
 ):
     """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward).
-    With `margins`, the run's distances to a tie are recorded into it (see `Margins`)."""
+    With `margins`, the run's distances to a tie are recorded into it (see `Margins`). `model_kwargs` go to
+    generate() (images: pixel_values, image_position_ids, mm_token_type_ids)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     prompt = torch.tensor([list(prompt_ids)])
@@ -218,6 +220,7 @@ def hf_generate(
             confidence_threshold=confidence_threshold,
             eos_token_id=list(eos_ids) if eos_ids else None,
             pad_token_id=pad_id,
+            **model_kwargs,
         )
     if margins is not None:
         margins.end_block(stability_threshold)

@@ -104,6 +104,8 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.text.messages",
                 "dgserve.text.reasoning",
                 "dgserve.structured.schema_check",
+                "dgserve.media",
+                "dgserve.media.images",  # image limits, decoding and preprocessing (docs/images.md)
             ),
             (
                 "dgserve.text",
@@ -128,7 +130,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
         (
             ("dgserve.model.nvfp4", "dgserve.model.cache"),
             ("dgserve.model.checkpoint", "dgserve.model.layers"),
-            ("dgserve.model.batched",),
+            ("dgserve.model.batched", "dgserve.model.vision"),
             ("dgserve.model.diffusion_gemma", "dgserve.model.quantize", "dgserve.model.runtime", "dgserve.model.tiny"),
             ("dgserve.model", "dgserve.model.default_model"),
         ),

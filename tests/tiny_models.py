@@ -22,10 +22,18 @@ TINY_VARIANTS: dict[str, dict] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         num_hidden_layers=4,
     ),
+    # images (docs/images.md): image token ids inside the vocabulary, a 2-layer tower with GQA and a non-square
+    # head layout; "vis_wide" has a window longer than an image's placeholder run
+    "vis": dict(vision=True),
+    "vis_wide": dict(
+        vision=True, sliding_window=24, layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2
+    ),
 }
+# the image token ids of the vision variants (in the tiny vocabulary of 300)
+BOI, IMAGE, EOI = 296, 297, 298
 
 
-def tiny_config(canvas_length: int = 16, **overrides):
+def tiny_config(canvas_length: int = 16, vision: bool = False, **overrides):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
     text_kw = dict(
@@ -56,15 +64,34 @@ def tiny_config(canvas_length: int = 16, **overrides):
     )
     text_kw.update(overrides)
     text = DiffusionGemmaTextConfig(**text_kw)
-    vision = Gemma4VisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+    if not vision:
+        tower = Gemma4VisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+        return DiffusionGemmaConfig(text_config=text, vision_config=tower, canvas_length=canvas_length)
+    tower = Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
+        position_embedding_size=64,
     )
-    return DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length)
+    return DiffusionGemmaConfig(
+        text_config=text,
+        vision_config=tower,
+        canvas_length=canvas_length,
+        boi_token_id=BOI,
+        image_token_id=IMAGE,
+        eoi_token_id=EOI,
+        vision_soft_tokens_per_image=70,
+    )
 
 
 def make_tiny_hf_model(variant: str = "base", seed: int = 0):
@@ -78,6 +105,8 @@ def make_tiny_hf_model(variant: str = "base", seed: int = 0):
     model = DiffusionGemmaForBlockDiffusion(tiny_config(canvas, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if "vision_tower" in name and name.endswith("position_embedding_table"):
+                p.copy_(0.5 * torch.randn_like(p))  # initialised to ones: make the 2-D positions visible
             if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():

@@ -51,9 +51,10 @@ from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import PrefixCacheStats, prefix_hashes
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
-from dgserve.engine.prompt import ChatPrompt, Prompt, Submission, with_tools
+from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt, Submission, with_tools
 from dgserve.engine.request import Request, RequestFailedError, RequestKey, SharedWorkError
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
+from dgserve.media.images import ImageInput
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import (
     FINISH_CANCELLED,
@@ -307,7 +308,11 @@ class Engine:
         )
         grammar = self._structured_row(params)
         # prefix-cache keys, salted with the caller's identity and chosen salt: no block is shared across them
-        hashes = prefix_hashes(prompt_ids, self.runner.prefill_chunk, salt) if self.runner.prefix is not None else ()
+        images = image_spans(prompt_ids, prompt, self.model)
+        spans = [(s, s + im.tokens, im.digest) for s, im in images]
+        hashes = (
+            prefix_hashes(prompt_ids, self.runner.prefill_chunk, salt, spans) if self.runner.prefix is not None else ()
+        )
         return Request(
             rid,
             prompt_ids,
@@ -319,6 +324,7 @@ class Engine:
             grammar=grammar,
             drafts=sub.drafts,
             prefix_hashes=hashes,
+            images=images,
         )
 
     def add(self, req: Request) -> Request:
@@ -579,7 +585,14 @@ class Engine:
                     tools=tools,
                     continue_final_message=prompt.continue_final_message,
                     chat_template=prompt.chat_template,
+                    image_runs=self.image_runs(prompt),
                 )
+        elif isinstance(prompt, ImagePrompt):
+            if prompt.images:
+                self.image_runs(prompt)  # the model's checks; the caller placed the placeholders
+            ids = list(prompt.ids)
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise PromptTooLongError(len(ids), max_tokens, "given")
         else:
             ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
             if max_tokens is not None and len(ids) > max_tokens:
@@ -587,10 +600,34 @@ class Engine:
         V = self.model.config.vocab_size
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not 0 <= t < V]
+        vision = self.model.vision
+        if vision is not None and not (isinstance(prompt, (ChatPrompt, ImagePrompt)) and prompt.images):
+            if vision.config.image_token_id in ids:
+                raise ValueError(
+                    f"prompt: token id {vision.config.image_token_id} is the image placeholder; images come in chat "
+                    "image parts"
+                )
+        image_id = vision.config.image_token_id if vision is not None else -1
+        bad = [t for t in ids if not 0 <= t < V and t != image_id]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
         return ids
+
+    def image_runs(self, prompt: ChatPrompt | ImagePrompt) -> list[list[int]]:
+        """The ids each image of a chat stands for in its prompt (BOI, one placeholder per soft token, EOI), as
+        transformers' processor expands them; ValueError when the model cannot take images or an image has more
+        soft tokens than a prompt chunk (an image is encoded in one pass: docs/images.md)."""
+        if not prompt.images:
+            return []
+        why = self.model.images_unsupported()
+        if why is not None:
+            raise ValueError(f"messages: this model cannot take images ({why})")
+        assert self.model.vision is not None
+        vc, chunk = self.model.vision.config, self.runner.prefill_chunk
+        for k, im in enumerate(prompt.images):
+            if im.tokens > chunk:
+                raise ValueError(f"messages: image {k} takes {im.tokens} tokens, more than a prompt chunk ({chunk})")
+        return [[vc.boi_token_id] + [vc.image_token_id] * im.tokens + [vc.eoi_token_id] for im in prompt.images]
 
     def request_prompt_ids(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         """Token ids of a request's prompt, which must fit in the context window with the canvases generated
@@ -689,3 +726,16 @@ def _as_tuple(x: object) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def image_spans(ids: list[int], prompt: Prompt, model: DiffusionGemma) -> tuple[tuple[int, ImageInput], ...]:
+    """(start, image) of each image of a chat prompt: the runs of placeholders in ids, in order (transformers'
+    rule: a run of ``image_token_id`` is one image)."""
+    if not isinstance(prompt, (ChatPrompt, ImagePrompt)) or not prompt.images:
+        return ()
+    assert model.vision is not None, "images for a model without a vision tower (image_runs refuses them)"
+    image_id = model.vision.config.image_token_id
+    starts = [i for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != image_id)]
+    if len(starts) != len(prompt.images):
+        raise ValueError(f"messages: {len(starts)} image places in the prompt for {len(prompt.images)} images")
+    return tuple(zip(starts, prompt.images, strict=True))

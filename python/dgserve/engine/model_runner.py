@@ -212,7 +212,7 @@ class ModelRunner:
         offered to the prefix cache."""
         assert req.slot is not None, "prefill of a request without a slot"
         assert self.cache.lengths[req.slot] == start, "prompt chunks are encoded in order"
-        self._encode(req, req.prompt_ids[start:end])
+        self._encode(req, req.prompt_ids[start:end], self._image_features(req, start, end))
         c, off = divmod(start, self.prefill_chunk)
         if self.prefix is None or off or end - start != self.prefill_chunk or c >= len(req.prefix_hashes):
             return
@@ -221,11 +221,22 @@ class ModelRunner:
             # on the host the cache copies the views into its own maps; elsewhere the copies are made here
             self.prefix.store(key, parent, *self.cache.copy_out(req.slot, start, end, copy=not self.prefix.page_backed))
 
-    def _encode(self, req: Request, ids: list[int]) -> None:
-        """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block)."""
+    def _image_features(self, req: Request, start: int, end: int) -> torch.Tensor | None:
+        """The soft tokens of the images in prompt positions start .. end − 1 (whole: ``scheduler.chunk_end``),
+        encoded now on the model's device: [placeholders, H], or None without images there."""
+        inside = [im for s, im in req.images if start <= s < end]
+        if not inside:
+            return None
+        assert all(s + im.tokens <= end for s, im in req.images if start <= s < end), "an image split across chunks"
+        return torch.cat(self.model.encode_images([(im.patches, im.positions) for im in inside]))
+
+    def _encode(self, req: Request, ids: list[int], image_embeds: torch.Tensor | None = None) -> None:
+        """Encode ``ids`` after what the request's slot holds (a prompt chunk or a committed block), with the soft
+        tokens of the images whose placeholders they hold."""
         assert req.slot is not None
         t0 = time.perf_counter()
-        self.model.encode_row(torch.tensor(ids, dtype=torch.int64, device=self.model.device), self.cache.view(req.slot))
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        self.model.encode_row(ids_t, self.cache.view(req.slot), image_embeds)
         req.encode_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()

@@ -59,13 +59,22 @@ def cache_salt(owner: str | None, salt: str | None) -> str | None:
     return json.dumps([owner, salt])
 
 
-def prefix_hashes(ids: Sequence[int], block_tokens: int, salt: str | None = None) -> tuple[bytes, ...]:
+def prefix_hashes(
+    ids: Sequence[int],
+    block_tokens: int,
+    salt: str | None = None,
+    images: Sequence[tuple[int, int, bytes]] = (),
+) -> tuple[bytes, ...]:
     """The keys of the full blocks of ``ids`` (``len(ids) // block_tokens`` of them), chained: key c names tokens
-    0 .. (c + 1)·block_tokens − 1 and the salt. ``salt`` None and "" are different salts."""
+    0 .. (c + 1)·block_tokens − 1 and the salt. ``salt`` None and "" are different salts. ``images``: (start,
+    end, digest) of each image's placeholders: a block that holds any of an image's placeholders also names its
+    digest, so the same placeholders with other pixels never share KV (docs/images.md)."""
     h = hashlib.blake2b(_ROOT + (b"\0" if salt is None else b"\1" + salt.encode()), digest_size=32).digest()
     out = []
     for c in range(len(ids) // block_tokens):
-        chunk = array("q", ids[c * block_tokens : (c + 1) * block_tokens]).tobytes()
+        lo, hi = c * block_tokens, (c + 1) * block_tokens
+        chunk = array("q", ids[lo:hi]).tobytes()
+        chunk += b"".join(b"\2" + d for s, e, d in images if s < hi and e > lo)
         h = hashlib.blake2b(h + chunk, digest_size=32).digest()
         out.append(h)
     return tuple(out)

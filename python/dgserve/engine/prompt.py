@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dgserve.engine.request import DraftSpec
+from dgserve.media.images import ImageInput
 from dgserve.sampling_params import SamplingParams
 from dgserve.structured.tools import ToolSet
 
@@ -38,6 +39,8 @@ class ChatPrompt:
     tools: ToolSet | None = None
     continue_final_message: bool = False
     chat_template: str | None = None
+    # the images of the messages' ``{"type": "image"}`` parts, in order (media.chat.read_images made them)
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def calls_tools(self) -> bool:
@@ -60,7 +63,16 @@ class ChatPrompt:
         return ChatOutputParser(self.calls_tools, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
 
 
-Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt
+@dataclass(frozen=True)
+class ImagePrompt:
+    """Token ids with images, as transformers' processor makes them: each image stands in ``ids`` as a run of
+    ``image_token_id`` placeholders, one per soft token (BOI and EOI around it are the caller's)."""
+
+    ids: tuple[int, ...]
+    images: tuple[ImageInput, ...]
+
+
+Prompt = str | Sequence[int] | torch.Tensor | ChatPrompt | ImagePrompt
 
 
 @dataclass(frozen=True)

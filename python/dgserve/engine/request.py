@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dgserve.media.images import ImageInput
+
 if TYPE_CHECKING:
     from dgserve.engine.block import BlockState
     from dgserve.engine.prefix_cache import KV
@@ -62,6 +64,8 @@ class Request:
     grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
     drafts: DraftSpec | None = None  # previews wanted by the caller
     prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
+    # (start, image) per image of the prompt, in order: its placeholders are prompt_ids[start : start + tokens]
+    images: tuple[tuple[int, ImageInput], ...] = ()
     # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING

@@ -220,9 +220,24 @@ class Scheduler:
         chunk, budget = self.config.prefill_chunk, self.config.max_prefill_tokens
         for seq in self._running.values():
             while not seq.prefill_done:
-                end = min(seq.prompt_len, seq.prefilled + chunk)
+                end = chunk_end(seq, chunk)
                 if out.prefill and end - seq.prefilled > budget:
                     return
                 out.prefill.append((seq, seq.prefilled, end))
                 budget -= end - seq.prefilled
                 seq.prefilled = end
+
+
+def chunk_end(seq: Request, chunk: int) -> int:
+    """Where the prompt chunk starting at ``seq.prefilled`` ends: the next multiple of ``chunk`` (the prefix
+    cache's blocks), or the prompt's end; never inside an image, whose placeholders attend to each other both ways
+    and so are encoded in one pass (docs/images.md): the chunk stops before an image it would split, and a chunk
+    that starts with an image ends after it (an image never has more tokens than a chunk: ``Engine.make_request``)."""
+    start = seq.prefilled
+    end = min(seq.prompt_len, (start // chunk + 1) * chunk)
+    for s, image in seq.images:
+        e = s + image.tokens
+        if s < end < e:
+            end = s if s > start else e
+            break
+    return end

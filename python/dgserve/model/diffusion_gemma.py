@@ -4,6 +4,7 @@
 Public contract:
     model = DiffusionGemma.from_pretrained(path, device="cpu", dtype=torch.float32)
     cache = model.prefill(input_ids[B, T], cache=None)        # appends to `cache` when given
+    cache = model.prefill(input_ids, pixel_values=pv, image_position_ids=pos)   # images, as transformers takes them
     logits[B, C, V] = model.denoise(cache, canvas_ids[B, C], self_cond_logits=None, self_cond_probs=None)
 
 The cache is a ``SlotCache`` (model/cache.py) with one slot per row, the layout the serving ModelRunner uses;
@@ -34,6 +35,7 @@ from .layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from .vision import VisionConfig, VisionTower
 
 
 class DiffusionGemma:
@@ -46,8 +48,10 @@ class DiffusionGemma:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         batch_rows: bool | None = None,
+        vision: VisionTower | None = None,
     ):
         self.config = config
+        self.vision = vision  # the image tower (model/vision.py); None: the checkpoint declares none
         self.dtype = dtype
         self.device = torch.device(device)
         # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
@@ -84,13 +88,45 @@ class DiffusionGemma:
         (default: on CUDA) instead of dequantizing them to ``dtype`` at load."""
         config = ModelConfig.from_pretrained(path)
         packed = torch.device(device).type == "cuda" if nvfp4_packed is None else nvfp4_packed
-        return cls(config, load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed), dtype, device)
+        weights = load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed)
+        vc = VisionConfig.from_pretrained(path)
+        vision = None if vc is None else VisionTower.load(path, vc, config.hidden_size, dtype, device)
+        return cls(config, weights, dtype, device, vision=vision)
+
+    # ------------------------------------------------------------------ images
+
+    def images_unsupported(self) -> str | None:
+        """Why this model cannot take images (no tower, or image token ids outside its vocabulary), or None."""
+        vc = self.vision.config if self.vision is not None else None
+        if vc is None:
+            return "the model has no vision tower"
+        if max(vc.boi_token_id, vc.eoi_token_id) >= self.config.vocab_size:
+            return "the model's image token ids lie outside its vocabulary"
+        return None
+
+    @torch.inference_mode()
+    def encode_images(self, images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per image (patches [n, 3·p²], positions [n, 2]) → soft tokens [n / k², H] in md (model/vision.py)."""
+        if self.vision is None:
+            raise ValueError("the model has no vision tower")
+        return [self.vision.encode(p, pos) for p, pos in images]
 
     # ------------------------------------------------------------------ public passes
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: SlotCache | None = None) -> SlotCache:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        cache: SlotCache | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.LongTensor | None = None,
+    ) -> SlotCache:
         """Encode input_ids [B, T] after what `cache` holds, row b into slot b; returns the cache.
+
+        pixel_values [N, P, 3·p²] and image_position_ids [N, P, 2] ((-1, -1) marks padding), as transformers'
+        processor makes them: the images' soft tokens replace the ``image_token_id`` placeholders of input_ids in
+        order (row-major over the batch), and each run of placeholders attends bidirectionally in the encoder
+        (docs/images.md). An image's placeholders must all lie in this call.
 
         cache=None: a new zero-filled SlotCache of B slots, sized for the prompt and one canvas. A given cache
         grows in place (``SlotCache.reserve``) when the tokens would not fit, so the same object stays valid.
@@ -105,8 +141,23 @@ class DiffusionGemma:
         if cache.num_slots != B:
             raise ValueError(f"input_ids has {B} rows but the cache has {cache.num_slots}")
         cache.reserve(max(cache.lengths) + T, T)
+        feats: torch.Tensor | None = None
+        if pixel_values is not None:
+            from dgserve.media.images import unpad
+
+            if image_position_ids is None:
+                raise ValueError("pixel_values needs image_position_ids")
+            feats = torch.cat(self.encode_images(unpad(pixel_values, image_position_ids)))
+        used = 0
         for b in range(B):
-            self.encode_row(input_ids[b], cache.view(b))
+            rows = None
+            if feats is not None:
+                assert self.vision is not None
+                n = int((input_ids[b] == self.vision.config.image_token_id).sum())
+                rows, used = feats[used : used + n], used + n
+            self.encode_row(input_ids[b], cache.view(b), rows)
+        if feats is not None and used != feats.shape[0]:
+            raise ValueError(f"image features and image tokens do not match: {used} tokens, {feats.shape[0]} features")
         return cache
 
     @torch.inference_mode()
@@ -181,13 +232,28 @@ class DiffusionGemma:
         """ids [T] → rnd(Emb[ids] · rnd(√H)) [T, H]."""
         return F.embedding(ids, self.embed) * self.embed_scale
 
-    def encode_row(self, ids: torch.Tensor, row: SlotView) -> None:
+    def encode_row(self, ids: torch.Tensor, row: SlotView, image_embeds: torch.Tensor | None = None) -> None:
         """Causal encoder pass of ids [T] at positions row.length.. ; appends to row (one slot of a SlotCache;
-        its next pass sees the last W − 1 positions on sliding layers)."""
+        its next pass sees the last W − 1 positions on sliding layers).
+
+        image_embeds [m, H] md: the soft tokens of the m ``image_token_id`` placeholders of ids, in order; each
+        run of placeholders (one image) also attends to itself bidirectionally, on sliding layers beyond the
+        window too (transformers' block overlay), so an image must not be split across passes."""
         cfg, eps = self.config, self.config.rms_norm_eps
         T, p0 = ids.shape[0], row.length
         pos = torch.arange(p0, p0 + T, device=self.device)
-        x = self.embed_tokens(ids)
+        groups = None
+        if image_embeds is not None:
+            assert self.vision is not None
+            is_img = ids == self.vision.config.image_token_id
+            if int(is_img.sum()) != image_embeds.shape[0]:
+                raise ValueError(f"{int(is_img.sum())} image tokens but {image_embeds.shape[0]} image features")
+            x = self.embed_tokens(torch.where(is_img, 0, ids))
+            x[is_img] = image_embeds.to(x.dtype)
+            starts = is_img & ~torch.cat([is_img.new_zeros(1), is_img[:-1]])
+            groups = torch.where(is_img, torch.cumsum(starts.long(), 0), -1)  # [T]: image k's run → k, text → -1
+        else:
+            x = self.embed_tokens(ids)
         for i, lw in enumerate(self.layers):
             hd = cfg.head_dim(i)
             cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
@@ -200,6 +266,9 @@ class DiffusionGemma:
             visible = kpos[None, :] <= pos[:, None]
             if cfg.is_sliding(i):
                 visible &= kpos[None, :] > pos[:, None] - cfg.sliding_window
+            if groups is not None:  # keys before this pass are never in a group of it
+                kg = torch.cat([groups.new_full((p0 - k0,), -1), groups])
+                visible |= (groups[:, None] == kg[None, :]) & (groups[:, None] >= 0)
             attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, visible)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.encoder_layer_scalar)
         row.commit(T)

@@ -144,6 +144,8 @@ def validate_content(content, field: str) -> None:
         if not isinstance(part, dict):
             raise ValueError(f"{field}[{j}] must be a dict")
         kind = part.get("type")
+        if kind == "image" and set(part) == {"type"}:
+            continue  # an image's place (media/chat.py decoded it): the placeholders go here
         if kind != "text":
             raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: v1 accepts text parts only")
         if not isinstance(part.get("text"), str):
@@ -156,4 +158,11 @@ def message_text(content) -> str:
     for None (an assistant message that only calls tools)."""
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] if part["type"] == "text" else IMAGE_MARK for part in content)
+
+
+# Where an image part stands in rendered chat text (``Tokenizer.encode_chat`` splits on it): noncharacters no
+# real text holds; a client that sends them anyway gets a count mismatch (a 400), never a placeholder.
+IMAGE_MARK = "\U0010fffd\U0010fffeimage\U0010fffd"

@@ -31,7 +31,7 @@ import jinja2.utils
 import tokenizers
 
 from dgserve.text import gemma4, inert
-from dgserve.text.messages import check_unicode, message_text, validate_messages
+from dgserve.text.messages import IMAGE_MARK, check_unicode, message_text, validate_messages
 from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
 
 log = logging.getLogger("dgserve")
@@ -272,6 +272,7 @@ class Tokenizer:
         enable_thinking: bool = False,
         max_tokens: int | None = None,
         tools: Sequence[dict] | None = None,
+        image_runs: Sequence[Sequence[int]] = (),
         **options,
     ) -> list[int]:
         """Token ids of the rendered chat. The special tokens the template writes become their ids; no BOS is added
@@ -280,17 +281,38 @@ class Tokenizer:
         declarations) never becomes a special token: a `<|turn>` typed in it is ordinary text (`dgserve.text.inert`;
         a conversation without such text gets exactly the ids of encoding `apply_chat_template`'s string).
         `max_tokens`: as for `encode`, applied to the rendered text. `tools` and `options` (continue_final_message,
-        chat_template): as for `apply_chat_template`."""
+        chat_template): as for `apply_chat_template`. ``image_runs``: the ids of each ``{"type": "image"}`` part in
+        order (BOI, the placeholders, EOI), spliced where the part stands; the text between is tokenized piece by
+        piece (special tokens split the text anyway, so these are the ids transformers' processor makes).
+        ValueError when the parts and runs disagree."""
         plain, plain_tools = validate_messages(messages), _plain_tools(tools)
         strings = inert.caller_strings([plain, plain_tools])
-        if not self._specials.needs_defang(strings):
-            text = self._render_chat(plain, plain_tools, add_generation_prompt, enable_thinking, **options)
-            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
-        templates = [self.chat_template or "", options.get("chat_template") or ""]
-        swap = self._specials.sentinels([*strings, *templates])
-        plain, plain_tools = inert.defang([plain, plain_tools], swap)
+        restore: dict[str, str] = {}  # sentinel -> the character it stands for, when caller text was defanged
+        if self._specials.needs_defang(strings):
+            templates = [self.chat_template or "", options.get("chat_template") or ""]
+            swap = self._specials.sentinels([*strings, *templates])
+            plain, plain_tools = inert.defang([plain, plain_tools], swap)
+            restore = {v: k for k, v in swap.items()}
         text = self._render_chat(plain, plain_tools, add_generation_prompt, enable_thinking, **options)
-        restore = {v: k for k, v in swap.items()}
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) != len(image_runs) + 1:
+            if not image_runs:
+                raise ValueError("messages: an image part without its image")
+            raise ValueError(f"messages: {len(pieces) - 1} image places in the prompt for {len(image_runs)} images")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            room = None if max_tokens is None else max(max_tokens - len(ids), 0)
+            ids += self._encode_rendered(piece, restore, room)
+            if k < len(image_runs):
+                ids += image_runs[k]
+                if max_tokens is not None and len(ids) > max_tokens:
+                    raise PromptTooLongError(len(ids), max_tokens, "at least")
+        return ids
+
+    def _encode_rendered(self, text: str, restore: dict[str, str], max_tokens: int | None) -> list[int]:
+        """Ids of rendered chat text: plainly encoded, or with ``restore``'s sentinels read as the caller's text."""
+        if not restore:
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
         if max_tokens is not None:
             self._check_bound(text.translate({ord(k): v for k, v in restore.items()}), max_tokens)
         ids = self._specials.encode(self._tok, text, restore)

@@ -1,0 +1,1 @@
+"""Media inputs (images): decoding, limits and preprocessing (docs/images.md)."""

@@ -1,0 +1,151 @@
+"""Image inputs: caps checked on the header, decoding, and transformers' Gemma 4 image preprocessing
+(docs/images.md).
+
+Public contract:
+    img = load_image(data: bytes, where="messages[0].content[1]", caps=ImageCaps())   # ImageError (a 400)
+    inp = preprocess(img, patch_size=16, pooling=3, max_soft_tokens=280)             # an ImageInput
+
+``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_images.py): RGB with transparency
+composited onto white, an aspect-preserving resize to multiples of pooling·patch within the patch budget (PIL
+bicubic), ``uint8 → float64 · (1/255) → float32``, then (C, H, W) → patches of ``p·p·3`` values ordered
+(row, column, channel) with (x, y) patch positions. Images are never padded to the budget: the tower runs each
+on its own patches (model/vision.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+class ImageError(ValueError):
+    """An image a request cannot use; the message starts with the part's field (``messages[i].content[j]``)."""
+
+
+@dataclass(frozen=True)
+class ImageCaps:
+    """Per-request limits, all checked before any pixel is decoded (docs/images.md, "Limits")."""
+
+    max_images: int = 8
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One preprocessed image: ``patches`` [n, 3·p²] fp32, ``positions`` [n, 2] int64 (x, y), ``tokens`` its
+    soft-token count (= placeholders in the prompt), ``digest`` a hash of the patches (the prefix cache's key)."""
+
+    patches: torch.Tensor
+    positions: torch.Tensor
+    tokens: int
+    digest: bytes
+
+
+def load_image(data: bytes, where: str, caps: ImageCaps):
+    """Decode ``data`` (PNG, JPEG, WebP, GIF's first frame) to an RGB PIL image.
+
+    The byte cap and the declared size are checked on the header before decoding; corrupt, truncated or
+    non-image data raises ImageError naming ``where``."""
+    from PIL import Image
+
+    if len(data) > caps.max_bytes:
+        raise ImageError(f"{where}: the image has {len(data)} bytes, more than the limit of {caps.max_bytes}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+    except Exception:  # noqa: BLE001  (any decoder failure on client bytes is a bad request)
+        raise ImageError(f"{where}: not an image in a supported format ({', '.join(FORMATS)})") from None
+    w, h = img.size
+    if w <= 0 or h <= 0 or w * h > caps.max_pixels:
+        raise ImageError(f"{where}: the image declares {w}x{h} pixels, more than the limit of {caps.max_pixels}")
+    try:
+        img.seek(0)  # an animation's first frame
+        img.load()
+        return to_rgb(img)
+    except Exception as e:  # noqa: BLE001  (as above: truncated or corrupt data, whatever the codec raises)
+        raise ImageError(f"{where}: the image data is corrupt or truncated ({type(e).__name__})") from None
+
+
+def to_rgb(img):
+    """RGB as transformers' ``convert_to_rgb`` makes it: transparency composited onto white."""
+    from PIL import Image
+
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def target_size(height: int, width: int, patch: int, max_patches: int, pooling: int) -> tuple[int, int]:
+    """transformers' ``get_aspect_ratio_preserving_size``: the largest (h, w), multiples of pooling·patch, with at
+    most ``max_patches`` patches (ValueError when there is none)."""
+    target_px = max_patches * patch**2
+    factor = math.sqrt(target_px / (height * width))
+    side = pooling * patch
+    th = math.floor(factor * height / side) * side
+    tw = math.floor(factor * width / side) * side
+    if th == 0 and tw == 0:
+        raise ValueError("the image resizes to 0x0")
+    max_side = (max_patches // pooling**2) * side
+    if th == 0:
+        th, tw = side, min(math.floor(width / height) * side, max_side)
+    elif tw == 0:
+        tw, th = side, min(math.floor(height / width) * side, max_side)
+    if th * tw > target_px:
+        raise ValueError(f"resizing {height}x{width} to {th}x{tw} exceeds {max_patches} patches")
+    return th, tw
+
+
+def preprocess(img, patch_size: int, pooling: int, max_soft_tokens: int, where: str = "image") -> ImageInput:
+    """An RGB PIL image → ``ImageInput`` (the module docstring has the steps)."""
+    from PIL import Image
+
+    max_patches = max_soft_tokens * pooling**2
+    try:
+        th, tw = target_size(img.height, img.width, patch_size, max_patches, pooling)
+    except ValueError as e:
+        raise ImageError(f"{where}: {e} (the image is too thin)") from None
+    if (th, tw) != (img.height, img.width):
+        img = img.resize((tw, th), resample=Image.Resampling.BICUBIC)
+    arr = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, 3]
+    gh, gw = th // patch_size, tw // patch_size
+    # (H, W, C) → (gh, p, gw, p, C) → (gh, gw, p, p, C): patch (row, col) holds its pixels row-major, channel last
+    patches = arr.reshape(gh, patch_size, gw, patch_size, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)
+    gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
+    positions = np.stack([gx, gy], axis=-1).reshape(gh * gw, 2)
+    patches = np.ascontiguousarray(patches)
+    digest = hashlib.sha256(np.asarray([th, tw], dtype=np.int64).tobytes() + patches.tobytes()).digest()
+    return ImageInput(
+        torch.from_numpy(patches), torch.from_numpy(positions.astype(np.int64)), (gh * gw) // pooling**2, digest
+    )
+
+
+def pad_batch(images: list[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' layout: pixel_values [N, P, 3·p²] zero-padded and image_position_ids [N, P, 2] padded with -1
+    (P the most patches of any image). ``unpad`` is the inverse."""
+    P = max(i.patches.shape[0] for i in images)
+    pv = torch.zeros(len(images), P, images[0].patches.shape[1])
+    pos = torch.full((len(images), P, 2), -1, dtype=torch.int64)
+    for k, im in enumerate(images):
+        pv[k, : im.patches.shape[0]] = im.patches
+        pos[k, : im.positions.shape[0]] = im.positions
+    return pv, pos
+
+
+def unpad(pixel_values: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[N, P, 3·p²], [N, P, 2] with (-1, -1) padding → per image (patches [n, 3·p²], positions [n, 2])."""
+    out = []
+    for k in range(pixel_values.shape[0]):
+        real = ~(positions[k] == -1).all(dim=-1)
+        out.append((pixel_values[k][real], positions[k][real]))
+    return out
