@@ -5,8 +5,10 @@ or developer only first: "developer" is OpenAI's current name for the system rol
 "system") and c a str or a list of ``{"type": "text", "text": str}`` parts. Tool use adds OpenAI's two shapes:
 
 * an assistant (or model) message may carry ``tool_calls``: a non-empty list of ``{"id": str, "type":
-  "function", "function": {"name": str, "arguments": JSON object text or an object}}``; its content may then be
-  None, absent or empty, and its ``reasoning_content`` (a str) is kept for the template;
+  "function", "function": {"name": str, "arguments": text or an object}}``; its content may then be None, absent
+  or empty, and its ``reasoning_content`` (a str) is kept for the template. Arguments are OpenAI's JSON text, but
+  a history may carry text that is not a JSON object (another server's cut call, a client's edit): OpenAI accepts
+  it, and so do we, rendering it as it came (``call_arguments``);
 * a ``tool`` message carries ``tool_call_id`` (a str) and the result as its content. It must answer a call of the
   assistant message it follows (only other tool messages may stand between them): a result that matches no call
   could not be rendered next to it.
@@ -21,13 +23,15 @@ import json
 
 ROLES = ("system", "developer", "user", "assistant", "model", "tool")
 SYSTEM_ROLES = ("system", "developer")
+MAX_ARGUMENT_DEPTH = 64  # a history call's arguments nesting deeper are rendered as their text
 ASSISTANT_ROLES = ("assistant", "model")
 
 
 def validate_messages(messages: list[dict]) -> list[dict]:
     """Check chat messages (module doc) and return a plain-JSON deep copy of them, so a template sees only dicts,
-    lists, strings and numbers and never the caller's objects. In the copy every tool call's ``arguments`` is an
-    object (parsed from its JSON text), as transformers' chat templates expect."""
+    lists, strings and numbers and never the caller's objects. In the copy a tool call's ``arguments`` is an
+    object (parsed from its JSON text), as transformers' chat templates expect, or its text as it came when that is
+    not a JSON object (``call_arguments``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
     for i, msg in enumerate(messages):
@@ -58,8 +62,7 @@ def validate_messages(messages: list[dict]) -> list[dict]:
             msg["role"] = "system"
         for call in msg.get("tool_calls") or ():
             fn = call["function"]
-            if isinstance(fn["arguments"], str):
-                fn["arguments"] = json.loads(fn["arguments"])
+            fn["arguments"] = call_arguments(fn["arguments"])
     return plain
 
 
@@ -95,15 +98,47 @@ def _check_tool_calls(msg: dict, i: int) -> None:
 
 
 def _check_arguments(args: object, field: str) -> None:
-    """The arguments of a call in the history: a JSON object, as text (OpenAI's form) or already an object."""
+    """The arguments of a call in the history: text (OpenAI's form; any text, see ``call_arguments``) or an
+    object."""
     if isinstance(args, str):
         check_unicode(args, field)
-        try:
-            args = json.loads(args)
-        except ValueError as e:
-            raise ValueError(f"{field} is not valid JSON ({e})") from None
-    if not isinstance(args, dict):
-        raise ValueError(f"{field} must be a JSON object")
+    elif not isinstance(args, dict):
+        raise ValueError(f"{field} must be a string (JSON text) or an object")
+
+
+def call_arguments(args: str | dict) -> str | dict:
+    """A history call's arguments for the template: the object its text holds, or the text as it came when that is
+    not a JSON object (invalid or cut JSON, another JSON value) or nests deeper than ``MAX_ARGUMENT_DEPTH`` (the
+    reader's work stays bounded; the text's size is the request body's)."""
+    if not isinstance(args, str) or _nesting(args) > MAX_ARGUMENT_DEPTH:
+        return args
+    try:
+        value = json.loads(args)
+    except (ValueError, RecursionError):
+        return args
+    return value if isinstance(value, dict) else args
+
+
+def _nesting(text: str) -> int:
+    """The deepest ``{``/``[`` nesting of JSON text (strings skipped), in one pass."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    return deepest
 
 
 def _check_results_follow_calls(messages: list[dict]) -> None:
