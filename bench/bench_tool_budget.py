@@ -22,9 +22,10 @@ import jsonschema
 import torch
 
 from dgserve import Engine, SamplingParams
-from dgserve.engine.prompt import ChatPrompt
+from dgserve.engine.prompt import ChatPrompt, Submission
 from dgserve.model.default_model import SHIPPED
 from dgserve.outputs import FINISH_EOS
+from dgserve.service.events import final_reason
 from dgserve.structured import ResponseFormat
 from dgserve.structured.tools import ToolSet
 
@@ -51,13 +52,10 @@ def _prompt(case: str) -> ChatPrompt:
 
 def _judge(case: str, prompt: ChatPrompt, req, result) -> dict:
     """One output as the event layer would report it (its one parser, its finish rule)."""
-    from dgserve.service.events import final_reason
-
     parser = prompt.output_parser(req)
     for block in result.blocks:
         parser.push(block.text)
-    rest = parser.finish(cut=result.finish_reason != FINISH_EOS) if _has_cut() else parser.finish()
-    del rest
+    parser.finish(cut=result.finish_reason != FINISH_EOS)
     msg = parser.message()
     stray = any(m in msg.content for m in ("<|", "<tool", "<to")) or msg.content.endswith("<")
     if case == "json":
@@ -79,15 +77,8 @@ def _judge(case: str, prompt: ChatPrompt, req, result) -> dict:
     return {"reason": reason, "valid": valid, "returned_invalid": bad > 0, "stray": stray, "calls": len(msg.tool_calls)}
 
 
-def _has_cut() -> bool:
-    import inspect
-
-    from dgserve.structured.chat_output import ChatOutputParser
-
-    return "cut" in inspect.signature(ChatOutputParser.finish).parameters
-
-
 def run(engine: Engine, case: str, budget: int, seeds: int, steps: int | None = None) -> dict:
+    """One line of figures for ``seeds`` seeded requests of ``case`` with max_tokens ``budget``, run batched."""
     prompt = _prompt(case)
     rf = ResponseFormat("json_schema", schema=json.dumps(PERSON)) if case == "json" else None
     knobs = {"max_denoising_steps": steps} if steps else {}
@@ -118,9 +109,7 @@ def run(engine: Engine, case: str, budget: int, seeds: int, steps: int | None = 
     }
 
 
-def _submission(prompt, params: SamplingParams):
-    from dgserve.engine.prompt import Submission
-
+def _submission(prompt, params: SamplingParams) -> Submission:
     return Submission(prompt, params)
 
 
