@@ -173,8 +173,10 @@ class BlockEvent:
 @dataclass(frozen=True)
 class FinishEvent:
     """The last event of a request that completed or was cancelled. For a chat: ``delta``, what the parser held
-    back until the end (a partial marker is text after all; a call the output ended inside), and ``calls``, every
-    call of the output whole; ``reason`` is the final one (``final_reason``)."""
+    back until the end (a partial marker is text after all when the output ended with EOS, and dropped when it was
+    cut), and ``calls``, every call of the output whole; ``reason`` is the final one (``final_reason``). Every call
+    here and in the block events is whole and its arguments a JSON object its grammar admitted; a call the output
+    was cut in is in neither (docs/tools.md, "Valid to the last token"): the reason is then ``length``."""
 
     reason: str  # one of FINISH_REASONS
     usage: Usage
@@ -258,7 +260,7 @@ class ChatOutput:
         return dataclasses.replace(e, delta=self.parser.push(e.text))
 
     def finish(self, e: FinishEvent) -> FinishEvent:
-        rest = self.parser.finish()
+        rest = self.parser.finish(cut=e.reason != FINISH_EOS)  # anything but EOS cut the output
         calls = tuple(self.parser.tool_calls)
         return dataclasses.replace(e, reason=final_reason(e.reason, calls), delta=rest, calls=calls)
 

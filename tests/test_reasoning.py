@@ -50,6 +50,25 @@ def test_splitter_at_every_split_point(text, reasoning, content):
         assert (s.reasoning, s.content) == (reasoning, content)
 
 
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("ends in <|channe", "", "ends in "),
+        ("<|channel>thought\nends in <channel", "ends in ", ""),
+        ("<|channel>thou", "", ""),
+        ("<|channel>thought\nplan<channel|>ans <", "plan", "ans "),
+        ("<|channel>thought\nplan<channel|>a < b", "plan", "a < b"),
+    ],
+)
+def test_a_cut_output_drops_the_piece_of_a_marker(text, reasoning, content):
+    """finish(cut=True): the budget or the context ended the output inside a marker, which never shows."""
+    for cuts in [[], *_splits(len(text))]:
+        s = ReasoningSplitter()
+        outs = [s.push(text[a:b]) for a, b in itertools.pairwise([0, *cuts, len(text)])]
+        outs.append(s.finish(cut=True))
+        assert ("".join(r for r, _ in outs), "".join(c for _, c in outs)) == (reasoning, content), cuts
+
+
 def test_splitter_can_start_inside_the_channel():
     assert split_reasoning("still thinking<channel|>done", in_reasoning=True) == ("still thinking", "done")
     assert split_reasoning("<|channel>x", in_reasoning=True) == ("<|channel>x", "")

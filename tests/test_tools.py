@@ -178,12 +178,12 @@ def test_tool_set_defaults_and_what_it_means():
             r"^messages\[6\]\.tool_call_id: a tool message must follow",
         ),
         (
-            lambda m: m[2]["tool_calls"][0]["function"].update(arguments="{bad"),
-            r"^messages\[2\]\.tool_calls\[0\]\.function\.arguments: not valid JSON",
+            lambda m: m[2]["tool_calls"][1]["function"].update(arguments=[1]),
+            r"^messages\[2\]\.tool_calls\[1\]\.function\.arguments must be a string \(JSON text\) or an object",
         ),
         (
-            lambda m: m[2]["tool_calls"][1]["function"].update(arguments="[1]"),
-            r"^messages\[2\]\.tool_calls\[1\]\.function\.arguments must be a JSON object",
+            lambda m: m[2]["tool_calls"][1]["function"].update(arguments="\ud800"),
+            r"^messages\[2\]\.tool_calls\[1\]\.function\.arguments: not valid Unicode",
         ),
         (lambda m: m[2]["tool_calls"][1].update(id="c1"), r"^messages\[2\]\.tool_calls\[1\]\.id: another call"),
         (lambda m: m[2]["tool_calls"][0].update(type="code"), r"^messages\[2\]\.tool_calls\[0\]\.type"),
@@ -208,6 +208,18 @@ def test_conversation_errors_name_the_field(change, field):
     change(messages)
     with pytest.raises(ValueError, match=field):
         validate_messages(messages)
+
+
+@pytest.mark.parametrize("arguments", ['{"city"', "{bad", "[1]", "3", "", "[" * 100 + "]" * 100, "[" * 70_000])
+def test_history_arguments_that_are_no_json_object_render_as_they_came(shipped_tok, arguments):
+    """Another server's cut call, or one a client edited: OpenAI accepts it, and the templates write its text."""
+    messages = json.loads(json.dumps(CONVERSATION))
+    messages[2]["tool_calls"][0]["function"]["arguments"] = arguments
+    plain = validate_messages(messages)
+    assert plain[2]["tool_calls"][0]["function"]["arguments"] == arguments
+    call = f"<|tool_call>call:get_weather{arguments}<tool_call|>"
+    assert call in render_gemma4(plain, "<bos>", True, False, TOOLS)
+    assert call in shipped_tok.apply_chat_template(messages, tools=TOOLS)
 
 
 def test_conversation_copy_has_object_arguments_and_leaves_the_callers_alone():
@@ -334,20 +346,34 @@ TEXTS = [
     ("a <|tool_call>call:{}", "a <|tool_call>call:{}", []),
     ("a < b <|tool", "a < b <|tool", []),
     ("cut <|tool_call>call:get_w", "cut ", []),
-    ('cut <|tool_call>call:f{"a":"x', "cut ", [("f", '{"a":"x')]),
+    ('cut <|tool_call>call:f{"a":"x', "cut ", []),  # a call the output ends inside is never a call
     ('<|tool_call>call:f{"a":1}then text', "then text", [("f", '{"a":1}')]),
-    ('<|tool_call>call:f{a:<|"|>unread}', "", [("f", '{a:<|"|>unread}')]),
+    ('<|tool_call>call:f{a:<|"|>unread}', "", []),  # a body that is no JSON object is not a call
+    ('<|tool_call>call:f{"a":1,}<tool_call|>x', "x", []),
+]
+# the same parser when the output was cut (finish(cut=True): the budget, the context, a stop or a cancel ended it):
+# a held piece of a marker is dropped, never content
+CUT_TEXTS = [
+    ("Hello", "Hello", []),
+    ("a < b <|tool", "a < b ", []),
+    ("text <", "text ", []),
+    ("cut <|tool_call>", "cut ", []),
+    ('<|tool_call>call:f{"a":1}<tool_c', "", [("f", '{"a":1}')]),
+    ('<|tool_call>call:f{"a":1}<tool_call|><', "", [("f", '{"a":1}')]),
+    ('<|tool_call>call:f{"a":1}<tool_call|><|tool_call>call:f{"a":"x', "", [("f", '{"a":1}')]),
 ]
 
 
-def _feed(text: str, cuts: list[int], id_seed: bytes = b"s") -> tuple[ToolCallParser, list[str], dict]:
+def _feed(
+    text: str, cuts: list[int], id_seed: bytes = b"s", cut: bool = False
+) -> tuple[ToolCallParser, list[str], dict]:
     """Feed ``text`` cut at ``cuts``; returns the parser, the content after each push, and each call as rebuilt from
     its deltas (index → [id, name, arguments])."""
     parser = ToolCallParser(id_seed)
     calls: dict = {}
     pieces = [parser.push(text[a:b]) for a, b in itertools.pairwise([0, *cuts, len(text)])]
     seen = [content for content, _ in pieces]
-    pieces.append(parser.finish())
+    pieces.append(parser.finish(cut))
     for _, deltas in pieces:
         for d in deltas:
             if d.id is not None:
@@ -358,20 +384,32 @@ def _feed(text: str, cuts: list[int], id_seed: bytes = b"s") -> tuple[ToolCallPa
     return parser, seen, calls
 
 
-@pytest.mark.parametrize("text, content, calls", TEXTS)
-def test_parser_at_every_split_point(text, content, calls):
-    whole_content, whole_calls = parse_tool_calls(text, b"s")
+@pytest.mark.parametrize("cut, text, content, calls", [(False, *t) for t in TEXTS] + [(True, *t) for t in CUT_TEXTS])
+def test_parser_at_every_split_point(cut, text, content, calls):
+    whole_content, whole_calls = parse_tool_calls(text, b"s", cut)
     assert whole_content == content
     assert [(c.name, c.arguments) for c in whole_calls] == calls
     splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]  # two pieces at every point; per char
     rng = random.Random(0)
     splits += [sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 4))) for _ in range(5)]
     for cuts in splits:
-        parser, seen, rebuilt = _feed(text, cuts)
+        parser, seen, rebuilt = _feed(text, cuts, cut=cut)
         assert parser.content == content and parser.calls == whole_calls, cuts
         assert [tuple(v) for v in rebuilt.values()] == [(c.id, c.name, c.arguments) for c in whole_calls], cuts
         # content streams only what stays content: no piece of a marker that later opens a call
         assert content.startswith("".join(seen)), cuts
+        # a call is streamed only whole: no delta of a call that is not returned
+        assert len(rebuilt) == len(whole_calls), cuts
+
+
+def test_calls_of_functions_the_request_may_not_call_are_not_calls():
+    parser = ToolCallParser(b"s", names={"get_time"})
+    content, deltas = parser.push('<|tool_call>call:get_weather{"city":"Paris"}<tool_call|>')
+    assert (content, deltas, parser.calls) == ("", [], [])
+    named = ToolSet.from_openai([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
+    assert named is not None and named.callable_names == {"get_time"}
+    auto = ToolSet.from_openai([WEATHER, TIME])
+    assert auto is not None and auto.callable_names == {"get_weather", "get_time"}
 
 
 def test_native_syntax_reader():

@@ -12,7 +12,7 @@ from dgserve import Engine, SamplingParams
 from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started, StreamStalledError
 from dgserve.engine.engine import DraftOutput
 from dgserve.engine.prompt import Submission
-from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH, BlockOutput, BlockStats
+from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, BlockOutput, BlockStats
 from dgserve.service import convert, events
 from dgserve.service.http import protocol, responses
 from dgserve.v1 import text_generation_pb2 as pb
@@ -224,3 +224,27 @@ def test_both_doors_check_token_ids_alike():
         protocol.completion_request({"prompt": [1, 300]}, SamplingParams(), 300, 8)
     assert str(grpc_err.value) == "token_ids.ids[1]: token id 300 is outside the vocabulary [0, 300)"
     assert str(http_err.value) == "prompt[1]: token id 300 is outside the vocabulary [0, 300)"
+
+
+@pytest.mark.parametrize(
+    "reason, content, calls",
+    [
+        (FINISH_LENGTH, "Checking ", 1),  # cut: the piece of a marker and the cut call are dropped
+        (FINISH_CANCELLED, "Checking ", 1),
+        (FINISH_EOS, "Checking <", 1),  # ended on its own: a held "<" was text after all
+    ],
+)
+def test_the_finish_rule_drops_what_a_cut_output_left_half_written(reason, content, calls):
+    """One rule for every door: the parser's finish is told whether the output was cut (any reason but EOS)."""
+    from dgserve.structured.chat_output import ChatOutputParser
+
+    chat = events.ChatOutput(ChatOutputParser(True, True, b"k"))
+    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    call = '<|tool_call>call:f{"a":1}<tool_call|>'
+    tail = "Checking <" if reason == FINISH_EOS else 'Checking <|tool_call>call:f{"a":"x'
+    pieces = [chat.block(events.BlockEvent(0, [], call + tail[:5], stats))]
+    pieces.append(chat.block(events.BlockEvent(1, [], tail[5:], stats)))
+    end = chat.finish(events.FinishEvent(reason, events.Usage(3, 9, 2, 8), events.Timing(0.0, 1.0, 2.0)))
+    assert "".join(p.content for p in [*pieces, end]) == content
+    assert len(end.calls) == calls and sum(len(p.call_deltas) for p in [*pieces, end]) == 2 * calls
+    assert end.reason == (events.FINISH_TOOL_CALLS if reason == FINISH_EOS else reason)

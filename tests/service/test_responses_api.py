@@ -278,7 +278,7 @@ def test_the_drain_ends_a_stream_with_response_incomplete(model_dir):
 
 def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
     """A thinking output with text and a call, in two blocks split inside the call: reasoning, message and
-    function_call items, each opened, written and closed by its events, the call whole at the end."""
+    function_call items, each opened, written and closed by its events; the call is sent once whole."""
     from dgserve import SamplingParams
     from dgserve.outputs import FINISH_EOS
     from dgserve.service import events
@@ -313,8 +313,7 @@ def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
         ("response.content_part.done", 1),
         ("response.output_item.done", 1),
         ("response.output_item.added", 2),
-        ("response.function_call_arguments.delta", 2),
-        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),  # a call is sent only whole (docs/tools.md)
         ("response.function_call_arguments.done", 2),
         ("response.output_item.done", 2),
     ]

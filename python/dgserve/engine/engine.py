@@ -553,13 +553,20 @@ class Engine:
 
     def _structured_row(self, params: SamplingParams) -> StructuredRow | None:
         """The grammar state of a request with a response_format (compiled once per format, then cached);
-        ValueError naming response_format when the model has no tokenizer or the format does not compile."""
-        if params.response_format is None:
+        ValueError naming response_format when the model has no tokenizer or the format does not compile. An
+        output that is whole or nothing (a JSON document, a choice, required tool calls) is steered to a complete
+        end within its max_new_tokens (docs/structured-output.md §11.9)."""
+        fmt = params.response_format
+        if fmt is None:
             return None
-        from dgserve.structured.constrained import StructuredRow
+        from dgserve.structured.constrained import StructuredRow, steering_horizon
 
         grammars = self._grammar_compiler()
-        return StructuredRow(grammars.matcher(params.response_format), self.model.config.vocab_size, self.eos_ids)
+        matcher, V = grammars.matcher(fmt), self.model.config.vocab_size
+        if not fmt.whole_or_nothing:
+            return StructuredRow(matcher, V, self.eos_ids)
+        horizon = steering_horizon(self.model.config.canvas_length)
+        return StructuredRow(matcher, V, self.eos_ids, params.max_new_tokens, grammars.closer, horizon)
 
     def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Token ids of a prompt (text, ids or chat), validated against the vocabulary. Thread-safe.

@@ -54,13 +54,14 @@ class ChatPrompt:
         return self.calls_tools or self.enable_thinking
 
     def output_parser(self, request: Request) -> ChatOutputParser:
-        """The parser of ``request``'s output (made from this prompt): tool calls when it may call tools,
-        reasoning when thinking is enabled, call ids seeded by its seed and prompt."""
+        """The parser of ``request``'s output (made from this prompt): tool calls of the functions it may call
+        when it may call tools, reasoning when thinking is enabled, call ids seeded by its seed and prompt."""
         from dgserve.structured.chat_output import ChatOutputParser
         from dgserve.structured.tool_parser import call_id_seed
 
         seed = request.params.seed if request.params.seed is not None else 0
-        return ChatOutputParser(self.calls_tools, self.enable_thinking, call_id_seed(seed, request.prompt_ids))
+        names = self.tools.callable_names if self.tools is not None else None
+        return ChatOutputParser(self.calls_tools, self.enable_thinking, call_id_seed(seed, request.prompt_ids), names)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ such a ``ChatPrompt``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta, ToolCallParser
@@ -40,11 +41,12 @@ class ChatMessage:
 class ChatOutputParser:
     """Splits a chat output fed piece by piece. ``tools``: read tool calls (the request may call tools);
     ``thinking``: read the thought channel (the prompt enabled thinking); ``id_seed``: the call ids' seed
-    (``tool_parser.call_id_seed``; None: random ids). With neither, all text is content."""
+    (``tool_parser.call_id_seed``; None: random ids); ``names``: the functions it may call (None: any). With
+    neither, all text is content. A call is returned only whole and valid; a cut one never (``ToolCallParser``)."""
 
-    def __init__(self, tools: bool, thinking: bool, id_seed: bytes | None = None):
+    def __init__(self, tools: bool, thinking: bool, id_seed: bytes | None = None, names: Collection[str] | None = None):
         self._reasoning = ReasoningSplitter() if thinking else None
-        self._tools = ToolCallParser(id_seed) if tools else None
+        self._tools = ToolCallParser(id_seed, names) if tools else None
         self.reasoning_content = ""
         self.content = ""
 
@@ -53,17 +55,19 @@ class ChatOutputParser:
         reasoning, content = self._reasoning.push(text) if self._reasoning is not None else ("", text)
         return self._content(reasoning, content, final=False)
 
-    def finish(self) -> ChatDelta:
-        """The end of the output: what was held back is released (a partial marker is text)."""
-        reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
-        return self._content(reasoning, content, final=True)
+    def finish(self, cut: bool = False) -> ChatDelta:
+        """The end of the output: what was held back is released. ``cut``: the output did not end on its own (the
+        token budget, the context, a stop string or a cancel ended it): a held piece of a marker is dropped, not
+        made text (a call it was cut in never is a call, cut or not)."""
+        reasoning, content = self._reasoning.finish(cut) if self._reasoning is not None else ("", "")
+        return self._content(reasoning, content, final=True, cut=cut)
 
-    def _content(self, reasoning: str, content: str, final: bool) -> ChatDelta:
+    def _content(self, reasoning: str, content: str, final: bool, cut: bool = False) -> ChatDelta:
         calls: list[ToolCallDelta] = []
         if self._tools is not None:
             content, calls = self._tools.push(content)
             if final:
-                more, rest = self._tools.finish()
+                more, rest = self._tools.finish(cut)
                 content, calls = content + more, calls + rest
         self.reasoning_content += reasoning
         self.content += content
@@ -79,9 +83,11 @@ class ChatOutputParser:
         return ChatMessage(self.content, self.reasoning_content, self.tool_calls)
 
 
-def parse_chat_output(text: str, tools: bool, thinking: bool, id_seed: bytes | None = None) -> ChatMessage:
+def parse_chat_output(
+    text: str, tools: bool, thinking: bool, id_seed: bytes | None = None, cut: bool = False
+) -> ChatMessage:
     """The message of a whole output: the same as feeding ``ChatOutputParser`` the text in any pieces."""
     parser = ChatOutputParser(tools, thinking, id_seed)
     parser.push(text)
-    parser.finish()
+    parser.finish(cut)
     return parser.message()

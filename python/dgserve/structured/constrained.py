@@ -14,7 +14,16 @@ committed text, and the current block's verified prefix ``fixed`` (canvas positi
    sequential masked-argmax walk over the last step's processed logits: no extra forward. The committed block is
    then a grammar-accepted prefix; EOS is allowed only where the grammar may end, and ends the request.
 
-Every decision depends on the row's own logits, seed and matcher: batch invariance holds as without a grammar.
+4. At the end of the token budget (docs/structured-output.md §11.9): when the row was given a ``Closer`` (an answer
+   that must be complete to be worth anything: a JSON document, a choice, required tool calls), from the position
+   where fewer than ``horizon`` tokens of its budget are left, every token the walk commits must leave a way to
+   end the document within the rest of the budget: the closer's ``plan`` (a short grammar-accepted ending with its
+   EOS). A proposal after which no plan fits is replaced by the plan's next token, and once the plan takes all
+   the room left the plan is committed as it is, without forwards. So the answer ends with a complete document
+   (EOS) inside its budget, and no new parallel call starts when a whole one no longer fits.
+
+Every decision depends on the row's own logits, seed, matcher and budget: batch invariance holds as without a
+grammar.
 
 Failures are the request's own: whatever the grammar engine raises inside a row's hook (a parser limit hit by a
 grammar that only blows up mid-document, a state that admits no token) is caught here and kept as ``error``, a
@@ -33,13 +42,21 @@ import torch
 
 from dgserve.ops import reference
 from dgserve.sampling_params import to_signed64
+from dgserve.structured.closing import START, Closer, scan
 from dgserve.structured.grammar import allowed_tokens
 
 if TYPE_CHECKING:
     import llguidance as llg
 
 Propose = Callable[[int, np.ndarray], "int | None"]
+STEER_CANVASES = 2  # the steering watches the budget's last two canvases ...
+STEER_MIN_TOKENS = 64  # ... and at least its last 64 tokens (room for a whole minimal tool call)
 MAX_ERROR_CHARS = 300  # the grammar engine's messages carry its state dump: the first line, this long at most
+
+
+def steering_horizon(canvas_length: int) -> int:
+    """How many tokens before the end of its budget a steered row starts watching it (module doc, 4)."""
+    return max(STEER_CANVASES * canvas_length, STEER_MIN_TOKENS)
 
 
 class GrammarFailure(ValueError):
@@ -56,17 +73,33 @@ def grammar_failure(error: BaseException) -> GrammarFailure:
 
 class StructuredRow:
     """One request's grammar state. matcher: llguidance matcher at the request's start; vocab_size: V;
-    eos_ids: the tokens that end the document."""
+    eos_ids: the tokens that end the document. budget: the request's max_new_tokens and closer: the search for
+    an ending, to steer the answer to a complete document within its budget (module doc, 4; None: not steered);
+    horizon: how many tokens before the budget's end the steering starts watching."""
 
-    def __init__(self, matcher: llg.LLMatcher, vocab_size: int, eos_ids: frozenset[int]):
+    def __init__(
+        self,
+        matcher: llg.LLMatcher,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        budget: int | None = None,
+        closer: Closer | None = None,
+        horizon: int = 0,
+    ):
         self.matcher = matcher
         self.V = vocab_size
         self.W = (vocab_size + 31) // 32
         self.eos_ids = eos_ids
         self.fixed: list[int] = []  # the current block's verified tokens (canvas positions 0..f-1)
         self.ended = False  # an EOS was committed: the document is complete
+        # steering at the budget's end (module doc, 4)
+        self.budget, self.closer, self.horizon = budget, closer, horizon
+        self.emitted = 0  # tokens committed in the blocks before this one
+        self.where = START  # the text committed so far, as JSON (closing.scan)
+        self.plan: list[int] | None = None  # an ending from the current state (None: not known)
+        self.hopeless = False  # no ending fits the budget any more: steering stops (the budget cuts the answer)
         # counters for BlockStats / the bench: tokens committed by each route, time in the matcher
-        self.forced = self.accepted = self.redrawn = self.finished = 0
+        self.forced = self.accepted = self.redrawn = self.finished = self.steered = 0
         self.matcher_seconds = 0.0
         self.error: GrammarFailure | None = None  # set once the grammar failed; the request then ends with it
 
@@ -75,6 +108,7 @@ class StructuredRow:
     def start_block(self, canvas: torch.Tensor) -> None:
         """A new block (canvas [C] int64, written in place): commit what the grammar forces before any forward
         (e.g. ``{"name":"``). A grammar that fails sets ``error``."""
+        self.emitted += len(self.fixed)
         self.fixed = []
         try:
             self._walk(canvas.shape[0], lambda j, w: None)
@@ -175,8 +209,10 @@ class StructuredRow:
     # ------------------------------------------------------------------ the walk
 
     def _walk(self, C: int, propose: Propose) -> tuple[int | None, np.ndarray | None]:
-        """Commit from position f while the grammar forces a token or ``propose(j, mask words)`` gives one it
-        admits. Returns (the position where it stopped, its mask words), or (None, None) at the block's end."""
+        """Commit from position f while the grammar forces a token, the budget's plan must go on (no room left
+        for anything else), or ``propose(j, mask words)`` gives one the grammar admits (and, near the budget's end,
+        after which an ending still fits; else the plan's next token goes in its place). Returns (the position
+        where it stopped, its mask words), or (None, None) at the block's end."""
         while len(self.fixed) < C and not self.ended:
             j = len(self.fixed)
             forced = self.matcher.compute_ff_tokens()
@@ -191,11 +227,56 @@ class StructuredRow:
                 self._commit(only)
                 self.forced += 1
                 continue
+            room = self._room(j)
+            plan = self._plan(room) if room is not None else None
+            if plan is not None and room is not None and len(plan) >= room:  # no slack: the plan decides
+                self._commit(plan[0])
+                self.steered += 1
+                continue
             proposal = propose(j, words)
             if proposal is None or not (0 <= proposal < self.V) or not _allows(words, proposal):
                 return j, words
+            if plan is not None and room is not None:
+                after = self._plan_after(proposal, plan, room)
+                if after is None:  # no ending would fit after it: the plan's next token instead
+                    self._commit(plan[0])
+                    self.steered += 1
+                    continue
+                self._commit(proposal)
+                self.plan = after
+                continue
             self._commit(proposal)
         return None, None
+
+    def _room(self, j: int) -> int | None:
+        """Tokens of the budget left from position j on (j included), when steering watches them; else None."""
+        if self.closer is None or self.budget is None or self.hopeless:
+            return None
+        room = self.budget - self.emitted - j
+        return room if 0 < room <= self.horizon else None
+
+    def _plan(self, room: int) -> list[int] | None:
+        """An ending from the current state that fits in ``room`` tokens, or None (then steering stops)."""
+        assert self.closer is not None
+        if self.plan is None or len(self.plan) > room:
+            self.plan = self.closer.plan(self.matcher, room, self.where)
+        if self.plan is None:
+            self.hopeless = True
+        return self.plan
+
+    def _plan_after(self, token: int, plan: list[int], room: int) -> list[int] | None:
+        """An ending that fits in ``room - 1`` tokens after ``token`` (the current ``plan`` is shorter than
+        ``room``), or None. The plan itself when the token is its next one or when it still applies after the
+        token (more of a string, say); else a new search."""
+        if token == plan[0]:
+            return plan[1:]
+        assert self.closer is not None
+        child = self.matcher.deep_copy()
+        if not child.consume_token(token):
+            return None
+        if child.deep_copy().try_consume_tokens(plan) == len(plan):
+            return plan
+        return self.closer.plan(child, room - 1, scan(self.where, self.closer.tokenizer.decode_bytes([token])))
 
     def _commit(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
@@ -203,6 +284,9 @@ class StructuredRow:
         self.fixed.append(int(token))
         if token in self.eos_ids:
             self.ended = True
+        if self.closer is not None:
+            self.where = scan(self.where, self.closer.tokenizer.decode_bytes([int(token)]))
+            self.plan = self.plan[1:] if self.plan and self.plan[0] == token else None
 
     def _mask(self) -> np.ndarray:
         """The matcher's allowed-token words [W] int32 at the current state."""

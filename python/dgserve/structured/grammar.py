@@ -29,6 +29,8 @@ from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOO
 if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions
 
+    from dgserve.structured.closing import Closer
+
 log = logging.getLogger("dgserve.structured")
 
 # JSON output is compact: no whitespace between tokens (a weak model cannot spend its budget on blanks)
@@ -188,6 +190,13 @@ class GrammarCompiler:
             if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
                 out.add(marker)
         return frozenset(out)
+
+    @functools.cached_property
+    def closer(self) -> Closer:
+        """The search for a document's ending in this vocabulary (built once: it ranks every token)."""
+        from dgserve.structured.closing import Closer
+
+        return Closer(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def matcher(self, fmt: ResponseFormat) -> llg.LLMatcher:
         """A fresh matcher at the start of the document (one per request)."""

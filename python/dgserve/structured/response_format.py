@@ -69,6 +69,15 @@ class ResponseFormat:
     choices: tuple[str, ...] = field(default_factory=tuple)
     tools: ToolCallFormat | None = None
 
+    @property
+    def whole_or_nothing(self) -> bool:
+        """Whether only a complete output is worth anything: a JSON document, a choice, or required tool calls
+        (not free text: a regex, or tool_choice auto, whose text may end anywhere). The sampler steers such an
+        output to a complete end within its token budget (docs/structured-output.md §11.9)."""
+        if self.type == TOOL_CALLS:
+            return self.tools is not None and self.tools.required
+        return self.type in ("json_schema", "json_object", "choice")
+
     def __post_init__(self) -> None:
         if self.type not in (*KINDS, TOOL_CALLS):
             raise ValueError(f"response_format: type must be one of {', '.join(KINDS)}, got {self.type!r}")

@@ -3,17 +3,20 @@ to OpenAI's tool calls, all at once (``parse_tool_calls``) or block by block (``
 
 The incremental parser is fed the committed text in pieces of any size and returns what became final: content text
 and tool-call deltas in OpenAI's streaming shape (``ToolCallDelta``: the first delta of a call has its index, id and
-name, later ones append to its arguments). Content never holds a partial ``<|tool_call>``: a tail that could still
-grow into the marker is held back until it does not. Feeding the text in any split gives the same content and
-calls as feeding it whole (tested at every split point).
+name, the next one its arguments). Feeding the text in any split gives the same content and calls as feeding it
+whole (tested at every split point).
 
-A call's body is read in either syntax: JSON (what the tool grammar makes the model write; its characters are
-streamed as they arrive, and the arguments are that text) or Gemma's native key:value syntax (read whole when its
-closing brace arrives, then sent as compact JSON in one delta; text it cannot read is sent as written). What is
-not a call stays content: ``<|tool_call>`` not followed by ``call:NAME{`` (NAME of letters, digits, ``_``, ``-``,
-``.``) is text. A call the output ends inside is kept with the arguments that arrived (the finish reason tells);
-one it ends in before the ``{`` of its arguments is dropped. At the end of the output, a held tail that never
-became a marker is content.
+**Valid to the last token** (docs/tools.md): a call is returned, streamed or whole, only once its body has closed
+and its arguments read as a JSON object (of a function the request may call, when ``names`` is given): its two
+deltas are sent then, together. A call the output ends inside (cut by the token budget or the context) is never a
+call, and nothing of it was sent. Content never holds a piece of a marker: a tail that could still grow into
+``<|tool_call>`` is held back until it cannot; at the end of the output it is content when the output ended on its
+own (EOS), and dropped when the output was cut (``finish(cut=True)``), as is a cut ``<tool_call|>``.
+
+A call's body is read in either syntax: JSON (what the tool grammar makes the model write; the arguments are that
+text) or Gemma's native key:value syntax (converted to compact JSON). A closed body that does not read as a JSON
+object is not a call (dropped). What is not a call stays content: ``<|tool_call>`` not followed by ``call:NAME{``
+(NAME of letters, digits, ``_``, ``-``, ``.``) is text.
 
 Ids: ``call_`` and 24 hex digits, from ``call_id(id_seed, index)``: a request gives ``call_id_seed(seed,
 prompt_ids)``, so the same seeded request gets the same ids while another conversation (another prompt) gets
@@ -23,10 +26,11 @@ others; without a seed they are random.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from dgserve.text.gemma4 import (
     CALL_PREFIX,
@@ -90,27 +94,25 @@ def call_id(id_seed: bytes, index: int) -> str:
 
 @dataclass
 class _Call:
-    """The call being read: its index, id, name, and the body text read so far (from its ``{``)."""
+    """The call being read: its name and the body text read so far (from its ``{``)."""
 
-    index: int
-    id: str
     name: str
     body: str = ""
-    sent: int = 0  # characters of body sent as arguments (JSON syntax)
     native: bool | None = None  # the body's syntax, once its first character after "{" is known
-    arguments: list[str] = field(default_factory=list)
 
 
 class ToolCallParser:
     """Content and tool calls of a text fed piece by piece (module doc). ``push`` returns (content, deltas) that
     became final; ``finish`` returns the rest at the end of the output. After it, ``content`` is all the content
-    and ``calls`` every call, in order."""
+    and ``calls`` every call, in order. ``names``: the functions the request may call (None: any name)."""
 
-    def __init__(self, id_seed: bytes | None = None):
+    def __init__(self, id_seed: bytes | None = None, names: Collection[str] | None = None):
         self._id_seed = id_seed if id_seed is not None else secrets.token_bytes(16)
+        self._names = None if names is None else frozenset(names)
         self._buf = ""  # text not decided yet
         self._state = "text"  # text | head (after <|tool_call>) | body | tail (before <tool_call|>)
         self._call: _Call | None = None
+        self._cut = False  # set by finish: the output did not end on its own
         self.content = ""
         self.calls: list[ToolCall] = []
 
@@ -123,10 +125,13 @@ class ToolCallParser:
             pass
         return self._out(content), deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The end of the output: everything held back is decided (see the module doc)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The end of the output: everything held back is decided (module doc). ``cut``: the output did not end on
+        its own (the token budget, the context, a stop string or a cancel ended it), so a held piece of a marker is
+        dropped rather than made content."""
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
+        self._cut = cut
         while self._step(content, deltas, final=True):
             pass
         return self._out(content), deltas
@@ -141,10 +146,10 @@ class ToolCallParser:
         if self._state == "text":
             return self._text(content, final)
         if self._state == "head":
-            return self._head(content, deltas, final)
+            return self._head(content, final)
         if self._state == "body":
             return self._body(deltas, final)
-        return self._tail(deltas, final)
+        return self._tail(final)
 
     def _text(self, content: list[str], final: bool) -> bool:
         buf = self._buf
@@ -153,12 +158,15 @@ class ToolCallParser:
             content.append(buf[:k])
             self._buf, self._state = buf[k + len(TOOL_CALL_BEGIN) :], "head"
             return True
-        hold = 0 if final else partial_marker(buf, TOOL_CALL_BEGIN)
+        hold = partial_marker(buf, TOOL_CALL_BEGIN)
         content.append(buf[: len(buf) - hold])
         self._buf = buf[len(buf) - hold :]
+        if final:  # the held piece of a marker: text when the output ended on its own, dropped when it was cut
+            content.append("" if self._cut else self._buf)
+            self._buf = ""
         return False
 
-    def _head(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+    def _head(self, content: list[str], final: bool) -> bool:
         """After <|tool_call>: ``call:NAME{`` starts a call; anything else makes the marker text."""
         buf, p = self._buf, len(CALL_PREFIX)
         if len(buf) < p and CALL_PREFIX.startswith(buf) and not final:
@@ -171,9 +179,7 @@ class ToolCallParser:
             elif end == len(buf) and not final:
                 return False  # the name may go on
             elif end < len(buf) and buf[end] == "{" and end > p:
-                index = len(self.calls)
-                self._call = _Call(index, call_id(self._id_seed, index), buf[p:end])
-                deltas.append(ToolCallDelta(index, self._call.id, self._call.name, ""))
+                self._call = _Call(buf[p:end])
                 self._buf, self._state = buf[end:], "body"
                 return True
         if final and _call_head_prefix(buf):
@@ -184,6 +190,7 @@ class ToolCallParser:
         return True
 
     def _body(self, deltas: list[ToolCallDelta], final: bool) -> bool:
+        """The arguments, up to the brace that closes them; a body the output ends inside is dropped."""
         call = self._call
         assert call is not None
         call.body, self._buf = call.body + self._buf, ""
@@ -193,57 +200,59 @@ class ToolCallParser:
                 return False
             call.native = bool(rest) and rest[0] not in '"}'
         end = _body_end(call.body, call.native)
-        body = call.body if end < 0 else call.body[: end + 1]
-        if end < 0 and not final:
-            if not call.native:
-                self._send(call, body, deltas)
-            return False
-        if call.native and end >= 0:
-            try:
-                body = compact_json(read_native(body))
-            except ValueError:
-                pass  # sent as written
-        self._send(call, body, deltas)
-        self._buf = call.body[end + 1 :] if end >= 0 else ""
-        self._state = "tail" if end >= 0 else "text"
-        if end < 0:
-            self._close()
+        if end < 0:  # not closed yet; at the end of the output a cut call, never a call
+            if final:
+                self._call, self._state = None, "text"
+            return final
+        self._buf, self._state, self._call = call.body[end + 1 :], "tail", None
+        self._close(call.name, call.body[: end + 1], call.native, deltas)
         return True
 
-    def _send(self, call: _Call, body: str, deltas: list[ToolCallDelta]) -> None:
-        """Send what of ``body`` was not sent yet as an arguments delta (native bodies: all of it, once)."""
-        if call.native:
-            piece, call.sent = body, len(call.body)
-        else:
-            piece, call.sent = body[call.sent :], len(body)
-        if piece:
-            call.arguments.append(piece)
-            deltas.append(ToolCallDelta(call.index, arguments=piece))
-
-    def _tail(self, deltas: list[ToolCallDelta], final: bool) -> bool:
-        """After the body: <tool_call|> ends the call; other text ends it too and is read as text."""
+    def _tail(self, final: bool) -> bool:
+        """After the body: <tool_call|> ends the call; other text is read as text. A piece of <tool_call|> that
+        the output was cut in is dropped."""
         buf = self._buf
         if buf.startswith(TOOL_CALL_END):
             self._buf = buf[len(TOOL_CALL_END) :]
-        elif TOOL_CALL_END.startswith(buf) and not final:
-            return False
-        self._close()
+        elif TOOL_CALL_END.startswith(buf):
+            if not final:
+                return False
+            if self._cut:
+                self._buf = ""
         self._state = "text"
         return True
 
-    def _close(self) -> None:
-        call = self._call
-        assert call is not None
-        self.calls.append(ToolCall(call.id, call.name, "".join(call.arguments)))
-        self._call = None
+    def _close(self, name: str, body: str, native: bool, deltas: list[ToolCallDelta]) -> None:
+        """A call whose body closed: returned (its two deltas) when its arguments read as a JSON object and it
+        calls a function the request may call; else not a call (dropped)."""
+        arguments = _arguments(body, native)
+        if arguments is None or (self._names is not None and name not in self._names):
+            return
+        index = len(self.calls)
+        call = ToolCall(call_id(self._id_seed, index), name, arguments)
+        self.calls.append(call)
+        deltas += [ToolCallDelta(index, call.id, name, ""), ToolCallDelta(index, arguments=arguments)]
 
 
-def parse_tool_calls(text: str, id_seed: bytes | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, id_seed: bytes | None = None, cut: bool = False) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole output: the same as feeding ``ToolCallParser`` the text in any pieces."""
     parser = ToolCallParser(id_seed)
     parser.push(text)
-    parser.finish()
+    parser.finish(cut)
     return parser.content, parser.calls
+
+
+def _arguments(body: str, native: bool) -> str | None:
+    """A closed body's arguments: JSON text as written (the grammar's compact form), a native body converted to
+    compact JSON; None when it is not a JSON object. Bounded: ``read_native`` caps its nesting, and a JSON body
+    too deep for the reader is not one."""
+    try:
+        value = read_native(body) if native else json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    return compact_json(value) if native else body
 
 
 def _call_head_prefix(text: str) -> bool:

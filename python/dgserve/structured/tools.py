@@ -180,6 +180,13 @@ class ToolSet:
         """Whether calls may be made (tool_choice is not "none")."""
         return self.choice.kind != "none"
 
+    @property
+    def callable_names(self) -> frozenset[str]:
+        """The functions a call may name: the named one, else every tool (none with tool_choice "none")."""
+        if not self.calls:
+            return frozenset()
+        return frozenset([self.choice.name] if self.choice.name is not None else [t.name for t in self.tools])
+
     def rendered(self) -> list[dict]:
         """The tools the prompt declares (OpenAI-shaped, for ``Tokenizer.apply_chat_template``): none with
         tool_choice "none" (module doc)."""

@@ -31,6 +31,10 @@ MAX_VALUES = 1 << 18  # values in one document
 MAX_KEY_ECHO = 80  # characters of a field name an error message quotes
 
 
+class InvalidJSONError(ValueError):
+    """Text that is not JSON at all (as opposed to JSON over a limit): a caller may keep such text as text."""
+
+
 def loads(
     text: str | bytes,
     field: str = BODY,
@@ -68,7 +72,7 @@ def loads(
     except _TooManyValues:
         raise ValueError(f"{field}: more than {max_values} JSON values") from None
     except ValueError as e:
-        raise ValueError(f"{field}: not valid JSON ({e})") from None
+        raise InvalidJSONError(f"{field}: not valid JSON ({e})") from None
     # a lone surrogate can only come from a \uD800-\uDFFF escape (the text itself is valid Unicode)
     escapes = "\\ud" in text or "\\uD" in text
     if escapes or opens > max_depth:

@@ -44,9 +44,12 @@ def declaration(tool: dict) -> str:
 
 def tool_call(call: dict) -> str:
     """One call of an assistant message, for a validated ``{"id", "type", "function": {"name", "arguments"}}``
-    (arguments a dict): ``<|tool_call>call:NAME{…}<tool_call|>``, the text the model writes for it."""
+    (arguments a dict, or text that is not a JSON object, written as it came): ``<|tool_call>call:NAME{…}<tool_call|>``,
+    the text the model writes for it."""
     fn = call["function"]
-    return f"{TOOL_CALL_BEGIN}{CALL_PREFIX}{fn['name']}{compact_json(fn['arguments'])}{TOOL_CALL_END}"
+    args = fn["arguments"]
+    body = args if isinstance(args, str) else compact_json(args)
+    return f"{TOOL_CALL_BEGIN}{CALL_PREFIX}{fn['name']}{body}{TOOL_CALL_END}"
 
 
 def tool_response(name: str, text: str) -> str:

@@ -5,8 +5,10 @@ or developer only first: "developer" is OpenAI's current name for the system rol
 "system") and c a str or a list of ``{"type": "text", "text": str}`` parts. Tool use adds OpenAI's two shapes:
 
 * an assistant (or model) message may carry ``tool_calls``: a non-empty list of ``{"id": str, "type":
-  "function", "function": {"name": str, "arguments": JSON object text or an object}}``; its content may then be
-  None, absent or empty, and its ``reasoning_content`` (a str) is kept for the template;
+  "function", "function": {"name": str, "arguments": text or an object}}``; its content may then be None, absent
+  or empty, and its ``reasoning_content`` (a str) is kept for the template. Arguments are OpenAI's JSON text, but
+  a history may carry text that is not a JSON object (another server's cut call, a client's edit): OpenAI accepts
+  it, and so do we, rendering it as it came (``call_arguments``);
 * a ``tool`` message carries ``tool_call_id`` (a str) and the result as its content. It must answer a call of the
   assistant message it follows (only other tool messages may stand between them): a result that matches no call
   could not be rendered next to it.
@@ -32,10 +34,11 @@ def validate_messages(messages: list[dict]) -> list[dict]:
     """Check chat messages (module doc) and return a plain-JSON deep copy of them, so a template sees only dicts,
     lists, strings and numbers and never the caller's objects. In the copy every tool call's ``arguments`` is an
     object (parsed from its JSON text by the one reader of a client's JSON: at most MAX_ARGUMENTS_BYTES and
-    ``client_json.MAX_DEPTH`` levels), as transformers' chat templates expect."""
+    ``client_json.MAX_DEPTH`` levels), as transformers' chat templates expect, or its text as it came when that
+    text is not a JSON object (invalid or cut JSON, another JSON value: OpenAI accepts such a history)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
-    arguments: dict[tuple[int, int], dict] = {}  # (message, call) -> the call's arguments as an object
+    arguments: dict[tuple[int, int], dict | str] = {}  # (message, call) -> the arguments, an object or kept text
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
@@ -76,8 +79,8 @@ def _check_id(value: object, field: str) -> None:
     check_unicode(value, field)
 
 
-def _check_tool_calls(msg: dict, i: int) -> list[dict]:
-    """Each call's arguments as an object, in order (ValueError naming the field of a bad call)."""
+def _check_tool_calls(msg: dict, i: int) -> list[dict | str]:
+    """Each call's arguments, an object or kept text, in order (ValueError naming the field of a bad call)."""
     field = f"messages[{i}].tool_calls"
     if msg.get("role") not in ASSISTANT_ROLES:
         raise ValueError(f"{field}: only assistant messages carry tool calls")
@@ -104,12 +107,19 @@ def _check_tool_calls(msg: dict, i: int) -> list[dict]:
     return arguments
 
 
-def _check_arguments(args: object, field: str) -> dict:
-    """The arguments of a call in the history: a JSON object, as text (OpenAI's form) or already an object."""
+def _check_arguments(args: object, field: str) -> dict | str:
+    """The arguments of a call in the history: text (OpenAI's form) or an object. Text holding a JSON object gives
+    that object; other text (invalid or cut JSON, another server's call, a client's edit, another JSON value) is
+    kept as it came, to be rendered verbatim. ValueError naming ``field`` for text over MAX_ARGUMENTS_BYTES, JSON
+    nesting deeper than the reader allows, or text that is not valid Unicode."""
     if isinstance(args, str):
-        args = client_json.loads(args, field, max_bytes=MAX_ARGUMENTS_BYTES)
+        try:
+            value = client_json.loads(args, field, max_bytes=MAX_ARGUMENTS_BYTES)
+        except client_json.InvalidJSONError:
+            return args
+        return value if isinstance(value, dict) else args
     if not isinstance(args, dict):
-        raise ValueError(f"{field} must be a JSON object")
+        raise ValueError(f"{field} must be a string (JSON text) or an object")
     return args
 
 

@@ -6,7 +6,9 @@ any size and returns the reasoning and the content that became final; the marker
 (``thought\\n``) belong to neither. A tail that could still grow into a marker is held back until it does not, so
 neither side ever shows a partial marker; feeding the text in any split gives the same result as feeding it whole
 (tested at every split point). Every channel in the output is reasoning, wherever it is; one the output ends inside
-is reasoning up to the end. ``in_reasoning=True`` starts inside a channel (for a prompt that opened one).
+is reasoning up to the end. At the end, a held piece of a marker (or of the name line) is text when the output
+ended on its own, and dropped when it was cut (``finish(cut=True)``: the token budget, the context, a stop string
+or a cancel ended it). ``in_reasoning=True`` starts inside a channel (for a prompt that opened one).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ class ReasoningSplitter:
         """Feed the next piece of text; returns (reasoning, content) that became final."""
         return self._run(text, final=False)
 
-    def finish(self) -> tuple[str, str]:
-        """The end of the output: what was held back is released."""
-        return self._run("", final=True)
+    def finish(self, cut: bool = False) -> tuple[str, str]:
+        """The end of the output: what was held back is released, or dropped when the output was ``cut``."""
+        return self._run("", final=True, cut=cut)
 
-    def _run(self, text: str, final: bool) -> tuple[str, str]:
+    def _run(self, text: str, final: bool, cut: bool = False) -> tuple[str, str]:
         self._buf += text
         reasoning: list[str] = []
         content: list[str] = []
@@ -42,6 +44,8 @@ class ReasoningSplitter:
                     break  # the name line may still come
                 if self._buf.startswith(THOUGHT):
                     self._buf = self._buf[len(THOUGHT) :]
+                elif cut and THOUGHT.startswith(self._buf):
+                    self._buf = ""  # cut inside the name line
                 self._state = "reasoning"
                 continue
             inside = self._state == "reasoning"
@@ -49,9 +53,9 @@ class ReasoningSplitter:
             out = reasoning if inside else content
             k = self._buf.find(marker)
             if k < 0:
-                hold = 0 if final else partial_marker(self._buf, marker)
+                hold = 0 if final and not cut else partial_marker(self._buf, marker)
                 out.append(self._buf[: len(self._buf) - hold])
-                self._buf = self._buf[len(self._buf) - hold :]
+                self._buf = "" if final else self._buf[len(self._buf) - hold :]  # cut: the held piece is dropped
                 break
             out.append(self._buf[:k])
             self._buf = self._buf[k + len(marker) :]
