@@ -183,6 +183,27 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "bytes of JSON those kept responses may take in all (default 64 MiB)",
     ),
     (
+        "--max-images-per-request",
+        "DGSERVE_MAX_IMAGES_PER_REQUEST",
+        "max_images_per_request",
+        int,
+        "images one chat request may carry (default 8; 0 refuses images)",
+    ),
+    (
+        "--max-image-bytes",
+        "DGSERVE_MAX_IMAGE_BYTES",
+        "max_image_bytes",
+        int,
+        "encoded bytes of one image, checked before decoding (default 20 MiB)",
+    ),
+    (
+        "--max-image-pixels",
+        "DGSERVE_MAX_IMAGE_PIXELS",
+        "max_image_pixels",
+        int,
+        "pixels (width x height) one image may declare, checked on its header before decoding (default 40000000)",
+    ),
+    (
         "--allowed-hosts",
         "DGSERVE_ALLOWED_HOSTS",
         "allowed_hosts",

@@ -61,6 +61,10 @@ class ServiceConfig:
     # origins (scheme://host[:port]) whose browser requests are served besides same-origin ones; ("*",): any
     allowed_origins: tuple[str, ...] = ()
     playground: bool = True  # serve the playground and dashboard pages on the HTTP port (docs/playground.md)
+    # image caps, checked before any pixel is decoded (docs/images.md, "Limits")
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 << 20  # encoded bytes of one image
+    max_image_pixels: int = 40_000_000  # width x height one image declares
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -74,6 +78,9 @@ class ServiceConfig:
             ("keepalive_min_ping_ms", 100, 1 << 31),
             ("responses_store_max_entries", 0, 1 << 24),
             ("responses_store_max_bytes", 0, 1 << 40),
+            ("max_images_per_request", 0, 1 << 16),
+            ("max_image_bytes", 1, 1 << 31),
+            ("max_image_pixels", 1, 1 << 40),
         ):
             _int(name, getattr(self, name), lo, hi)
         if self.http_port is not None:

@@ -165,6 +165,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream
+                "dgserve.service.images",  # every door's image parts → the engine's (docs/images.md)
                 "dgserve.service.metrics",
                 "dgserve.service.interceptors",
                 "dgserve.service.http.errors",
