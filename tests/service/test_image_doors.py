@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
+import json
 import struct
 import time
 import zlib
@@ -20,7 +20,7 @@ from tiny_models import make_tiny_hf_model
 from dgserve import Engine, SamplingParams
 from dgserve.engine.prompt import ChatPrompt
 from dgserve.media.images import ImageCaps, load_image, preprocess
-from dgserve.model.default_model import write_tiny_random_model
+from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
@@ -56,12 +56,12 @@ IMG = _png(100, 70)
 
 @pytest.fixture(scope="module")
 def vision_dir(tmp_path_factory):
-    """The "vis" tiny checkpoint (image ids inside its 300-token vocabulary) with the tiny model's tokenizer."""
+    """The "vis" tiny checkpoint (image ids 296..298 inside its 300-token vocabulary) with a BPE tokenizer of 296
+    tokens: as in the real model, no text encodes to an image id (a continued conversation's text stays text)."""
     path = tmp_path_factory.mktemp("vis-chat")
     make_tiny_hf_model("vis").save_pretrained(path)
-    tok = write_tiny_random_model(tmp_path_factory.mktemp("tok") / "m")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tok}/{name}", path / name)
+    train_tokenizer(296).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
     return path
 
 
@@ -273,3 +273,32 @@ def test_the_shipped_size_model_refuses_images_on_every_door(server):
         assert r.status_code == 400, r.text
         body = r.json()["error"]
         assert body["message"].startswith(f"{where}: this model cannot take images"), body
+
+
+def test_count_tokens_and_a_continued_response_read_images(vserver, expected):
+    _, ids = expected
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMG).decode()}
+    content = [{"type": "text", "text": "what is"}, {"type": "image", "source": source}]
+    r = httpx.post(
+        _url(vserver, "/v1/messages/count_tokens"),
+        json={"model": "tiny", "messages": [{"role": "user", "content": content}]},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["input_tokens"] == len(ids), r.text
+    first = httpx.post(
+        _url(vserver, "/v1/responses"),
+        json={
+            "model": "tiny",
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": _data_url(IMG)}]}],
+            "max_output_tokens": 8,
+        },
+        timeout=60,
+    )
+    assert first.status_code == 200, first.text
+    then = httpx.post(
+        _url(vserver, "/v1/responses"),
+        json={"model": "tiny", "input": "and now?", "previous_response_id": first.json()["id"], "max_output_tokens": 8},
+        timeout=60,
+    )
+    assert then.status_code == 200, then.text
+    assert then.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
