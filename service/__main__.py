@@ -204,6 +204,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "pixels (width x height) one image may declare, checked on its header before decoding (default 40000000)",
     ),
     (
+        "--allowed-media-domains",
+        "DGSERVE_ALLOWED_MEDIA_DOMAINS",
+        "allowed_media_domains",
+        str,
+        (
+            "hosts http(s) image URLs may be fetched from: names, '*.domain' patterns or '*', comma-separated; a "
+            "host named literally may resolve to a private or loopback address (default: none, data URLs only)"
+        ),
+    ),
+    (
         "--allowed-hosts",
         "DGSERVE_ALLOWED_HOSTS",
         "allowed_hosts",
@@ -303,7 +313,7 @@ def _fix_hint(message: str) -> str:
 
 
 def _convert(field: str, raw: str, parse):
-    if field in ("served_model_name", "allowed_hosts", "allowed_origins"):
+    if field in ("served_model_name", "allowed_hosts", "allowed_origins", "allowed_media_domains"):
         return tuple(n.strip() for n in raw.split(",") if n.strip())
     if field == "http_port":
         return None if raw.strip().lower() in ("off", "none", "-1") else int(raw)

@@ -65,6 +65,8 @@ class ServiceConfig:
     max_images_per_request: int = 8
     max_image_bytes: int = 20 << 20  # encoded bytes of one image
     max_image_pixels: int = 40_000_000  # width x height one image declares
+    # hosts remote images may be fetched from (names, *.domain patterns, "*"); () refuses every http(s) image URL
+    allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -116,6 +118,7 @@ class ServiceConfig:
             raise ValueError("served_model_name: names must be non-empty")
         for name, pattern, what in (
             ("allowed_hosts", HOST_PATTERN, "a host name, a '*.domain' pattern or '*'"),
+            ("allowed_media_domains", HOST_PATTERN, "a host name, a '*.domain' pattern or '*'"),
             ("allowed_origins", ORIGIN_PATTERN, "an origin (http[s]://host[:port]) or '*'"),
         ):
             for entry in getattr(self, name):

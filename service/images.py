@@ -11,7 +11,8 @@ A door maps its own shape to the neutral part (``{"type": "image", "source": Ima
 the request, with no decoding; ``read_images`` then checks the model and the caps and decodes each image in a
 worker thread (decoding and preprocessing are CPU work, never on the event loop). Every error is an ImageError (a
 ValueError, a 400 / INVALID_ARGUMENT) naming the part, e.g. ``messages[1].content[0]``. Remote ``http(s)`` URLs
-are refused ("send a data URL"); ``file://`` and every other scheme too.
+are fetched (in the worker thread) only from the domains the operator allows (``media_fetch``), else refused
+("send a data URL"); ``file://`` and every other scheme always.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from dataclasses import dataclass
 from dgserve.engine.prompt import ChatPrompt
 from dgserve.media.images import ImageCaps, ImageError, ImageInput, load_image, preprocess
 
+from .media_fetch import FetchPolicy, fetch
+
 # the media types a data URL or a base64 block may name (the decoder reads the bytes' own format, whatever is named)
+NO_FETCH = FetchPolicy()  # no domain: remote images are refused
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 
 
@@ -35,6 +39,7 @@ class ImageSource:
 
     data: bytes
     where: str
+    url: str | None = None  # a remote http(s) URL, fetched by ``read_images`` (then ``data`` is empty)
 
 
 @dataclass(frozen=True)
@@ -47,15 +52,16 @@ class ImageReader:
     pooling: int = 3
     max_soft_tokens: int = 280
     unsupported: str | None = None
+    remote: FetchPolicy = NO_FETCH  # where remote images may be fetched from (none: every URL is refused)
 
     @classmethod
-    def for_model(cls, model, caps: ImageCaps) -> ImageReader:
-        """The reader of a ``DiffusionGemma`` (its vision config) under ``caps``."""
+    def for_model(cls, model, caps: ImageCaps, remote: FetchPolicy = NO_FETCH) -> ImageReader:
+        """The reader of a ``DiffusionGemma`` (its vision config) under ``caps`` and ``remote``."""
         why = model.images_unsupported()
         if model.vision is None:
-            return cls(caps, unsupported=why)
+            return cls(caps, unsupported=why, remote=remote)
         vc = model.vision.config
-        return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why)
+        return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why, remote)
 
 
 def neutral(data: bytes, where: str) -> dict:
@@ -81,6 +87,13 @@ def openai_image(part: dict, where: str) -> dict:
         raise ImageError(f"{where}.file_id: files are not stored here: send the image as a data URL in image_url")
     if not isinstance(url, str):
         raise ImageError(f"{field} must be a string (a data URL: data:image/png;base64,...)")
+    return _url_part(url, field, where)
+
+
+def _url_part(url: str, field: str, where: str) -> dict:
+    """A data URL's bytes, or an http(s) URL to fetch, as a neutral part."""
+    if url.split(":", 1)[0].lower() in ("http", "https"):
+        return {"type": "image", "source": ImageSource(b"", where, url)}
     return neutral(data_url(url, field), where)
 
 
@@ -95,7 +108,7 @@ def anthropic_image(block: dict, where: str) -> dict:
         url = source.get("url")
         if not isinstance(url, str):
             raise ImageError(f"{where}.source.url must be a string")
-        return neutral(data_url(url, f"{where}.source.url"), where)
+        return _url_part(url, f"{where}.source.url", where)
     if kind != "base64":
         raise ImageError(f"{where}.source.type must be base64 or url")
     media = source.get("media_type")
@@ -105,8 +118,8 @@ def anthropic_image(block: dict, where: str) -> dict:
 
 
 def data_url(url: str, field: str) -> bytes:
-    """The bytes of a ``data:image/...;base64,`` URL (ImageError naming ``field`` for anything else: remote URLs
-    are not fetched, other schemes never)."""
+    """The bytes of a ``data:image/...;base64,`` URL (ImageError naming ``field`` for anything else: http(s) URLs
+    are ``_url_part``'s, other schemes are never read)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
         raise ImageError(f"{field}: remote images are not fetched: send a data URL (data:image/png;base64,...)")
@@ -160,13 +173,22 @@ async def read_images(prompt, reader: ImageReader | None):
         raise ImageError(
             f"{found[reader.caps.max_images].where}: more than {reader.caps.max_images} images in one request"
         )
+    for s in found:
+        if s.url is not None and not reader.remote.domains:
+            raise ImageError(
+                f"{s.where}: remote images are not fetched: send a data URL (data:image/png;base64,...); the "
+                "operator can allow domains with --allowed-media-domains"
+            )
     images = [await asyncio.to_thread(_decode, s, reader) for s in found]
     messages = tuple(_placed(m) for m in prompt.messages)
     return dataclasses.replace(prompt, messages=messages, images=prompt.images + tuple(images))
 
 
 def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
-    img = load_image(source.data, source.where, reader.caps)
+    data = source.data
+    if source.url is not None:
+        data = fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
+    img = load_image(data, source.where, reader.caps)
     return preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where)
 
 

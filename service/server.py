@@ -48,6 +48,7 @@ from .http.response_store import ResponseStore
 from .http.site import HostPolicy, OriginPolicy
 from .images import ImageReader
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
+from .media_fetch import FetchPolicy
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
@@ -246,7 +247,8 @@ class Server:
             self.state.info = convert.model_info(aengine, self.state.names)
             cfg = self.config
             caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
-            self.state.images = ImageReader.for_model(engine.model, caps)
+            remote = FetchPolicy(cfg.allowed_media_domains)
+            self.state.images = ImageReader.for_model(engine.model, caps, remote)
             self.metrics.track_engine(
                 lambda: aengine.num_running,
                 lambda: aengine.num_waiting,

@@ -162,6 +162,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.config",
                 "dgserve.service.errors",
                 "dgserve.service.vllm_metrics",
+                "dgserve.service.media_fetch",  # remote images from allowed domains (docs/images.md)
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream

@@ -67,7 +67,9 @@ def vision_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vserver(vision_dir):
-    s = ServerThread(base_config(vision_dir, max_images_per_request=2, max_image_bytes=200_000))
+    s = ServerThread(
+        base_config(vision_dir, max_images_per_request=2, max_image_bytes=200_000, allowed_media_domains=("127.0.0.1",))
+    )
     yield s
     s.stop()
 
@@ -198,7 +200,7 @@ def test_tokenize_counts_image_tokens(vserver, vstub, expected):
 @pytest.mark.parametrize(
     "url, why",
     [
-        ("https://example.com/a.png", "remote images are not fetched"),
+        ("https://example.com/a.png", "'example.com' is not an allowed media domain"),
         ("file:///etc/passwd", "'file' URLs are not read"),
         (_data_url(b"not an image at all"), "not an image"),
         (_data_url(IMG[: len(IMG) // 2]), "corrupt or truncated"),
@@ -302,3 +304,74 @@ def test_count_tokens_and_a_continued_response_read_images(vserver, expected):
     )
     assert then.status_code == 200, then.text
     assert then.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------- remote images
+
+
+@pytest.fixture(scope="module")
+def media_site():
+    """http://127.0.0.1:<port>: /a.png the image, /loop redirects to itself, /big more bytes than the cap."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/loop":
+                self.send_response(302)
+                self.send_header("Location", "/loop")
+                self.end_headers()
+                return
+            body = IMG if self.path == "/a.png" else b"\0" * 300_000
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()  # no Content-Length: the cap is checked on the bytes read
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_an_allowed_remote_image_is_fetched_and_gives_the_engines_tokens(vserver, media_site, expected):
+    result, ids = expected
+    parts = [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": media_site + "/a.png"}}]
+    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == result.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    for path, why in (("/loop", "more than 3 redirects"), ("/big", "more than 200000 bytes")):
+        parts = [{"type": "image_url", "image_url": {"url": media_site + path}}]
+        r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0]: ")
+        assert why in r.json()["error"]["message"], r.text
+
+
+def test_fetch_refuses_non_public_addresses_unless_named(media_site):
+    from dgserve.media.images import ImageError
+    from dgserve.service.media_fetch import FetchPolicy, fetch
+
+    for policy in (FetchPolicy(("*",)), FetchPolicy(("*.0.0.1",))):
+        with pytest.raises(ImageError, match=r"^x: '127.0.0.1' resolves to a non-public address"):
+            fetch(media_site + "/a.png", policy, 1 << 20, "x")
+    assert fetch(media_site + "/a.png", FetchPolicy(("127.0.0.1",)), 1 << 20, "x") == IMG
+    with pytest.raises(ImageError, match="is not an allowed media domain"):
+        fetch(media_site + "/a.png", FetchPolicy(("localhost",)), 1 << 20, "x")
+
+
+def test_remote_urls_are_refused_without_allowed_domains():
+    import asyncio
+
+    from dgserve.media.images import ImageError
+    from dgserve.service.images import ImageReader, openai_image, read_images
+
+    part = openai_image(
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "messages[0].content[0]"
+    )
+    prompt = ChatPrompt(({"role": "user", "content": [part]},))
+    with pytest.raises(ImageError, match=r"^messages\[0\]\.content\[0\]: remote images are not fetched"):
+        asyncio.run(read_images(prompt, ImageReader(ImageCaps())))
