@@ -28,16 +28,17 @@ from dgserve.media.images import ImageCaps, ImageError, ImageInput, load_image, 
 
 from .media_fetch import FetchPolicy, fetch
 
-# the media types a data URL or a base64 block may name (the decoder reads the bytes' own format, whatever is named)
 NO_FETCH = FetchPolicy()  # no domain: remote images are refused
+# the media types a data URL or a base64 block may name (the decoder reads the bytes' own format, whatever is named)
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 
 
 @dataclass(frozen=True)
 class ImageSource:
-    """A neutral image part's content: the encoded bytes as sent (not yet decoded), and where it stands."""
+    """A neutral image part's content: the encoded image as sent, bytes or base64 text (decoded in the worker
+    thread too, as a data URL of up to the body limit is tens of milliseconds of CPU), and where it stands."""
 
-    data: bytes
+    data: bytes | str
     where: str
     url: str | None = None  # a remote http(s) URL, fetched by ``read_images`` (then ``data`` is empty)
 
@@ -64,7 +65,7 @@ class ImageReader:
         return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why, remote)
 
 
-def neutral(data: bytes, where: str) -> dict:
+def neutral(data: bytes | str, where: str) -> dict:
     """The neutral part every door makes: encoded bytes, to be decoded by ``read_images``."""
     return {"type": "image", "source": ImageSource(data, where)}
 
@@ -117,8 +118,8 @@ def anthropic_image(block: dict, where: str) -> dict:
     return neutral(_base64(source.get("data"), f"{where}.source.data"), where)
 
 
-def data_url(url: str, field: str) -> bytes:
-    """The bytes of a ``data:image/...;base64,`` URL (ImageError naming ``field`` for anything else: http(s) URLs
+def data_url(url: str, field: str) -> str:
+    """The base64 text of a ``data:image/...;base64,`` URL (ImageError naming ``field`` for anything else: http(s) URLs
     are ``_url_part``'s, other schemes are never read)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
@@ -137,13 +138,22 @@ def data_url(url: str, field: str) -> bytes:
     return _base64(payload, field)
 
 
-def _base64(value, field: str) -> bytes:
+def _base64(value, field: str) -> str:
+    """Base64 text, checked for its type only (``decode_base64`` reads it in the worker thread)."""
     if not isinstance(value, str) or not value:
         raise ImageError(f"{field} must be a non-empty base64 string")
+    return value
+
+
+def decode_base64(text: str, where: str, max_bytes: int) -> bytes:
+    """The bytes of base64 ``text``; ImageError naming ``where`` when it is not base64 or its bytes would exceed
+    ``max_bytes`` (judged on its length, before decoding)."""
+    if len(text) // 4 * 3 > max_bytes + 3:
+        raise ImageError(f"{where}: the image has about {len(text) // 4 * 3} bytes, more than the limit of {max_bytes}")
     try:
-        return base64.b64decode(value, validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise ImageError(f"{field}: not valid base64") from None
+        raise ImageError(f"{where}: not valid base64") from None
 
 
 def sources(prompt: ChatPrompt) -> list[ImageSource]:
@@ -186,6 +196,8 @@ async def read_images(prompt, reader: ImageReader | None):
 
 def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
     data = source.data
+    if isinstance(data, str):
+        data = decode_base64(data, source.where, reader.caps.max_bytes)
     if source.url is not None:
         data = fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
     img = load_image(data, source.where, reader.caps)
