@@ -375,3 +375,15 @@ def test_remote_urls_are_refused_without_allowed_domains():
     prompt = ChatPrompt(({"role": "user", "content": [part]},))
     with pytest.raises(ImageError, match=r"^messages\[0\]\.content\[0\]: remote images are not fetched"):
         asyncio.run(read_images(prompt, ImageReader(ImageCaps())))
+
+
+@pytest.mark.parametrize(("fmt", "media"), [("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")])
+def test_jpeg_webp_and_gif_data_urls_are_read(vserver, fmt, media):
+    data = _png(150, 100, seed=3, fmt=fmt)
+    want = preprocess(load_image(data, "x", ImageCaps()), 16, 3, 70).tokens
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(data, media)}}]}]
+    }
+    r = httpx.post(_url(vserver, "/tokenize"), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"].count(297) == want
