@@ -54,15 +54,19 @@ class ImageReader:
     max_soft_tokens: int = 280
     unsupported: str | None = None
     remote: FetchPolicy = NO_FETCH  # where remote images may be fetched from (none: every URL is refused)
+    max_tokens: int | None = None  # soft tokens one image may take (a prompt chunk: an image is encoded in one pass)
 
     @classmethod
-    def for_model(cls, model, caps: ImageCaps, remote: FetchPolicy = NO_FETCH) -> ImageReader:
-        """The reader of a ``DiffusionGemma`` (its vision config) under ``caps`` and ``remote``."""
+    def for_model(
+        cls, model, caps: ImageCaps, remote: FetchPolicy = NO_FETCH, max_tokens: int | None = None
+    ) -> ImageReader:
+        """The reader of a ``DiffusionGemma`` (its vision config) under ``caps`` and ``remote``; ``max_tokens``:
+        the engine's prompt chunk."""
         why = model.images_unsupported()
         if model.vision is None:
             return cls(caps, unsupported=why, remote=remote)
         vc = model.vision.config
-        return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why, remote)
+        return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why, remote, max_tokens)
 
 
 def neutral(data: bytes | str, where: str) -> dict:
@@ -201,7 +205,13 @@ def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
     if source.url is not None:
         data = fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
     img = load_image(data, source.where, reader.caps)
-    return preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where)
+    image = preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where)
+    if reader.max_tokens is not None and image.tokens > reader.max_tokens:
+        raise ImageError(
+            f"{source.where}: the image takes {image.tokens} tokens, more than a prompt chunk ({reader.max_tokens}; "
+            "--prefill-chunk)"
+        )
+    return image
 
 
 def _placed(message: dict) -> dict:

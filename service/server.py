@@ -248,7 +248,8 @@ class Server:
             cfg = self.config
             caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
             remote = FetchPolicy(cfg.allowed_media_domains)
-            self.state.images = ImageReader.for_model(engine.model, caps, remote)
+            chunk = engine.runner.prefill_chunk
+            self.state.images = ImageReader.for_model(engine.model, caps, remote, chunk)
             self.metrics.track_engine(
                 lambda: aengine.num_running,
                 lambda: aengine.num_waiting,

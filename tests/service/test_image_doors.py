@@ -387,3 +387,20 @@ def test_jpeg_webp_and_gif_data_urls_are_read(vserver, fmt, media):
     r = httpx.post(_url(vserver, "/tokenize"), json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"].count(297) == want
+
+
+def test_an_image_over_a_prompt_chunk_is_refused_naming_the_part():
+    import asyncio
+
+    from dgserve.media.images import ImageError
+    from dgserve.service.images import ImageReader, openai_image, read_images
+
+    part = openai_image({"type": "image_url", "image_url": {"url": _data_url(IMG)}}, "messages[0].content[0]")
+    prompt = ChatPrompt(({"role": "user", "content": [{"type": "text", "text": "x"}, part]},))
+    reader = ImageReader(ImageCaps(), 16, 3, 70, max_tokens=1)
+    with pytest.raises(
+        ImageError, match=r"^messages\[0\]\.content\[0\]: the image takes \d+ tokens, more than a prompt"
+    ):
+        asyncio.run(read_images(prompt, reader))
+    read = asyncio.run(read_images(prompt, ImageReader(ImageCaps(), 16, 3, 70, max_tokens=512)))
+    assert read.messages[0]["content"][1] == {"type": "image"} and len(read.images) == 1
