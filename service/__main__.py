@@ -183,6 +183,37 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "bytes of JSON those kept responses may take in all (default 64 MiB)",
     ),
     (
+        "--max-images-per-request",
+        "DGSERVE_MAX_IMAGES_PER_REQUEST",
+        "max_images_per_request",
+        int,
+        "images one chat request may carry (default 8; 0 refuses images)",
+    ),
+    (
+        "--max-image-bytes",
+        "DGSERVE_MAX_IMAGE_BYTES",
+        "max_image_bytes",
+        int,
+        "encoded bytes of one image, checked before decoding (default 20 MiB)",
+    ),
+    (
+        "--max-image-pixels",
+        "DGSERVE_MAX_IMAGE_PIXELS",
+        "max_image_pixels",
+        int,
+        "pixels (width x height) one image may declare, checked on its header before decoding (default 40000000)",
+    ),
+    (
+        "--allowed-media-domains",
+        "DGSERVE_ALLOWED_MEDIA_DOMAINS",
+        "allowed_media_domains",
+        str,
+        (
+            "hosts http(s) image URLs may be fetched from: names, '*.domain' patterns or '*', comma-separated; a "
+            "host named literally may resolve to a private or loopback address (default: none, data URLs only)"
+        ),
+    ),
+    (
         "--allowed-hosts",
         "DGSERVE_ALLOWED_HOSTS",
         "allowed_hosts",
@@ -282,7 +313,7 @@ def _fix_hint(message: str) -> str:
 
 
 def _convert(field: str, raw: str, parse):
-    if field in ("served_model_name", "allowed_hosts", "allowed_origins"):
+    if field in ("served_model_name", "allowed_hosts", "allowed_origins", "allowed_media_domains"):
         return tuple(n.strip() for n in raw.split(",") if n.strip())
     if field == "http_port":
         return None if raw.strip().lower() in ("off", "none", "-1") else int(raw)

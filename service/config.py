@@ -61,6 +61,12 @@ class ServiceConfig:
     # origins (scheme://host[:port]) whose browser requests are served besides same-origin ones; ("*",): any
     allowed_origins: tuple[str, ...] = ()
     playground: bool = True  # serve the playground and dashboard pages on the HTTP port (docs/playground.md)
+    # image caps, checked before any pixel is decoded (docs/images.md, "Limits")
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 << 20  # encoded bytes of one image
+    max_image_pixels: int = 40_000_000  # width x height one image declares
+    # hosts remote images may be fetched from (names, *.domain patterns, "*"); () refuses every http(s) image URL
+    allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -74,6 +80,9 @@ class ServiceConfig:
             ("keepalive_min_ping_ms", 100, 1 << 31),
             ("responses_store_max_entries", 0, 1 << 24),
             ("responses_store_max_bytes", 0, 1 << 40),
+            ("max_images_per_request", 0, 1 << 16),
+            ("max_image_bytes", 1, 1 << 31),
+            ("max_image_pixels", 1, 1 << 40),
         ):
             _int(name, getattr(self, name), lo, hi)
         if self.http_port is not None:
@@ -109,6 +118,7 @@ class ServiceConfig:
             raise ValueError("served_model_name: names must be non-empty")
         for name, pattern, what in (
             ("allowed_hosts", HOST_PATTERN, "a host name, a '*.domain' pattern or '*'"),
+            ("allowed_media_domains", HOST_PATTERN, "a host name, a '*.domain' pattern or '*'"),
             ("allowed_origins", ORIGIN_PATTERN, "an origin (http[s]://host[:port]) or '*'"),
         ):
             for entry in getattr(self, name):

@@ -29,7 +29,7 @@ from dgserve.structured.response_format import read_schema
 from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
 
-from . import events
+from . import events, images
 
 # the finish reasons (events.FINISH_REASONS) as the proto's enum
 FINISH_REASONS = {
@@ -206,9 +206,9 @@ def _part(part: pb.ContentPart, field: str) -> dict:
     kind = part.WhichOneof("part")
     if kind == "text":
         return {"type": "text", "text": part.text}
-    if kind is None:
-        raise ValueError(f"{field}: empty content part (set text)")
-    raise NotImplementedError(f"{field}.{kind}: {kind} input is not supported in v1 (text only)")
+    if kind == "image":
+        return images.image_bytes(part.image.data, field)
+    raise ValueError(f"{field}: empty content part (set text or image)")
 
 
 def draft_spec(msg: pb.DraftOptions) -> DraftSpec | None:

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from dgserve.engine.async_engine import AsyncEngine, fault_summary
 from dgserve.engine.engine import Engine
 from dgserve.engine.scheduler import SchedulerConfig
+from dgserve.media.images import ImageCaps
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
@@ -45,7 +46,9 @@ from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
 from .http.response_store import ResponseStore
 from .http.site import HostPolicy, OriginPolicy
+from .images import ImageReader
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
+from .media_fetch import FetchPolicy
 from .metrics import Metrics
 from .servicer import ServingState, TextGenerationServicer
 
@@ -242,6 +245,11 @@ class Server:
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
             self.state.info = convert.model_info(aengine, self.state.names)
+            cfg = self.config
+            caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
+            remote = FetchPolicy(cfg.allowed_media_domains)
+            chunk = engine.runner.prefill_chunk
+            self.state.images = ImageReader.for_model(engine.model, caps, remote, chunk)
             self.metrics.track_engine(
                 lambda: aengine.num_running,
                 lambda: aengine.num_waiting,

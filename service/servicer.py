@@ -15,6 +15,7 @@ from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 from . import convert, events
 from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
 from .events import ErrorEvent
+from .images import ImageReader, read_images, with_images
 from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
 
@@ -28,6 +29,7 @@ class ServingState:
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False
     loading_error: str | None = field(default=None)
+    images: ImageReader | None = None  # how image parts are read for the served model (service/images.py)
     streams: InFlight = field(default_factory=InFlight)  # Generate calls (the drain waits for their last event)
 
     def ready_engine(self) -> AsyncEngine:
@@ -60,6 +62,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         # the id the access log has: the client's, else the one assigned at entry
         request_id = request.request_id or (call.request_id if call.assigned else None)
         sub = convert.submission(request, info, engine.default_params(), call.owner, request_id)
+        sub = await with_images(sub, self.state.images)
         feed = await events.open_events(engine, sub, timeout_s=call.time_remaining())
         self.state.streams.enter()
         try:
@@ -83,7 +86,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         engine = self.state.ready_engine()
         self.state.check_model(request.model)
         info = self.state.ready_info()
-        prompt = convert.prompt(request, info.vocab_size, info.max_model_len)
+        prompt = await read_images(convert.prompt(request, info.vocab_size, info.max_model_len), self.state.images)
         # at most max_model_len ids: a longer prompt could never be used, and is rejected with bounded work
         ids = await engine.tokenize(prompt)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=engine.max_model_len)

@@ -162,9 +162,11 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.config",
                 "dgserve.service.errors",
                 "dgserve.service.vllm_metrics",
+                "dgserve.service.media_fetch",  # remote images from allowed domains (docs/images.md)
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream
+                "dgserve.service.images",  # every door's image parts → the engine's (docs/images.md)
                 "dgserve.service.metrics",
                 "dgserve.service.interceptors",
                 "dgserve.service.http.errors",

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import events
+from ..images import with_images
 from . import protocol, responses, sse
 from .body import read_json
 from .choices import Choices
@@ -27,6 +28,7 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     engine = gate.state.ready_engine()
     call = _parse(body, engine.default_params(), gate.state.info, chat, gate.trust_chat_template)
     gate.state.check_model(call.model)
+    call = await with_images(call, gate.state.images)
     feeds = await Choices.open(engine, call.submissions(request.state.request_id, owner))
     rid, model = feeds.feeds[0].request_id, call.model or gate.state.names[0]
     outs = [responses.Output(rid, model, f.seed, chat, index=i) for i, f in enumerate(feeds.feeds)]

@@ -26,6 +26,7 @@ from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_
 from dgserve.structured.tool_parser import ToolCallDelta
 
 from .. import events
+from ..images import read_images, with_images
 from . import sse
 from .body import read_json
 from .errors import anthropic_error_body
@@ -51,6 +52,7 @@ async def create(gate: Gate, request: Request) -> Response:
     engine = gate.state.ready_engine()
     call = messages_request(body, engine.default_params(), gate.state.info.max_model_len)
     gate.state.check_model(call.model)
+    call = await with_images(call, gate.state.images)
     feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = MessageOutput(call.model or gate.state.names[0], feed.request_id, feed.seed, feed.stream.request.prompt_len)
     headers = {"X-Dgserve-Seed": str(feed.seed)}
@@ -72,6 +74,7 @@ async def count_tokens(gate: Gate, request: Request) -> Response:
     engine = gate.state.ready_engine()
     prompt, model = count_request(body, gate.state.info.max_model_len)
     gate.state.check_model(model)
+    prompt = await read_images(prompt, gate.state.images)
     return JSONResponse({"input_tokens": len(await engine.tokenize(prompt))})
 
 

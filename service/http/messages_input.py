@@ -25,6 +25,7 @@ from dgserve.structured.tools import ToolSet
 from dgserve.text.messages import check_unicode
 
 from ..errors import clip
+from ..images import anthropic_image
 from . import protocol
 
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
@@ -45,9 +46,9 @@ WHY = {
     "top_k": "the diffusion sampler has no top-k truncation",
     "top_p": "the diffusion sampler has no nucleus truncation",
 }
-USER_BLOCKS = ("text", "tool_result")
+USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
-MEDIA_BLOCKS = ("image", "document")  # refused as not supported yet (a 400 naming the block), not as unknown
+MEDIA_BLOCKS = ("document",)  # refused as not supported yet (a 400 naming the block), not as unknown
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 EFFORTS = ("low", "medium", "high", "max")
 
@@ -190,6 +191,9 @@ class Conversation:
             kind = _block_type(block, at, USER_BLOCKS)
             if kind == "text":
                 parts.append({"type": "text", "text": _text_block(block, at)})
+                continue
+            if kind == "image":
+                parts.append(anthropic_image(block, at))
                 continue
             if parts:
                 raise ValueError(f"{at}: tool_result blocks must come before any other content of the message")

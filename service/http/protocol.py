@@ -33,6 +33,7 @@ from dgserve.structured.tools import ToolSet
 
 from .. import events
 from ..errors import clip
+from ..images import openai_messages
 
 # vLLM's output constraints, read as a response_format (``output_format``); at most one constraint per request
 GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
@@ -232,7 +233,7 @@ def chat_messages(body: dict, max_len: int | None = None) -> tuple:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     if max_len is not None:
         _check_chat_size(messages, max_len)
-    return tuple(messages)
+    return openai_messages(messages)
 
 
 def chat_template_kwargs(body: dict) -> dict:

@@ -13,6 +13,8 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..images import stored_size
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -37,7 +39,9 @@ class ResponseStore:
 
     def put(self, owner: str | None, response: dict, messages: list[dict]) -> bool:
         """Keep ``response`` (its ``id`` is the key) for ``owner``; False when it is larger than the whole store."""
-        size = len(json.dumps(response, separators=(",", ":"))) + len(json.dumps(messages, separators=(",", ":")))
+        # image parts (not JSON: their bytes) count by their byte size
+        size = len(json.dumps(response, separators=(",", ":"))) + stored_size(messages)
+        size += len(json.dumps(messages, separators=(",", ":"), default=lambda _: None))
         if size > self.max_bytes or self.max_entries == 0:
             return False
         key = (owner, response["id"])

@@ -24,6 +24,7 @@ from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH
 from dgserve.structured.tool_parser import ToolCallDelta
 
 from .. import events
+from ..images import with_images
 from . import sse
 from .body import read_json
 from .errors import HttpError, error_body
@@ -44,7 +45,8 @@ async def create(gate: Gate, request: Request) -> Response:
         body, engine.default_params(), gate.state.info.max_model_len, lambda rid: store.get(owner, rid)
     )
     gate.state.check_model(rc.call.model)
-    feed = await events.open_events(engine, rc.call.submission(request.state.request_id, owner))
+    call = await with_images(rc.call, gate.state.images)
+    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = ResponseOutput(rc, rc.call.model or gate.state.names[0], feed.request_id, feed.seed)
     headers = {"X-Dgserve-Seed": str(feed.seed)}
     gate.calls.enter()

@@ -23,6 +23,7 @@ from dgserve.text.messages import check_unicode
 
 from .. import events
 from ..errors import clip
+from ..images import openai_image
 from . import protocol
 from .response_store import Stored
 
@@ -221,6 +222,9 @@ def _content(value, field: str) -> str | list[dict]:
         if not isinstance(part, dict):
             raise ValueError(f"{at} must be an object")
         kind = part.get("type")
+        if kind == "input_image":
+            parts.append(openai_image(part, at))
+            continue
         if kind not in TEXT_PARTS:
             raise NotImplementedError(f"{at}.type {clip(str(kind))!r} is not supported: text parts only")
         text = part.get("text")
@@ -232,7 +236,11 @@ def _content(value, field: str) -> str | list[dict]:
 
 
 def _text(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+    if isinstance(content, str):
+        return content
+    if any(p["type"] != "text" for p in content):
+        raise ValueError("input: images are read in user messages only (not in instructions or tool outputs)")
+    return "".join(p["text"] for p in content)
 
 
 def _reasoning_text(item: dict, field: str) -> str:

@@ -21,6 +21,7 @@ from dgserve.engine.prompt import ChatPrompt
 
 from .. import events
 from ..errors import clip
+from ..images import read_images
 from . import protocol
 from .body import read_json
 from .gate import Gate
@@ -45,7 +46,7 @@ async def tokenize(gate: Gate, request: Request) -> dict:
         else:
             ids = await asyncio.to_thread(tok.encode, prompt, False, info.max_model_len)
     else:
-        ids = await engine.tokenize(_chat(body, info.max_model_len))
+        ids = await engine.tokenize(await read_images(_chat(body, info.max_model_len), gate.state.images))
     strs = None
     if _flag(body, "return_token_strs", bool, False):  # one decode per token, up to max_model_len: off the loop
         strs = await asyncio.to_thread(lambda: [tok.decode([t], skip_special_tokens=False) for t in ids])

@@ -119,6 +119,17 @@ def test_unknown_model_is_not_found(stub):
     "request_kw, field",
     [
         (dict(prompt="hi", params=params(n=2)), "params.n"),
+    ],
+)
+def test_unsupported_options_are_unimplemented(stub, request_kw, field):
+    """n > 1: UNIMPLEMENTED naming the field."""
+    err = error_of(stub, pb.GenerateRequest(**request_kw))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and err.details().startswith(field)
+
+
+@pytest.mark.parametrize(
+    "request_kw, field",
+    [
         (
             dict(
                 chat=pb.Chat(
@@ -134,14 +145,15 @@ def test_unknown_model_is_not_found(stub):
                 ),
                 params=params(),
             ),
-            "chat.messages[0].parts[1].image",
+            "chat.messages[0].parts[1]: this model cannot take images",
         ),
     ],
 )
-def test_unsupported_options_are_unimplemented(stub, request_kw, field):
-    """n > 1 and image parts: UNIMPLEMENTED naming the field."""
+def test_images_on_a_model_without_them_are_invalid_argument(stub, request_kw, field):
+    """The shipped-size model's image token ids lie outside its vocabulary: an image part is INVALID_ARGUMENT
+    naming the part and the reason (docs/images.md)."""
     err = error_of(stub, pb.GenerateRequest(**request_kw))
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and err.details().startswith(field)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(field)
 
 
 def test_unknown_method_and_unknown_health_service(channel):

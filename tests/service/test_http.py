@@ -215,7 +215,7 @@ def test_bad_completion_fields_are_400_naming_the_field(server, extra, param):
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages[0].content[0].type",
+            "messages[0].content[0].image_url.url",
         ),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),

@@ -216,7 +216,10 @@ def test_a_claude_code_shaped_request_is_accepted(url):
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0].source.type",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
         (

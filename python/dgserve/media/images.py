@@ -63,6 +63,8 @@ def load_image(data: bytes, where: str, caps: ImageCaps):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+    except Image.DecompressionBombError:  # PIL's own header check (over 2 · 89 Mpx) came first
+        raise ImageError(f"{where}: the image declares more pixels than the limit of {caps.max_pixels}") from None
     except Exception:  # noqa: BLE001  (any decoder failure on client bytes is a bad request)
         raise ImageError(f"{where}: not an image in a supported format ({', '.join(FORMATS)})") from None
     w, h = img.size

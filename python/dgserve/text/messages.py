@@ -157,7 +157,7 @@ def validate_content(content, field: str) -> None:
         if kind == "image" and set(part) == {"type"}:
             continue  # an image's place (media/chat.py decoded it): the placeholders go here
         if kind != "text":
-            raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: v1 accepts text parts only")
+            raise NotImplementedError(f"{field}[{j}].type {kind!r} is not supported: text and image_url parts only")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{field}[{j}].text must be a string")
         check_unicode(part["text"], f"{field}[{j}].text")

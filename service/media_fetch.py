@@ -1,0 +1,130 @@
+"""Remote images, fetched only where the operator allows (docs/images.md, "Remote images").
+
+Public contract:
+    policy = FetchPolicy(("images.example.com", "*.cdn.example"))   # --allowed-media-domains
+    data = fetch("https://images.example.com/a.png", policy, max_bytes, where="messages[0].content[1]")
+
+``fetch`` is blocking (callers run it in a worker thread). Every hop (the URL, then each redirect, at most
+``max_redirects``) must be http(s) to an allowed host; the host's addresses are resolved once and must all be
+global (no loopback, private, link-local, ...) unless the host is named literally in the policy (a pattern or
+``*`` never allows them); the connection goes to the address that was checked (no second lookup to rebind). The
+whole fetch has one deadline and the body a byte cap. Every failure is an ImageError naming ``where``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import socket
+import ssl
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+from dgserve.media.images import ImageError
+
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """Where remote images may come from: host names, ``*.domain`` patterns or ``*`` (any host); a host named
+    literally (a name or an IP literal) may also resolve to a non-global address."""
+
+    domains: tuple[str, ...] = ()
+    timeout_s: float = 10.0
+    max_redirects: int = 3
+
+    def allows(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        for d in self.domains:
+            d = d.lower()
+            if d == "*" or d == host or (d.startswith("*.") and host.endswith(d[1:])):
+                return True
+        return False
+
+    def named(self, host: str) -> bool:
+        return host.lower().rstrip(".") in (d.lower() for d in self.domains)
+
+
+def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
+    """The body of ``url`` (module docstring: the rules); ImageError naming ``where``."""
+    deadline = time.monotonic() + policy.timeout_s
+    for _ in range(policy.max_redirects + 1):
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        if parts.scheme not in ("http", "https") or not host:
+            raise ImageError(f"{where}: only http(s) URLs are fetched (got {parts.scheme or 'no scheme'!r})")
+        if not policy.allows(host):
+            raise ImageError(f"{where}: {host!r} is not an allowed media domain (--allowed-media-domains)")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        address = _address(host, port, policy.named(host), where)
+        conn = _connection(parts.scheme, host, address, port, max(deadline - time.monotonic(), 0.001))
+        try:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            conn.request("GET", target, headers={"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*"})
+            resp = conn.getresponse()
+            if resp.status in REDIRECTS and resp.getheader("Location"):
+                url = urllib.parse.urljoin(url, resp.getheader("Location"))
+                continue
+            if resp.status != 200:
+                raise ImageError(f"{where}: fetching the image answered HTTP {resp.status}")
+            return _body(resp, max_bytes, deadline, where)
+        except (OSError, http.client.HTTPException) as e:
+            raise ImageError(f"{where}: fetching the image failed ({type(e).__name__})") from None
+        finally:
+            conn.close()
+    raise ImageError(f"{where}: more than {policy.max_redirects} redirects")
+
+
+def _address(host: str, port: int, named: bool, where: str) -> str:
+    """The address to connect to: every address of ``host`` must be global unless ``named``."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise ImageError(f"{where}: the host {host!r} does not resolve") from None
+    addresses = [str(info[4][0]) for info in infos]
+    if not named:
+        for a in addresses:
+            if not ipaddress.ip_address(a.split("%")[0]).is_global:
+                raise ImageError(
+                    f"{where}: {host!r} resolves to a non-public address ({a}): not fetched unless the host is named "
+                    "in --allowed-media-domains"
+                )
+    return addresses[0]
+
+
+def _connection(scheme: str, host: str, address: str, port: int, timeout: float) -> http.client.HTTPConnection:
+    if scheme == "http":
+        return http.client.HTTPConnection(address, port, timeout=timeout)
+    return _PinnedHTTPS(host, address, port, timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a checked address, verifying the certificate for the host name."""
+
+    def __init__(self, host: str, address: str, port: int, timeout: float):
+        super().__init__(address, port, timeout=timeout, context=ssl.create_default_context())
+        self._name = host
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self._name)  # type: ignore[attr-defined]
+
+
+def _body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float, where: str) -> bytes:
+    length = resp.getheader("Content-Length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise ImageError(f"{where}: the image has {length} bytes, more than the limit of {max_bytes}")
+    chunks: list[bytes] = []
+    got = 0
+    while True:
+        if time.monotonic() > deadline:
+            raise ImageError(f"{where}: fetching the image took longer than the timeout")
+        chunk = resp.read(min(65536, max_bytes + 1 - got))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        got += len(chunk)
+        if got > max_bytes:
+            raise ImageError(f"{where}: the image has more than {max_bytes} bytes, the limit")
