@@ -163,8 +163,8 @@ def decode_base64(text: str, where: str, max_bytes: int) -> bytes:
 def sources(prompt: ChatPrompt) -> list[ImageSource]:
     """The neutral image parts of a chat's messages, in order."""
     out = []
-    for m in prompt.messages:
-        content = m.get("content")
+    for m in prompt.messages:  # (not yet validated: the tokenizer names what is malformed)
+        content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, (list, tuple)):
             out += [p["source"] for p in content if isinstance(p, dict) and isinstance(p.get("source"), ImageSource)]
     return out
@@ -216,7 +216,7 @@ def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
 
 def _placed(message: dict) -> dict:
     """The message with each neutral image part as the tokenizer's ``{"type": "image"}`` place."""
-    content = message.get("content")
+    content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, (list, tuple)):
         return message
     parts = [
@@ -255,7 +255,7 @@ def stored_size(messages: list) -> int:
     return sum(
         len(p["source"].data)
         for m in messages
-        if isinstance(m.get("content"), (list, tuple))
+        if isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
         for p in m["content"]
         if isinstance(p, dict) and isinstance(p.get("source"), ImageSource)
     )

@@ -29,6 +29,7 @@ from dgserve.engine.engine import MAX_REQUEST_ID_LENGTH
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, choice_seed, with_temperature
 from dgserve.structured import ResponseFormat
+from dgserve.structured.response_format import read_schema
 from dgserve.structured.tools import ToolSet
 
 from .. import events
@@ -390,11 +391,8 @@ def _guided(field: str, value, kind: str | None = None) -> ResponseFormat:
     kind = kind or field.removeprefix("guided_")
     try:
         if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError:
-                    raise ValueError("response_format: must be a JSON schema (an object, or its JSON text)") from None
+            if isinstance(value, str):  # the one bounded reader of a client's JSON: size, depth, 400 naming the field
+                value = read_schema(value, "response_format")
             if not isinstance(value, (dict, bool)):
                 raise ValueError("response_format: must be a JSON schema (an object, or its JSON text)")
             return ResponseFormat("json_schema", schema=json.dumps(value))
