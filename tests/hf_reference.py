@@ -191,9 +191,12 @@ def hf_generate(
     eos_ids=(1,),
     pad_id=0,
     margins: Margins | None = None,
+    decoder_input_ids=None,
 ):
     """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward).
-    With `margins`, the run's distances to a tie are recorded into it (see `Margins`)."""
+    With `margins`, the run's distances to a tie are recorded into it (see `Margins`). `decoder_input_ids`: a
+    starting canvas of C ids, passed to generate() as is (docs/seeded-noise.md, "A starting canvas")."""
+    extra = {} if decoder_input_ids is None else {"decoder_input_ids": torch.tensor([list(decoder_input_ids)])}
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     prompt = torch.tensor([list(prompt_ids)])
@@ -218,6 +221,7 @@ def hf_generate(
             confidence_threshold=confidence_threshold,
             eos_token_id=list(eos_ids) if eos_ids else None,
             pad_token_id=pad_id,
+            **extra,
         )
     if margins is not None:
         margins.end_block(stability_threshold)

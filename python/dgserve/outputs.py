@@ -23,6 +23,7 @@ class BlockStats:
     mean_entropy: float  # mean per-position entropy at the last step run
     encode_seconds: float  # encoder pass before the block (prompt prefill or previous block)
     denoise_seconds: float  # wall time of this block's denoising steps (shared with the batch)
+    pinned_tokens: int = 0  # of its tokens, those the request pinned (docs/edit-in-place.md)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class OutputTracker:
         stop: tuple[str, ...],
         tokenizer=None,
         skip_special_tokens: bool = True,
+        pin_end: int = 0,
     ):
         if stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
@@ -92,6 +94,10 @@ class OutputTracker:
         self.text = ""  # text emitted so far
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
+        # pins (docs/edit-in-place.md): the output holds its first pin_end tokens; a stop string counts only where
+        # it starts in the text after them (EOS cannot come earlier: the sampler bars it from those positions)
+        self.pin_end = pin_end
+        self._stop_from = 0  # text offset where a stop string may start
 
     def add_block(self, block: list[int]) -> tuple[list[int], str]:
         """Take a committed canvas → (the tokens it contributes, the text delta); sets finish_reason."""
@@ -102,6 +108,9 @@ class OutputTracker:
                 toks, reason = toks[: j + 1], FINISH_EOS
                 break
         full = self._text_with(toks)
+        pinned_here = self.pin_end - len(self.token_ids)
+        if pinned_here > 0 and self.stop:
+            self._stop_from = len(self._text_with(toks[:pinned_here]))
         hit = self._find_stop(full)
         if hit is not None:
             self.stop_sequence = full[hit[0] : hit[1]]
@@ -138,7 +147,7 @@ class OutputTracker:
         if not self.stop:
             return None
         longest = max(len(s) for s in self.stop)
-        start = max(0, len(self.text) - longest + 1)
+        start = max(0, len(self.text) - longest + 1, self._stop_from)
         best = None
         for s in self.stop:
             i = full.find(s, start)

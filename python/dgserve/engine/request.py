@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dgserve.engine.block import BlockState
+    from dgserve.engine.block import BlockState, CanvasDraft
     from dgserve.engine.prefix_cache import KV
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
@@ -62,6 +62,7 @@ class Request:
     grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
     drafts: DraftSpec | None = None  # previews wanted by the caller
     prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
+    draft: CanvasDraft | None = None  # the starting canvas and its pins (docs/edit-in-place.md); None: noise
     # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING

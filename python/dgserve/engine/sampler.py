@@ -102,17 +102,22 @@ class Sampler:
 
 
 def _bitmask(reqs: list[Request], canvas_length: int, vocab_size: int) -> torch.Tensor | None:
-    """The diffusion step's bitmask [B, C, ceil(V/32)] int32 for a batch, or None when no row is constrained
-    (then the op runs exactly as without structured output). Unconstrained rows get all bits set, which gives
-    bit-for-bit the unmasked results (tests/ops/test_diffusion_step_bitmask.py)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    """The diffusion step's bitmask [B, C, ceil(V/32)] int32 for a batch, or None when no row is constrained by a
+    grammar or pins (then the op runs exactly as without structured output; docs/edit-in-place.md for pins).
+    Unconstrained rows get all bits set, which gives bit-for-bit the unmasked results
+    (tests/ops/test_diffusion_step_bitmask.py)."""
+    rows = [
+        i for i, r in enumerate(reqs) if r.grammar is not None or (r.block is not None and r.block.pins is not None)
+    ]
     if not rows:
         return None
     mask = torch.full((len(reqs), canvas_length, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i in rows:
-        grammar = reqs[i].grammar
-        assert grammar is not None
-        mask[i] = grammar.bitmask(canvas_length)
+        grammar, block = reqs[i].grammar, reqs[i].block
+        if grammar is not None:
+            mask[i] = grammar.bitmask(canvas_length)
+        elif block is not None and block.pins is not None:  # pins: a grammar of one token each (edit-in-place.md)
+            mask[i] = block.pins
     return mask
 
 
