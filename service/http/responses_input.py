@@ -44,6 +44,7 @@ FIELDS = {
     "metadata",
     "include",
     "cache_salt",
+    *protocol.EDIT_FIELDS,
     *protocol.KNOBS,
 }
 # Responses fields with no faithful meaning here, accepted only at the value that asks for nothing
@@ -88,7 +89,8 @@ def responses_request(
     store = protocol._optional(body, "store", bool)
     _metadata(body.get("metadata"))
     _include(body.get("include"))
-    call = protocol.Call(prompt, params, model, stream, fill_context=fill, cache_salt=salt)
+    edit = protocol.edit_fields(body, max_len)
+    call = protocol.Call(prompt, params, model, stream, fill_context=fill, cache_salt=salt, **edit)
     return ResponsesCall(call, True if store is None else store, tuple(convo.messages), _echo(body, params, thinking))
 
 
