@@ -43,6 +43,7 @@ def test_completions_and_chat_carry_the_draft(server, local_engine):
     assert [want[2:5], want[6]] == [[40, 41, 42], 43]
     text = local_engine.tokenizer.decode(want)
     assert r.json()["choices"][0]["text"] == text
+    assert sum(b["pinned_tokens"] for b in r.json()["dgserve"]["blocks"]) == 4
     msgs = [{"role": "user", "content": "hello"}]
     r = _post(
         server,
