@@ -78,7 +78,7 @@ def test_pinned_request_batched_cached_and_reference_equals_alone(engine):
     batched = _run(engine, [others[0], sub, others[1], Submission(PROMPT, _params(seed=9), initial_canvas=draft)])
     assert batched[1].token_ids == alone
     assert batched[0].token_ids == _run(engine, [others[0]])[0].token_ids  # pins change no other row
-    again = _run(engine, [sub])[0]  # its prompt's chunks are cached by now (when the prompt fills one)
+    again = _run(engine, [sub])[0]  # a second run (the prefix cache: the test below)
     assert again.token_ids == alone
     with ops.native_disabled():
         assert _run(engine, [sub])[0].token_ids == alone
@@ -153,3 +153,19 @@ def test_bad_input_names_the_field(engine, canvas, pinned, params, field):
 def test_eos_pinned_anywhere_with_ignore_eos(engine):
     req = engine.make_request(Submission(PROMPT, _params(ignore_eos=True), initial_canvas=[1, 5], pinned=True))
     assert req.draft is not None and req.draft.pinned == ((0, 2),)
+
+
+def test_pinned_request_through_the_prefix_cache_equals_without_it():
+    """A prompt of several prefill chunks: the second request reuses the first's cached chunks and gives the same
+    tokens as an engine without prefix caching."""
+    from dgserve.engine.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(max_num_seqs=4, prefill_chunk=8, max_prefill_tokens=8)
+    on = Engine.from_pretrained(SMALL, scheduler_config=sched)
+    off = Engine.from_pretrained(SMALL, scheduler_config=sched, prefix_caching=False)
+    prompt = PROMPT + " distributing, and installing modules. " * 3
+    draft, pinned = _fim(on)
+    sub = Submission(prompt, _params(max_new_tokens=16), initial_canvas=draft, pinned=pinned)
+    first, second = _run(on, [sub])[0], _run(on, [sub])[0]
+    assert second.cached_tokens > 0 and first.cached_tokens == 0
+    assert first.token_ids == second.token_ids == _run(off, [sub])[0].token_ids
