@@ -104,7 +104,7 @@ def fill_in_the_middle(engine: Engine, args, lexicon: set[str]) -> list[dict]:
     rows = []
     wins = windows(engine, args.windows, args.prefix, args.blank, args.suffix)
     for way in ("infill", "noise"):
-        hit = total = good = words = steps = 0
+        hit = total = good = words = steps = early = 0
         for i, (pre, mid, suf) in enumerate(wins):
             if way == "infill":
                 p = SamplingParams(max_new_tokens=args.blank + args.suffix, max_denoising_steps=args.steps, seed=i)
@@ -117,7 +117,10 @@ def fill_in_the_middle(engine: Engine, args, lexicon: set[str]) -> list[dict]:
             got = res.token_ids[: args.blank]
             if way == "infill":
                 assert res.token_ids[args.blank :] == suf, "a pinned token moved"
-            hit += sum(a == b for a, b in zip(got, mid, strict=True))
+            # the blanks from noise may end early with EOS (the missing tokens count as misses); with the suffix
+            # pinned they cannot (EOS is barred before the last pin)
+            hit += sum(a == b for a, b in zip(got, mid, strict=False))
+            early += res.finish_reason == "eos" and len(res.token_ids) < args.blank
             total += len(mid)
             g, w = word_score(engine, got, lexicon)
             good, words, steps = good + g, words + w, steps + res.blocks[0].denoising_steps
@@ -133,6 +136,7 @@ def fill_in_the_middle(engine: Engine, args, lexicon: set[str]) -> list[dict]:
                 "middle_token_accuracy": round(hit / max(1, total), 4),
                 "middle_real_words": round(good / max(1, words), 4),
                 "steps_to_commit": round(steps / max(1, len(wins)), 2),
+                "ended_before_the_blanks_were_filled": early,
             }
         )
     return rows
