@@ -66,7 +66,35 @@ def submission(
         owner=owner,
         fill_context=events.fills_context(request.params.HasField("max_new_tokens"), params, calls_tools),
         cache_salt=request.cache_salt or None,
+        **canvas_draft(request, info.max_model_len),
     )
+
+
+def canvas_draft(request: pb.GenerateRequest, max_len: int) -> dict:
+    """GenerateRequest.initial_canvas and pinned (docs/edit-in-place.md) as Submission keyword arguments; repeated
+    fields longer than ``max_len`` (the context window) are refused unread. ``Engine.canvas_draft`` checks the
+    rest, naming the same fields."""
+    canvas: str | list[int] | None = None
+    if request.HasField("initial_canvas"):
+        kind = request.initial_canvas.WhichOneof("draft")
+        if kind is None:
+            raise ValueError("initial_canvas: set text or ids")
+        if kind == "text":
+            canvas = request.initial_canvas.text
+        else:
+            ids = request.initial_canvas.ids.ids
+            if len(ids) > max_len:
+                raise ValueError(f"initial_canvas: {len(ids)} token ids exceed the context window of {max_len}")
+            canvas = list(ids)
+    pinned: bool | list[list[int]] | None = None
+    if request.HasField("pinned"):
+        msg = request.pinned
+        if msg.all and msg.ranges:
+            raise ValueError("pinned: set all or ranges, not both")
+        if len(msg.ranges) > max_len:
+            raise ValueError(f"pinned: {len(msg.ranges)} ranges exceed the context window of {max_len}")
+        pinned = True if msg.all else [[r.start, r.end] for r in msg.ranges]
+    return {"initial_canvas": canvas, "pinned": pinned}
 
 
 def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams) -> SamplingParams:
@@ -253,6 +281,7 @@ def block(b: events.BlockEvent) -> pb.Block:
         mean_entropy=s.mean_entropy,
         encode_ms=s.encode_ms,
         denoise_ms=s.denoise_ms,
+        pinned_tokens=s.pinned_tokens,
     )
     # the text is the block's content: a chat's reasoning and tool-call deltas travel apart (service.events)
     msg = pb.Block(index=b.index, token_ids=b.token_ids, text=b.content, reasoning=b.reasoning, stats=stats)

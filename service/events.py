@@ -120,6 +120,7 @@ class BlockStats:
     mean_entropy: float  # finite
     encode_ms: float
     denoise_ms: float
+    pinned_tokens: int = 0  # of the block's tokens, those the request pinned (docs/edit-in-place.md)
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -225,7 +226,12 @@ def event(e: Started | Draft | BlockOutput | Finished) -> StartEvent | DraftEven
 def block(b: BlockOutput) -> BlockEvent:
     s = b.stats
     stats = BlockStats(
-        s.denoising_steps, s.tokens_per_forward, finite(s.mean_entropy), s.encode_seconds * 1e3, s.denoise_seconds * 1e3
+        s.denoising_steps,
+        s.tokens_per_forward,
+        finite(s.mean_entropy),
+        s.encode_seconds * 1e3,
+        s.denoise_seconds * 1e3,
+        s.pinned_tokens,
     )
     return BlockEvent(b.index, b.token_ids, b.text, stats)
 

@@ -191,11 +191,15 @@ def hf_generate(
     eos_ids=(1,),
     pad_id=0,
     margins: Margins | None = None,
+    decoder_input_ids=None,
     **model_kwargs,
 ):
     """Run transformers' generate() under the contract; returns (new token ids list, tokens_per_forward).
     With `margins`, the run's distances to a tie are recorded into it (see `Margins`). `model_kwargs` go to
-    generate() (images: pixel_values, image_position_ids, mm_token_type_ids)."""
+    generate() (images: pixel_values, image_position_ids, mm_token_type_ids). `decoder_input_ids`: a starting
+    canvas of C ids, passed to generate() as is (docs/seeded-noise.md, "A starting canvas")."""
+    if decoder_input_ids is not None:
+        model_kwargs["decoder_input_ids"] = torch.tensor([list(decoder_input_ids)])
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     prompt = torch.tensor([list(prompt_ids)])

@@ -23,6 +23,7 @@ class BlockStats:
     mean_entropy: float  # mean per-position entropy at the last step run
     encode_seconds: float  # encoder pass before the block (prompt prefill or previous block)
     denoise_seconds: float  # wall time of this block's denoising steps (shared with the batch)
+    pinned_tokens: int = 0  # of its tokens, those the request pinned (docs/edit-in-place.md)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class OutputTracker:
         skip_special_tokens: bool = True,
         stop_token_ids: tuple[int, ...] = (),
         min_tokens: int = 0,
+        pin_end: int = 0,
     ):
         if stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
@@ -102,6 +104,10 @@ class OutputTracker:
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
         self._stop_floor = 0  # characters of the text of the first min_tokens tokens (a stop match ends after it)
+        # pins (docs/edit-in-place.md): the output holds its first pin_end tokens; a stop string counts only where
+        # it starts in the text after them (EOS cannot come earlier: the sampler bars it from those positions)
+        self.pin_end = pin_end
+        self._stop_from = 0  # text offset where a stop string may start
 
     @property
     def banned_ids(self) -> frozenset[int]:
@@ -125,6 +131,9 @@ class OutputTracker:
         if within:  # the text of the first min_tokens tokens: no stop string may end inside it
             self._stop_floor = len(self._text_with(toks[:within]))
         full = self._text_with(toks)
+        pinned_here = self.pin_end - len(self.token_ids)
+        if pinned_here > 0 and self.stop:
+            self._stop_from = len(self._text_with(toks[:pinned_here]))
         hit = self._find_stop(full)
         if hit is not None:
             self.stop_sequence = full[hit[0] : hit[1]]
@@ -162,7 +171,7 @@ class OutputTracker:
         if not self.stop:
             return None
         longest = max(len(s) for s in self.stop)
-        start = max(0, len(self.text) - longest + 1)
+        start = max(0, len(self.text) - longest + 1, self._stop_from)
         best = None
         for s in self.stop:
             i = full.find(s, start)

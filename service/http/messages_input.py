@@ -38,6 +38,7 @@ FIELDS = COUNT_FIELDS | {
     "stream",
     "temperature",
     "cache_salt",
+    *protocol.EDIT_FIELDS,
     *protocol.KNOBS,
 }
 # Messages fields with no faithful meaning here, accepted only at the value that asks for nothing
@@ -76,7 +77,8 @@ def messages_request(body, defaults: SamplingParams, max_len: int | None) -> pro
     stream = bool(protocol._optional(body, "stream", bool))
     model = protocol._optional(body, "model", str) or ""
     salt = protocol._optional(body, "cache_salt", str)
-    return protocol.Call(prompt, params, model, stream, cache_salt=salt)
+    edit = protocol.edit_fields(body, max_len)
+    return protocol.Call(prompt, params, model, stream, cache_salt=salt, **edit)
 
 
 def count_request(body, max_len: int | None) -> tuple[ChatPrompt, str]:

@@ -64,6 +64,9 @@ COMMON = {
     *GUIDED,
     *NEUTRAL,
 }
+# edit in place (docs/edit-in-place.md): top-level extension fields of every JSON door
+EDIT_FIELDS = ("initial_canvas", "pinned")
+COMMON |= set(EDIT_FIELDS)
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {
     "messages",
@@ -139,6 +142,8 @@ class Call:
     fill_context: bool = False  # no token limit given: the room left in the context (events.fills_context)
     cache_salt: str | None = None  # prefix-cache isolation (docs/prefix-caching.md)
     n: int = 1  # choices: n requests, seeds derived from the request's (``submissions``)
+    initial_canvas: str | list[int] | None = None  # the starting canvas (docs/edit-in-place.md)
+    pinned: bool | list[list[int]] | None = None  # its pinned ranges, or true for all of it
 
     def submission(self, request_id: str | None, owner: str | None) -> Submission:
         """The request as the engine's one submission (``owner``: the caller, None when auth is off)."""
@@ -150,6 +155,8 @@ class Call:
             owner=owner,
             fill_context=self.fill_context,
             cache_salt=self.cache_salt,
+            initial_canvas=self.initial_canvas,
+            pinned=self.pinned,
         )
 
     def submissions(self, request_id: str, owner: str | None) -> list[Submission]:
@@ -184,7 +191,8 @@ def completion_request(body, defaults: SamplingParams, vocab_size: int, max_len:
     """POST /v1/completions body → Call. ``max_len`` (the context window): more token ids are refused unread."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
-    return _call(body, _completion_prompt(body.get("prompt"), vocab_size, max_len), defaults, "max_tokens")
+    prompt = _completion_prompt(body.get("prompt"), vocab_size, max_len)
+    return _call(body, prompt, defaults, "max_tokens", max_len)
 
 
 def chat_request(body, defaults: SamplingParams, max_len: int | None = None, trust_chat_template: bool = False) -> Call:
@@ -201,7 +209,7 @@ def chat_request(body, defaults: SamplingParams, max_len: int | None = None, tru
     rendering = _rendering(body, kwargs, trust_chat_template)
     prompt = ChatPrompt(messages, enable_thinking=thinking, tools=tools, **rendering)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _call(body, prompt, defaults, limit)
+    return _call(body, prompt, defaults, limit, max_len)
 
 
 def _rendering(body: dict, kwargs: dict, trust_chat_template: bool) -> dict:
@@ -264,7 +272,29 @@ def _reasoning_effort(value) -> bool:
     return True
 
 
-def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str) -> Call:
+def edit_fields(body: dict, max_len: int | None) -> dict:
+    """The body's ``initial_canvas`` and ``pinned`` (docs/edit-in-place.md) as ``Call`` keyword arguments, their
+    shape checked with bounded work: lists longer than ``max_len`` (the context window) are refused unread. The
+    engine checks the ids against the vocabulary, the ranges against the draft and both against the request's
+    canvases (``Engine.canvas_draft``)."""
+    canvas, pinned = body.get("initial_canvas"), body.get("pinned")
+    if canvas is not None:
+        if isinstance(canvas, list):
+            if max_len is not None and len(canvas) > max_len:
+                raise ValueError(f"initial_canvas: {len(canvas)} token ids exceed the context window of {max_len}")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in canvas):
+                raise ValueError("initial_canvas must be a string or a list of token ids (-1: a blank)")
+        elif not isinstance(canvas, str):
+            raise ValueError("initial_canvas must be a string or a list of token ids (-1: a blank)")
+    if pinned is not None and not isinstance(pinned, bool):
+        if not isinstance(pinned, list):
+            raise ValueError("pinned must be true, false or a list of [start, end) ranges")
+        if max_len is not None and len(pinned) > max_len:
+            raise ValueError(f"pinned: {len(pinned)} ranges exceed the context window of {max_len}")
+    return {"initial_canvas": canvas, "pinned": pinned}
+
+
+def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str, max_len: int | None = None) -> Call:
     stream = bool(_optional(body, "stream", bool))
     options = _optional(body, "stream_options", dict)
     include_usage = False
@@ -284,7 +314,7 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     salt = _optional(body, "cache_salt", str)
-    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt, n)
+    return Call(prompt, params, model, stream, include_usage, drafts, fill, salt, n, **edit_fields(body, max_len))
 
 
 def _choices(n, drafts: bool) -> int:

@@ -75,6 +75,7 @@ def block_stats(b: events.BlockEvent) -> dict:
         "tokens_per_forward": round(s.tokens_per_forward, 4),
         "mean_entropy": s.mean_entropy,
         "denoise_ms": round(s.denoise_ms, 3),
+        "pinned_tokens": s.pinned_tokens,
     }
 
 

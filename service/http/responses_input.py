@@ -45,6 +45,7 @@ FIELDS = {
     "metadata",
     "include",
     "cache_salt",
+    *protocol.EDIT_FIELDS,
     *protocol.KNOBS,
     *protocol.NEUTRAL,  # accepted and ignored, as on chat completions (prompt_cache_key: Codex CLI sends one)
     "client_metadata",  # Codex CLI's ids of its session and turn: ignored
@@ -96,7 +97,8 @@ def responses_request(
     store = protocol._optional(body, "store", bool)
     _metadata(body.get("metadata"))
     _include(body.get("include"))
-    call = protocol.Call(prompt, params, model, stream, fill_context=fill, cache_salt=salt)
+    edit = protocol.edit_fields(body, max_len)
+    call = protocol.Call(prompt, params, model, stream, fill_context=fill, cache_salt=salt, **edit)
     return ResponsesCall(call, True if store is None else store, tuple(convo.messages), _echo(body, params, thinking))
 
 

@@ -1,4 +1,5 @@
-"""The tensors of one request's current block: ``BlockState`` (its index, steps and grammar are on the Request)."""
+"""The tensors of one request's current block: ``BlockState`` (its index, steps and grammar are on the Request), and
+the request's starting canvas with its pins (``CanvasDraft``, docs/edit-in-place.md), which each block starts from."""
 
 from __future__ import annotations
 
@@ -10,6 +11,38 @@ import torch
 from dgserve import ops
 from dgserve.sampling_params import to_signed64
 
+BLANK = -1  # a draft position without a token: it starts from the seeded noise
+
+
+@dataclass(frozen=True)
+class CanvasDraft:
+    """A request's starting canvas (docs/edit-in-place.md): draft token ids laid over its canvases in order from the
+    first (a ``BLANK`` starts from the seeded noise, as every position past the draft does), and the pinned
+    ``[start, end)`` ranges of draft positions, which hold their draft token from the first step to the commit.
+    Validated by ``Engine.make_request``: ids in the vocabulary or blank, ranges sorted, disjoint, non-empty, inside
+    the draft and over no blank."""
+
+    ids: tuple[int, ...]
+    pinned: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def pin_end(self) -> int:
+        """The position after the last pinned one (0 without pins): the output holds at least this many tokens."""
+        return self.pinned[-1][1] if self.pinned else 0
+
+    def block(self, index: int, canvas_length: int) -> tuple[list[int], list[bool]] | None:
+        """Block ``index``'s share: (draft ids, pinned flags) for its first positions (fewer than ``canvas_length``
+        when the draft ends inside it), or None when the draft does not reach it."""
+        lo = index * canvas_length
+        if lo >= len(self.ids):
+            return None
+        ids = list(self.ids[lo : lo + canvas_length])
+        pins = [False] * len(ids)
+        for a, b in self.pinned:
+            for p in range(max(a, lo), min(b, lo + len(ids))):
+                pins[p - lo] = True
+        return ids, pins
+
 
 @dataclass
 class BlockState:
@@ -19,12 +52,26 @@ class BlockState:
     argmax: torch.Tensor | None = None  # [C] int64: argmax canvas of the last step run
     self_cond: torch.Tensor | None = None  # [C, V] md: rnd(processed logits) of the last step
     history: deque = field(default_factory=deque)  # the last S argmax canvases
+    # [C, ceil(V/32)] int32 host bitmask of the pins (docs/edit-in-place.md), the diffusion step's layout: a pinned
+    # position allows its draft token only, an unpinned one before the last pin every token but EOS; None: no
+    # position of this block is restricted
+    pins: torch.Tensor | None = None
+    pinned: int = 0  # pinned positions in this block
 
     @classmethod
     def start(
-        cls, seed: int, block_index: int, canvas_length: int, vocab_size: int, device: torch.device
+        cls,
+        seed: int,
+        block_index: int,
+        canvas_length: int,
+        vocab_size: int,
+        device: torch.device,
+        draft: CanvasDraft | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> BlockState:
-        """A fresh block: the contract's noise canvas (step label 0), no self-conditioning."""
+        """A fresh block: the contract's noise canvas (step label 0) with the draft's share of this block laid over
+        it (blank positions keep the noise), no self-conditioning. ``eos_ids``: the ids barred from the unpinned
+        positions before the draft's last pin (empty with ignore_eos)."""
         canvas = ops.canvas_noise(
             torch.tensor([to_signed64(seed)], device=device),
             torch.tensor([block_index], device=device),
@@ -32,4 +79,43 @@ class BlockState:
             canvas_length,
             vocab_size,
         )[0]
-        return cls(canvas)
+        share = draft.block(block_index, canvas_length) if draft is not None else None
+        if share is None:
+            return cls(canvas)
+        ids, pins = share
+        laid = torch.tensor(ids, dtype=torch.int64, device=device)
+        n = len(ids)
+        canvas[:n] = torch.where(laid != BLANK, laid, canvas[:n])
+        assert draft is not None
+        gap = max(0, min(canvas_length, draft.pin_end - block_index * canvas_length))
+        mask = pin_bitmask(ids, pins, gap, eos_ids, canvas_length, vocab_size)
+        return cls(canvas, pins=mask, pinned=sum(pins))
+
+
+def pin_bitmask(
+    ids: list[int], pins: list[bool], gap: int, eos_ids: frozenset[int], canvas_length: int, vocab_size: int
+) -> torch.Tensor | None:
+    """[C, ceil(V/32)] int32 (bit v % 32 of word v // 32 set = token v allowed): position p < len(pins) with
+    pins[p] allows ids[p] only; any other position below ``gap`` allows all but ``eos_ids``; the rest allow all.
+    None when that restricts nothing."""
+    if not any(pins) and not (gap and eos_ids):
+        return None
+    words = (vocab_size + 31) // 32
+    mask = torch.full((canvas_length, words), -1, dtype=torch.int32)
+    for v in eos_ids:
+        if 0 <= v < vocab_size:
+            mask[:gap, v // 32] &= _bit_cleared(v % 32)
+    for p, (t, pinned) in enumerate(zip(ids, pins, strict=True)):
+        if pinned:
+            mask[p] = 0
+            mask[p, t // 32] = _as_int32(1 << (t % 32))
+    return mask
+
+
+def _as_int32(u: int) -> int:
+    """A uint32 bit pattern as the int32 with the same bits."""
+    return u - (1 << 32) if u >= 1 << 31 else u
+
+
+def _bit_cleared(bit: int) -> int:
+    return _as_int32(0xFFFFFFFF ^ (1 << bit))

@@ -241,15 +241,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def start_block(self, req: Request) -> None:
-        """Encode the previous block if one is pending, then start block ``req.block_index``: a fresh noise canvas,
-        N steps left, and the grammar's forced prefix when the request has one."""
+        """Encode the previous block if one is pending, then start block ``req.block_index``: a fresh noise canvas
+        (with the request's draft laid over it and its pins, docs/edit-in-place.md), N steps left, and the
+        grammar's forced prefix when the request has one."""
         assert req.slot is not None, "a block for a request without a slot"
         if req.pending is not None:
             req.encode_seconds = 0.0
             self._encode(req, req.pending)
         req.denoise_seconds, req.pending = 0.0, None
         cfg = self.model.config
-        req.block = BlockState.start(req.seed, req.block_index, cfg.canvas_length, cfg.vocab_size, self.model.device)
+        req.block = BlockState.start(
+            req.seed,
+            req.block_index,
+            cfg.canvas_length,
+            cfg.vocab_size,
+            self.model.device,
+            req.draft,
+            req.tracker.eos_ids,  # empty with ignore_eos
+        )
         req.steps_left, req.block_done, req.mean_entropy = req.params.max_denoising_steps, False, float("nan")
         if req.grammar is not None:  # structured output: commit what the grammar forces before the first step
             req.grammar.start_block(req.block.canvas)

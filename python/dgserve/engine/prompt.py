@@ -85,7 +85,10 @@ class Submission:
     one). ``drafts``: the previews the caller wants. ``owner``: the caller's identity (ids are scoped by it, and
     only it may abort the request). ``fill_context``: the caller set no token limit and the request may use the
     room left in the context (``Engine.make_request``). ``cache_salt``: reuse only prefix-cache blocks of requests
-    with the same owner and salt (docs/prefix-caching.md)."""
+    with the same owner and salt (docs/prefix-caching.md). ``initial_canvas``: the starting canvas (text, tokenized
+    as content without BOS, or token ids, -1 for a blank), laid over the request's canvases from the first;
+    ``pinned``: True (every draft position) or ``[start, end)`` ranges of draft positions that keep their draft
+    token to the commit (docs/edit-in-place.md). Both are request content, like the prompt."""
 
     prompt: Prompt
     params: SamplingParams | None = None
@@ -94,6 +97,8 @@ class Submission:
     owner: str | None = None
     fill_context: bool = False
     cache_salt: str | None = None
+    initial_canvas: str | Sequence[int] | None = None
+    pinned: bool | Sequence[Sequence[int]] | None = None
 
 
 def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dgserve.media.images import ImageInput
 
 if TYPE_CHECKING:
-    from dgserve.engine.block import BlockState
+    from dgserve.engine.block import BlockState, CanvasDraft
     from dgserve.engine.prefix_cache import KV
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class Request:
     prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
     # (start, image) per image of the prompt, in order: its placeholders are prompt_ids[start : start + tokens]
     images: tuple[tuple[int, ImageInput], ...] = ()
+    draft: CanvasDraft | None = None  # the starting canvas and its pins (docs/edit-in-place.md); None: noise
     # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING

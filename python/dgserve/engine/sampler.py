@@ -105,18 +105,26 @@ def _bitmask(reqs: list[Request], canvas_length: int, vocab_size: int) -> torch.
     """The diffusion step's bitmask [B, C, ceil(V/32)] int32 for a batch, or None when no row is constrained
     (then the op runs exactly as without structured output). Unconstrained rows get all bits set, which gives
     bit-for-bit the unmasked results (tests/ops/test_diffusion_step_bitmask.py). A row is constrained by its grammar,
-    or by ``min_tokens`` while its block holds positions within the first min_tokens tokens: there its EOS and stop
-    token ids are masked (``min_tokens_ban``; a request with min_tokens has no grammar)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None or r.tracker.banned_positions()]
+    by its block's pins (a grammar of one token each: docs/edit-in-place.md), or by ``min_tokens`` while its block
+    holds positions within the first min_tokens tokens: there its EOS and stop token ids are masked
+    (``min_tokens_ban``, on top of the pins; a request with min_tokens has no grammar)."""
+    rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.grammar is not None or (r.block is not None and r.block.pins is not None) or r.tracker.banned_positions()
+    ]
     if not rows:
         return None
     mask = torch.full((len(reqs), canvas_length, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i in rows:
-        grammar = reqs[i].grammar
+        grammar, block, tracker = reqs[i].grammar, reqs[i].block, reqs[i].tracker
         if grammar is not None:
             mask[i] = grammar.bitmask(canvas_length)
-        else:
-            min_tokens_ban(mask[i], reqs[i].tracker.banned_positions(), reqs[i].tracker.banned_ids)
+            continue
+        if block is not None and block.pins is not None:
+            mask[i] = block.pins
+        if tracker.banned_positions():
+            min_tokens_ban(mask[i], tracker.banned_positions(), tracker.banned_ids)
     return mask
 
 

@@ -165,6 +165,20 @@ class Tokenizer:
             raise PromptTooLongError(len(ids), max_tokens, "counted")
         return ids
 
+    def encode_content(self, text: str, max_tokens: int | None = None, field: str = "prompt") -> list[int]:
+        """Token ids of caller content: `text` as ordinary text (special-token texts such as `<|turn>` are their
+        characters, never control tokens) and no BOS or other added tokens. `max_tokens` as in `encode`; a text
+        that is not valid Unicode raises ValueError naming `field`."""
+        if not isinstance(text, str):
+            raise ValueError(f"{field}: text must be a str, got {type(text).__name__}")
+        check_unicode(text, field)
+        if max_tokens is not None:
+            self._check_bound(text, max_tokens)
+        ids = self._specials.plain.encode(text, add_special_tokens=False).ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLongError(len(ids), max_tokens, "counted")
+        return ids
+
     def _check_bound(self, text: str, limit: int) -> None:
         """PromptTooLongError when `text` surely has more than `limit` tokens: by its byte length alone, else by
         counting chunks of it (each chunk's tokens are bounded by its size, and the count stops once over)."""
