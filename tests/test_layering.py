@@ -121,6 +121,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.structured.tools",
                 "dgserve.structured.tool_grammar",
                 "dgserve.structured.chat_output",
+                "dgserve.structured.closing",  # the shortest endings a grammar accepts (steering at the budget)
             ),
             ("dgserve.structured.constrained",),  # the grammar-verified step the sampler calls
         ),

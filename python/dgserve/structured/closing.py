@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dgserve.structured.grammar import allowed_tokens
 from dgserve.text.gemma4 import CHANNEL_END, TOOL_CALL_END
 
 if TYPE_CHECKING:
@@ -44,6 +43,11 @@ CLOSING = ('"', "}", "]", '"}', TOOL_CALL_END, CHANNEL_END)
 STARTS = "0123456789tfn[{-"  # one-character tokens that start a short value, best first
 Scan = tuple[bool, bool, int]  # where JSON text stands: inside a string, after a backslash there, brackets open
 START: Scan = (False, False, 0)
+
+
+def allowed_tokens(words: np.ndarray, V: int) -> np.ndarray:
+    """The token ids in [0, V) that a mask of int32 words (bit t of word t // 32: token t) allows, ascending."""
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:V])
 
 
 class Closer:

@@ -42,8 +42,7 @@ import torch
 
 from dgserve.ops import reference
 from dgserve.sampling_params import to_signed64
-from dgserve.structured.closing import START, Closer, scan
-from dgserve.structured.grammar import allowed_tokens
+from dgserve.structured.closing import START, Closer, allowed_tokens, scan
 
 if TYPE_CHECKING:
     import llguidance as llg

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import numpy as np
 
+from dgserve.structured.closing import Closer, allowed_tokens
 from dgserve.structured.response_format import TOOL_CALLS, ResponseFormat
 from dgserve.structured.tool_grammar import tool_lark
 from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOOL_CALL_END
@@ -29,7 +30,6 @@ from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOO
 if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions
 
-    from dgserve.structured.closing import Closer
 
 log = logging.getLogger("dgserve.structured")
 
@@ -194,8 +194,6 @@ class GrammarCompiler:
     @functools.cached_property
     def closer(self) -> Closer:
         """The search for a document's ending in this vocabulary (built once: it ranks every token)."""
-        from dgserve.structured.closing import Closer
-
         return Closer(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def matcher(self, fmt: ResponseFormat) -> llg.LLMatcher:
@@ -204,11 +202,6 @@ class GrammarCompiler:
         if m.is_error():
             raise GrammarError(f"response_format: invalid {fmt.type}: {_first_line(m.get_error())}")
         return m
-
-
-def allowed_tokens(words: np.ndarray, V: int) -> np.ndarray:
-    """The token ids in [0, V) that a mask of int32 words (bit t of word t // 32: token t) allows, ascending."""
-    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:V])
 
 
 def _first_line(msg: str) -> str:
