@@ -143,7 +143,10 @@ class SiteGuard:
                 param="Origin",
             )
         if refusal is not None:
-            return await error_response(refusal)(scope, receive, send)
+            response = error_response(refusal)
+            if refusal.reason == "HOST_NOT_ALLOWED":  # (a missing Host too): not our client; no keep-alive
+                response.headers["Connection"] = "close"
+            return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
 

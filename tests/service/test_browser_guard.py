@@ -149,6 +149,17 @@ def test_a_rebinding_host_is_400(http):
     assert_error(http.get("/v1/models", headers={"host": "evil.example:8000"}), 400, "host_not_allowed", "Host")
 
 
+def test_a_request_without_our_host_is_answered_and_closed(server):
+    """No Host, or a foreign one: the 400 comes at once and the connection closes (no keep-alive for it)."""
+    for head in (b"GET / HTTP/9.9\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as s:
+            s.sendall(head)
+            data = b""
+            while more := s.recv(65536):  # a connection left open would time out here
+                data += more
+        assert data.startswith(b"HTTP/1.1 400"), data[:200]
+
+
 def test_local_names_ip_literals_and_this_machine_are_served(http):
     port = http.base_url.port
     for host in (
