@@ -10,6 +10,9 @@ import pytest
 
 from dgserve.__main__ import main
 from dgserve.client import AsyncClient, Client
+from dgserve.sampling_params import KNOBS
+
+NUMERIC_KNOBS = sum(k.numeric for k in KNOBS.values())  # GetModelInfo reports the bounds of each
 
 
 def test_sync_client(server, local_engine):
@@ -98,7 +101,7 @@ def test_cli_generate_json_and_errors(server, capsys):
 def test_cli_info(server, capsys):
     assert main(["info", "--server", server.target]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["model"] == "tiny" and info["canvas_length"] == 16 and len(info["bounds"]) == 8
+    assert info["model"] == "tiny" and info["canvas_length"] == 16 and len(info["bounds"]) == NUMERIC_KNOBS
 
 
 def test_cli_local_mode(model_dir, capsys):
