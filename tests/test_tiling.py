@@ -15,6 +15,7 @@ from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import SlotCache
 from dgserve.model.tiny import preset, random_weights
+from dgserve.outputs import OutputTracker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,8 @@ def _requests(V: int, C: int) -> list[Request]:
     for i in range(5):
         params = SamplingParams(max_denoising_steps=6, seed=100 + i)
         block = BlockState.start(100 + i, i, C, V, torch.device("cpu"))
-        reqs.append(Request(f"r{i}", [0], params, None, block_index=i, steps_left=6, block=block))  # type: ignore[arg-type]
+        tracker = OutputTracker(params.max_new_tokens, frozenset({1}), False, ())
+        reqs.append(Request(f"r{i}", [0], params, tracker, block_index=i, steps_left=6, block=block))
     return reqs
 
 
