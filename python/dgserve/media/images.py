@@ -5,7 +5,7 @@ Public contract:
     img = load_image(data: bytes, where="messages[0].content[1]", caps=ImageCaps())   # ImageError (a 400)
     inp = preprocess(img, patch_size=16, pooling=3, max_soft_tokens=280)             # an ImageInput
 
-``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_images.py): RGB with transparency
+``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_vision_parity.py): RGB with transparency
 composited onto white, an aspect-preserving resize to multiples of pooling·patch within the patch budget (PIL
 bicubic), ``uint8 → float64 · (1/255) → float32``, then (C, H, W) → patches of ``p·p·3`` values ordered
 (row, column, channel) with (x, y) patch positions. Images are never padded to the budget: the tower runs each
