@@ -606,3 +606,27 @@ class _Spy:
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
+
+
+def test_a_templates_image_token_is_where_the_image_goes():
+    """A checkpoint's template writes the image token's text (``<|image|>``) for an image part, as Gemma 4's do;
+    encode_chat splices the image's run there, as transformers' processor expands it. The same text typed by the
+    caller stays text: it is no image place (a count mismatch, a 400)."""
+    small = pathlib.Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
+    tok = Tokenizer.from_pretrained(small)
+    run = [190] + [191] * 5 + [192]
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "see"}, {"type": "image"}, {"type": "text", "text": "ok"}],
+        }
+    ]
+    ids = tok.encode_chat(chat, image_runs=[run])
+    at = ids.index(190)
+    assert ids[at : at + len(run)] == run and ids.count(191) == 5
+    plain = tok.encode_chat([{"role": "user", "content": "see ok"}])
+    assert len(ids) > len(plain)
+    typed = [{"role": "user", "content": [{"type": "text", "text": "see <|image|>"}, {"type": "image"}]}]
+    assert tok.encode_chat(typed, image_runs=[run]).count(191) == 5
+    with pytest.raises(ValueError, match="image"):
+        tok.encode_chat([{"role": "user", "content": "see <|image|>"}], image_runs=[run])

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Iterable, Sequence
 
 import jinja2
@@ -308,7 +309,7 @@ class Tokenizer:
             plain, plain_tools = inert.defang([plain, plain_tools], swap)
             restore = {v: k for k, v in swap.items()}
         text = self._render_chat(plain, plain_tools, add_generation_prompt, enable_thinking, **options)
-        pieces = text.split(IMAGE_MARK)
+        pieces = self._split_image_places(text, image_runs)
         if len(pieces) != len(image_runs) + 1:
             if not image_runs:
                 raise ValueError("messages: an image part without its image")
@@ -322,6 +323,20 @@ class Tokenizer:
                 if max_tokens is not None and len(ids) > max_tokens:
                     raise PromptTooLongError(len(ids), max_tokens, "at least")
         return ids
+
+    def _split_image_places(self, text: str, image_runs: Sequence[Sequence[int]]) -> list[str]:
+        """Rendered chat text cut at its image places: the built-in format writes ``IMAGE_MARK`` for an image part;
+        a checkpoint's template writes the image token's own text (``<|image|>`` in Gemma 4's templates), which
+        transformers' processor then expands as ``image_runs`` do here. Caller text never holds either: the mark is
+        noncharacters, and a special token's text typed by the caller was swapped for sentinels before rendering."""
+        marks = [IMAGE_MARK]
+        if image_runs and len(image_runs[0]) > 2:  # a run is BOI, the placeholders, EOI
+            placeholder = self._tok.id_to_token(int(image_runs[0][1]))
+            if placeholder and placeholder in self._specials.texts:
+                marks.append(placeholder)
+        if len(marks) == 1:
+            return text.split(IMAGE_MARK)
+        return re.split("|".join(re.escape(m) for m in marks), text)
 
     def _encode_rendered(self, text: str, restore: dict[str, str], max_tokens: int | None) -> list[int]:
         """Ids of rendered chat text: plainly encoded, or with ``restore``'s sentinels read as the caller's text."""
