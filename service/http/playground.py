@@ -47,6 +47,7 @@ HEADERS = {
 PAGES = {"/playground": "playground.html", "/dashboard": "dashboard.html"}
 ASSETS = {  # file → media type: the only files served from static/
     "playground.js": "text/javascript; charset=utf-8",
+    "draft.js": "text/javascript; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "common.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
