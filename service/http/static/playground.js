@@ -106,7 +106,8 @@
       c.className = "cell " + state(i, id) + (pinned ? " pinned" : "");
       c.textContent = show(pieces.get(id), id);
       c.title = "position " + i + ", token " + id;
-      if (pinned) c.title += ": pinned to draft position " + p + ", token " + S.view.draft[p];
+      const want = S.view.draft[p];
+      if (pinned) c.title += ": pinned to draft position " + p + ", token " + want + " " + show(pieces.get(want), want);
       c.setAttribute("aria-label", c.title);
     });
   }
@@ -249,7 +250,8 @@
   $("form").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     let req;
-    try { req = await request(); } catch (e) { return status(e.message || String(e), true); }
+    $("run").disabled = true;  // (while the draft's tokens are fetched)
+    try { req = await request(); } catch (e) { $("run").disabled = false; return status(e.message || String(e), true); }
     run(req.b, req.view);
   });
   $("replay").addEventListener("click", () => S.last && run(S.last.b, S.last.view));
