@@ -287,11 +287,15 @@ def test_playground_starts_from_a_draft_and_pins_stay_put(server, browser):
     browser.execute_script("window.scrollTo(0, 0)")
     shots(browser, "playground-draft.png")
 
-    # a draft longer than the request's canvases: the server's 400 names the field, and the page shows it
+    # pin all (no blanks): pinned true; a draft longer than the request's canvases: the server's 400 names the
+    # field, and the page shows it
+    set_field(browser, "blanks", 0)
+    browser.find_element("id", "pin-all").click()
     set_field(browser, "max_tokens", 8)
     browser.find_element("id", "run").click()
     wait(lambda: canvas.get_attribute("data-state") == "error", 30)
     assert "initial_canvas" in browser.find_element("id", "status").text
+    assert '"pinned":true' in browser.find_element("id", "curl").get_attribute("value")
     assert not [m for m in errors(browser) if "status of 400" not in m]
 
 
