@@ -6,6 +6,10 @@ denoises, and the live dashboard over ``/metrics``. ``--no-playground`` leaves a
     GET  /playground/static/{name}   their scripts, styles and the vendored chart library (a fixed list)
     POST /playground/pieces          {"ids": [...]} → {"pieces": [...]}: each token id's own text, to label the
                                      canvas cells (authorized like every API route; JSON only)
+    POST /playground/draft           {"text": str} → {"ids": [...], "pieces": [...]}: a draft's tokens exactly as
+                                     the engine tokenizes an ``initial_canvas`` text (as content: no BOS, and
+                                     special-token texts stay characters, which /tokenize does not do), so the
+                                     page can show them as cells to pin (docs/edit-in-place.md)
 
 The pages are files in the package (``static/``): no CDN, nothing from the network. Every page and asset answer
 carries a Content-Security-Policy that allows only this origin (no inline script or style, no framing), so the
@@ -24,6 +28,8 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 
+from dgserve.text.token_bounds import PromptTooLongError
+
 from .. import events
 from .body import read_json
 from .gate import Gate
@@ -41,6 +47,7 @@ HEADERS = {
 PAGES = {"/playground": "playground.html", "/dashboard": "dashboard.html"}
 ASSETS = {  # file → media type: the only files served from static/
     "playground.js": "text/javascript; charset=utf-8",
+    "draft.js": "text/javascript; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "common.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
@@ -78,6 +85,11 @@ def add_routes(app: FastAPI, gate: Gate, api_errors) -> None:
     async def pieces(request: Request):
         return await token_pieces(gate, request)
 
+    @app.post("/playground/draft", include_in_schema=False)
+    @api_errors
+    async def draft(request: Request):
+        return await draft_tokens(gate, request)
+
 
 def _page(name: str):
     async def page():
@@ -104,3 +116,26 @@ async def token_pieces(gate: Gate, request: Request) -> dict:
     if tok is None:
         raise ValueError("ids: this model has no tokenizer")
     return {"pieces": await asyncio.to_thread(lambda: [tok.decode([t]) for t in ids])}
+
+
+async def draft_tokens(gate: Gate, request: Request) -> dict:
+    """A draft text's token ids and each one's text, tokenized as ``Engine.canvas_draft`` tokenizes an
+    ``initial_canvas`` text (``Tokenizer.encode_content``): ValueError naming ``text`` unless the body is
+    ``{"text": str}`` with a non-empty text of at most max_model_len tokens (a longer draft could never be used;
+    refused with bounded work). Whether the draft fits a request's canvases is the generation route's check."""
+    gate.authorize(request)
+    body = await read_json(request, gate.max_body_bytes)
+    engine = gate.state.ready_engine()
+    if not isinstance(body, dict) or set(body) != {"text"} or not isinstance(body["text"], str):
+        raise ValueError('text: the body must be {"text": the draft as a string}')
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("text: this model has no tokenizer; send the draft as token ids")
+    limit = gate.state.info.max_model_len
+    try:
+        ids = await asyncio.to_thread(tok.encode_content, body["text"], limit, "text")
+    except PromptTooLongError as e:
+        raise ValueError(f"text: at least {e.at_least} tokens, more than the context window of {limit}") from e
+    if not ids:
+        raise ValueError("text: the draft is empty")
+    return {"ids": ids, "pieces": await asyncio.to_thread(lambda: [tok.decode([t]) for t in ids])}

@@ -1,7 +1,8 @@
 """The built-in pages on the HTTP port (service/http/playground.py, docs/playground.md), over HTTP: served from the
 package with a same-origin Content-Security-Policy, small, off with --no-playground; the token-pieces route is an
-API route like the others (auth, JSON only, same origin, 400 naming ``ids``); streamed blocks carry the token ids
-the page draws. The browser test is test_playground_browser.py."""
+API route like the others (auth, JSON only, same origin, 400 naming ``ids``); the draft route tokenizes a draft
+as the engine tokenizes ``initial_canvas`` text (400 naming ``text``); streamed blocks carry the token ids the page
+draws. The browser test is test_playground_browser.py."""
 
 from __future__ import annotations
 
@@ -109,6 +110,29 @@ def test_pieces_is_an_api_route_behind_auth_and_the_site_guard(guarded):
     for bad in ({"ids": [10**9]}, {"ids": "1"}, {"ids": [True]}, {"ids": [1], "x": 1}, [1], {"ids": [0] * 5000}):
         r = httpx.post(base + "/playground/pieces", json=bad, headers=ok, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("ids"), (bad, r.text)
+    # the draft route too: authorized, JSON only, same origin, 400 naming text
+    assert httpx.post(base + "/playground/draft", json={"text": "a"}, timeout=30).status_code == 401
+    r = httpx.post(base + "/playground/draft", json={"text": "a"}, headers=foreign, timeout=30)
+    assert r.status_code == 403
+    assert httpx.post(base + "/playground/draft", content=b'{"text":"a"}', headers=ok, timeout=30).status_code == 415
+    for bad in ({"text": 1}, {"text": ""}, {"ids": [1]}, {"text": "a", "x": 1}, ["a"], {"text": "word " * 100_000}):
+        r = httpx.post(base + "/playground/draft", json=bad, headers=ok, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("text"), (str(bad)[:40], r.text)
+
+
+def test_draft_is_tokenized_as_the_engine_tokenizes_initial_canvas(server):
+    """Special-token texts stay characters and no BOS is added, as for an initial_canvas text (and unlike
+    /tokenize with add_special_tokens false, which parses them): a request with the text pinned whole returns
+    exactly the ids the page showed."""
+    text = "a <bos> b <|turn> c"
+    got = httpx.post(url(server) + "/playground/draft", json={"text": text}, timeout=30).json()
+    tokenize = {"prompt": text, "add_special_tokens": False}
+    parsed = httpx.post(url(server) + "/tokenize", json=tokenize, timeout=30).json()["tokens"]
+    assert got["ids"] != parsed and len(got["ids"]) > len(parsed)
+    assert "".join(got["pieces"]) == text
+    body = {"prompt": "Once", "max_tokens": 32, "seed": 3, "max_denoising_steps": 4, "ignore_eos": True}
+    ids = _streamed_ids(server, {**body, "initial_canvas": text, "pinned": True})
+    assert ids[: len(got["ids"])] == got["ids"]
 
 
 def test_pieces_are_each_ids_own_text(server):
@@ -123,16 +147,26 @@ def test_pieces_are_each_ids_own_text(server):
 
 def test_streamed_blocks_carry_their_token_ids(server):
     body = {"prompt": "Once", "max_tokens": 40, "seed": 3, "max_denoising_steps": 4}
-    with httpx.stream("POST", url(server) + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-        raw = r.read().decode()
-    blocks = [
-        json.loads(line[6:])["dgserve"]["block"]
-        for line in raw.split("\n")
-        if line.startswith("data: {") and '"block":' in line
-    ]
+    blocks = _streamed_blocks(server, body)
     ids = [t for b in blocks for t in b["token_ids"]]
     assert blocks and all(len(b["token_ids"]) == b["tokens"] for b in blocks)
     whole = httpx.post(url(server) + "/v1/completions", json=body, timeout=60).json()
     assert len(ids) == whole["usage"]["completion_tokens"]
     text = httpx.post(url(server) + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
     assert text == whole["choices"][0]["text"]
+
+
+def _streamed_blocks(server, body: dict) -> list[dict]:
+    """The ``dgserve.block`` objects of the completion streamed."""
+    with httpx.stream("POST", url(server) + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read().decode()
+    return [
+        json.loads(line[6:])["dgserve"]["block"]
+        for line in raw.split("\n")
+        if line.startswith("data: {") and '"block":' in line
+    ]
+
+
+def _streamed_ids(server, body: dict) -> list[int]:
+    return [t for b in _streamed_blocks(server, body) for t in b["token_ids"]]

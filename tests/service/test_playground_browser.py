@@ -5,7 +5,10 @@
 The playground asks for the token, runs a seeded generation with drafts and draws it: the test reads back what it
 drew (data attributes of ``#canvas``) and compares it with the same request made with httpx: every draft frame it
 drew is that request's canvas at that block and step, the committed tokens are the same, and the text is what the
-non-streaming API returns. "Replay" draws the same animation again. The dashboard's numbers move after requests.
+non-streaming API returns. "Replay" draws the same animation again. Started from a draft with pinned ranges
+(clicked and shift-clicked on its token cells), every frame and the output hold the draft's tokens at the pinned
+positions while the others move; a draft too long for the canvases shows the server's 400. The dashboard's
+numbers move after requests.
 No page logs an error (a Content-Security-Policy violation would). Set DGSERVE_PAGE_SHOTS to a folder to keep
 screenshots of both pages there (docs/ holds the ones the README shows).
 """
@@ -23,6 +26,7 @@ import pytest
 import storm
 
 from dgserve.model.default_model import default_model_path
+from dgserve.text.tokenizer import Tokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -196,6 +200,103 @@ def run_and_read_after(driver, button: str) -> dict:
         "committed": json.loads(canvas.get_attribute("data-committed")),
         "text": canvas.get_attribute("data-text"),
     }
+
+
+DRAFT = "The cat sat on the mat. It was a sunny day and"
+DRAFT_REQUEST = {"prompt": "Once upon a time", "max_tokens": 32, "max_denoising_steps": 8, "seed": 7}
+
+
+def open_playground(driver, server) -> None:
+    """The playground with the token already in the tab (the first test types it)."""
+    driver.get(base(server) + "/playground")
+    driver.execute_script("sessionStorage.setItem('dgserve-token', arguments[0])", TOKEN)
+    driver.get(base(server) + "/playground")
+    wait(lambda: driver.find_element("id", "model").text, 30)
+
+
+def pin(driver, first: int, last: int) -> None:
+    """Click draft cell ``first`` and shift-click ``last``: pins [first, last]."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    cell = lambda k: driver.find_element("css selector", f"#draft-cells [data-k='{k}']")  # noqa: E731
+    cell(first).click()
+    ActionChains(driver).key_down(Keys.SHIFT).click(cell(last)).key_up(Keys.SHIFT).perform()
+
+
+def check_pins(page: dict, draft: list[int], pinned: list[int]) -> None:
+    """Every frame and the output hold the draft's token at each pinned position (draft position p is position
+    p mod C of block p div C); some unpinned draft position shows another token in some frame."""
+    C = len(page["log"][0]) - 2
+    moved = 0
+    for block, _step, *ids in page["log"]:
+        for i, tok in enumerate(ids):
+            p = block * C + i
+            if p in pinned:
+                assert tok == draft[p], (block, _step, i)
+            elif p < len(draft) and tok != draft[p]:
+                moved += 1
+    assert moved > 0
+    assert all(page["committed"][p] == draft[p] for p in pinned)
+    assert {b for b, *_ in page["log"]} >= {p // C for p in pinned}
+
+
+def test_playground_starts_from_a_draft_and_pins_stay_put(server, browser):
+    open_playground(browser, server)
+    draft = Tokenizer.from_pretrained(default_model_path()).encode_content(DRAFT)
+    assert len(draft) > 16  # two canvases of the shipped model: the second range is in block 1
+    set_field(browser, "prompt", DRAFT_REQUEST["prompt"])
+    for k in ("max_tokens", "max_denoising_steps", "seed"):
+        set_field(browser, k, DRAFT_REQUEST[k])
+    set_field(browser, "draft", DRAFT)
+    wait(lambda: len(browser.find_elements("css selector", "#draft-cells .draft-token")) == len(draft), 30)
+    pin(browser, 2, 5)
+    pin(browser, 13, 17)
+    ranges = [[2, 6], [13, 18]]
+    assert json.dumps(ranges, separators=(",", ":")) in browser.find_element("id", "pins").text
+    pinned = [p for a, b in ranges for p in range(a, b)]
+    assert len(browser.find_elements("css selector", "#draft-cells .pinned[aria-checked=true]")) == len(pinned)
+
+    page = run_and_read(browser)
+    canvas = browser.find_element("id", "canvas")
+    assert json.loads(canvas.get_attribute("data-pinned")) == pinned
+    assert json.loads(canvas.get_attribute("data-draft")) == draft
+    check_pins(page, draft, pinned)
+    cells = browser.find_elements("css selector", "#canvas .cell.pinned")
+    assert len(cells) == len(pinned) and all("pinned to draft position" in c.get_attribute("title") for c in cells)
+    # the page sent exactly the API request its curl shows: the same frames and tokens over httpx
+    body = {**DRAFT_REQUEST, "initial_canvas": DRAFT, "pinned": ranges}
+    drafts, committed = stream(server, body)
+    check_frames(page, drafts)
+    assert page["committed"] == committed
+    curl = browser.find_element("id", "curl").get_attribute("value")
+    assert '"initial_canvas":"The cat sat' in curl and '"pinned":[[2,6],[13,18]]' in curl
+    replay = run_and_read_after(browser, "replay")
+    assert replay["committed"] == page["committed"]
+    check_pins(replay, draft, pinned)
+
+    # blanks before the draft: sent as ids, the pins shift with their tokens
+    set_field(browser, "blanks", 3)
+    set_field(browser, "max_denoising_steps", 4)
+    page = run_and_read(browser)
+    shifted = [p + 3 for p in pinned]
+    assert json.loads(canvas.get_attribute("data-pinned")) == shifted
+    check_pins(page, [-1] * 3 + draft, shifted)
+    curl = browser.find_element("id", "curl").get_attribute("value")
+    assert '"initial_canvas":[-1,-1,-1,' in curl and '"pinned":[[5,9],[16,21]]' in curl
+    browser.execute_script("window.scrollTo(0, 0)")
+    shots(browser, "playground-draft.png")
+
+    # pin all (no blanks): pinned true; a draft longer than the request's canvases: the server's 400 names the
+    # field, and the page shows it
+    set_field(browser, "blanks", 0)
+    browser.find_element("id", "pin-all").click()
+    set_field(browser, "max_tokens", 8)
+    browser.find_element("id", "run").click()
+    wait(lambda: canvas.get_attribute("data-state") == "error", 30)
+    assert "initial_canvas" in browser.find_element("id", "status").text
+    assert '"pinned":true' in browser.find_element("id", "curl").get_attribute("value")
+    assert not [m for m in errors(browser) if "status of 400" not in m]
 
 
 def test_dashboard_numbers_move_after_requests(server, browser):

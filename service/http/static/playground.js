@@ -7,12 +7,17 @@
 // block's stats (steps, mean entropy, time): the row turns "committed", positions past the tokens it returned
 // (cut by EOS, a stop string or max_tokens) "cut". Token texts come from POST /playground/pieces, once per id.
 // The same request with the same seed gives the same drafts, so "Replay" redraws the same animation.
+// A request may start from a draft (draft.js: initial_canvas and pinned, docs/edit-in-place.md): draft position p
+// is position p mod C of block p div C (C: the canvas length, a draft frame's length), and a pinned position is
+// drawn "pinned" in every frame, with the draft's token in its title.
 "use strict";
 (() => {
   const $ = dg.el;
   const pieces = new Map();  // token id → its text
-  const S = { abort: null, last: null, rows: [], frames: [], committed: [], text: "" };
-  const auth = dg.authUi(loadModel);
+  // last: the last request with its seed and view (its draft and pinned positions), for Replay; C: canvas length
+  const S = { abort: null, last: null, rows: [], frames: [], committed: [], text: "", view: null, C: 0 };
+  const auth = dg.authUi(() => { loadModel(); draft.retry(); });
+  const draft = dgDraft(() => auth.show(dg.token() ? "the token was not accepted" : ""));
 
   const mode = () => document.querySelector("input[name=mode]:checked").value;
   const num = (id) => { const v = $(id).value.trim(); return v === "" ? undefined : Number(v); };
@@ -21,7 +26,19 @@
     for (const e of document.querySelectorAll(".chat-only")) e.disabled = mode() !== "chat";
   }
 
-  // the request body from the form; throws a message for bad JSON fields
+  // the request from the form: {b: its body, view: {draft ids, pinned positions}}; throws a message
+  async function request() {
+    const b = body(), d = await draft.request(), view = { draft: [], positions: [] };
+    if (d) {
+      b.initial_canvas = d.initial_canvas;
+      if (d.pinned !== undefined) b.pinned = d.pinned;
+      Object.assign(view, { draft: d.draft, positions: d.positions });
+      for (const [id, piece] of draft.pieces()) pieces.set(id, piece);
+    }
+    return { b, view };
+  }
+
+  // the request body from the form's prompt and knobs; throws a message for bad JSON fields
   function body() {
     const b = { stream: true, drafts: true };
     const text = $("prompt").value;
@@ -82,11 +99,16 @@
       const c = document.createElement("span");
       r.cells.append(c);
     }
+    const C = S.C || ids.length, base = Number(r.el.dataset.index) * C;
     ids.forEach((id, i) => {
-      const c = r.cells.children[i];
-      c.className = "cell " + state(i, id);
+      const c = r.cells.children[i], p = base + i;
+      const pinned = S.view.pinned.has(p);
+      c.className = "cell " + state(i, id) + (pinned ? " pinned" : "");
       c.textContent = show(pieces.get(id), id);
       c.title = "position " + i + ", token " + id;
+      const want = S.view.draft[p];
+      if (pinned) c.title += ": pinned to draft position " + p + ", token " + want + " " + show(pieces.get(want), want);
+      c.setAttribute("aria-label", c.title);
     });
   }
 
@@ -106,6 +128,7 @@
   async function onDraft(d) {
     await learn(d.token_ids);
     const r = row(d.block_index), prev = r.ids;
+    S.C = S.C || d.token_ids.length;
     paint(r, d.token_ids, (i, id) => (prev === null ? "noise" : prev[i] === id ? "settled" : "moving"));
     r.ids = d.token_ids;
     r.steps = d.step;
@@ -137,11 +160,13 @@
 
   // ------------------------------------------------------------------ the request
 
-  async function run(b) {
-    S.rows = []; S.frames = []; S.committed = []; S.text = "";
+  async function run(b, view) {
+    S.rows = []; S.frames = []; S.committed = []; S.text = ""; S.C = 0;
+    S.view = { draft: view.draft, pinned: new Set(view.positions) };
     $("canvas").replaceChildren();
     $("text").textContent = "";
-    Object.assign($("canvas").dataset, { state: "running", frames: 0, frameLog: "", committed: "", text: "", seed: "" });
+    Object.assign($("canvas").dataset, { state: "running", frames: 0, frameLog: "", committed: "", text: "", seed: "",
+      draft: JSON.stringify(view.draft), pinned: JSON.stringify(view.positions) });
     $("curl").value = curl(b);
     busy(true);
     status("running…");
@@ -153,8 +178,8 @@
       if (r.status === 401) auth.show("the token was not accepted");
       if (!r.ok) throw await dg.error(r);
       const seed = Number(r.headers.get("X-Dgserve-Seed"));
-      S.last = Object.assign({}, b, { seed });  // replay: the same request with the seed it ran with
-      $("curl").value = curl(S.last);
+      S.last = { b: Object.assign({}, b, { seed }), view };  // replay: the same request with the seed it ran with
+      $("curl").value = curl(S.last.b);
       $("canvas").dataset.seed = seed;
       await read(r.body);
       Object.assign($("canvas").dataset, {  // what was drawn, for a test to read back
@@ -222,13 +247,14 @@
     }
   }
 
-  $("form").addEventListener("submit", (ev) => {
+  $("form").addEventListener("submit", async (ev) => {
     ev.preventDefault();
-    let b;
-    try { b = body(); } catch (e) { return status(String(e), true); }
-    run(b);
+    let req;
+    $("run").disabled = true;  // (while the draft's tokens are fetched)
+    try { req = await request(); } catch (e) { $("run").disabled = false; return status(e.message || String(e), true); }
+    run(req.b, req.view);
   });
-  $("replay").addEventListener("click", () => S.last && run(S.last));
+  $("replay").addEventListener("click", () => S.last && run(S.last.b, S.last.view));
   $("stop").addEventListener("click", () => S.abort && S.abort.abort());
   $("copy").addEventListener("click", () => navigator.clipboard.writeText($("curl").value));
   for (const r of document.querySelectorAll("input[name=mode]")) r.addEventListener("change", setMode);
