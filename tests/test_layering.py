@@ -184,7 +184,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.site",
                 "dgserve.service.http.choices",
             ),
-            ("dgserve.service.http.sse", "dgserve.service.http.responses_input", "dgserve.service.http.messages_input"),
+            (
+                "dgserve.service.http.sse",
+                "dgserve.service.http.responses_input",
+                "dgserve.service.http.messages_input",
+                "dgserve.service.http.event_encoder",  # the output-item state machine of the agent doors
+            ),
             (
                 "dgserve.service.servicer",
                 "dgserve.service.http.generate",
