@@ -68,6 +68,23 @@ def hf_model_loader():
     return load
 
 
+@pytest.fixture(scope="module")
+def parity_twins(tiny_checkpoint, hf_model_loader):
+    """parity_twins(variant) -> (transformers model, our Engine) over the same tiny fp32 checkpoint (built once per
+    module and variant): the two sides of a seeded parity test (tests/hf_reference.py)."""
+    from dgserve import Engine
+
+    made: dict[str, tuple] = {}
+
+    def get(variant: str = "base"):
+        if variant not in made:
+            path = tiny_checkpoint(variant)
+            made[variant] = (hf_model_loader(path, torch.float32, attn="sdpa"), Engine.from_pretrained(path))
+        return made[variant]
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     """`cuda`-marked tests need a CUDA device: skipped with a reason on a machine without one."""
     if torch.cuda.is_available():

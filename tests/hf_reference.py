@@ -23,7 +23,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as gen
 
 from dgserve.ops import reference
-from dgserve.sampling_params import to_signed64
+from dgserve.sampling_params import SamplingParams, to_signed64
 
 # What another implementation may differ by, per decision of a denoising step (the bounds the margins are
 # measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):
@@ -229,3 +229,40 @@ def hf_generate(
     if margins is not None:
         margins.end_block(stability_threshold)
     return out.sequences[0, prompt.shape[1] :].tolist(), float(out.tokens_per_forward[0])
+
+
+# ---------------------------------------------------------------------------------------------- parity cases
+
+# A parity case: (max_new_tokens, steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold).
+Case = tuple[int, int, float, float, float, int, float]
+
+
+def _case_knobs(case: Case) -> dict:
+    """The case as hf_generate's keyword arguments."""
+    max_new, steps, t_min, t_max, beta, S, tau = case
+    return dict(
+        max_new_tokens=max_new,
+        steps=steps,
+        t_min=t_min,
+        t_max=t_max,
+        entropy_bound=beta,
+        stability_threshold=S,
+        confidence_threshold=tau,
+    )
+
+
+def case_params(case: Case, seed: int, **kw) -> SamplingParams:
+    """Our SamplingParams for the case (``kw``: further knobs, e.g. ignore_eos)."""
+    knobs = _case_knobs(case)
+    knobs["max_denoising_steps"] = knobs.pop("steps")
+    return SamplingParams(**knobs, seed=seed, **kw)
+
+
+def clear_reference(model, prompt_ids, seed: int, case: Case, **kw):
+    """hf_generate for the case (``kw``: its other arguments: eos_ids, pad_id, decoder_input_ids, ...), asserting
+    the run stays clear of near-ties, where exact tokens are not promised (docs/exactness.md, "Near-ties");
+    returns what hf_generate returns."""
+    margins = Margins()
+    out = hf_generate(model, prompt_ids, seed, **_case_knobs(case), margins=margins, **kw)
+    assert margins.worst() > 1, f"seed {seed} case {case} prompt {list(prompt_ids)}: near-tie {margins}"
+    return out

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import Margins, hf_generate
+from hf_reference import case_params, clear_reference
 
-from dgserve import Engine, SamplingParams
 from dgserve.engine.prompt import Submission
 
 # (max_new_tokens, steps, t_min, t_max, entropy_bound, stability, confidence), as tests/test_generation_parity.py.
@@ -22,47 +21,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def models(tiny_checkpoint, hf_model_loader):
-    path = tiny_checkpoint("base")
-    return hf_model_loader(path, torch.float32, attn="sdpa"), Engine.from_pretrained(path)
-
-
-def _params(case, seed) -> SamplingParams:
-    max_new, steps, t_min, t_max, beta, S, tau = case
-    return SamplingParams(
-        max_new_tokens=max_new,
-        max_denoising_steps=steps,
-        t_min=t_min,
-        t_max=t_max,
-        entropy_bound=beta,
-        stability_threshold=S,
-        confidence_threshold=tau,
-        seed=seed,
-    )
-
-
-def _reference(hf, prompt, draft, seed, case):
-    max_new, steps, t_min, t_max, beta, S, tau = case
-    margins = Margins()
-    ref, _ = hf_generate(
-        hf,
-        prompt,
-        seed,
-        max_new_tokens=max_new,
-        steps=steps,
-        t_min=t_min,
-        t_max=t_max,
-        entropy_bound=beta,
-        stability_threshold=S,
-        confidence_threshold=tau,
-        margins=margins,
-        decoder_input_ids=draft,
-    )
-    assert margins.worst() > 1, f"seed {seed} case {case}: near-tie {margins}"
-    return ref
-
-
 def _fixtures(engine, n):
     V, C = engine.model.config.vocab_size, engine.model.config.canvas_length
     g = torch.Generator().manual_seed(43)
@@ -72,33 +30,33 @@ def _fixtures(engine, n):
 
 
 @pytest.mark.parametrize("ci", range(len(CASES)))
-def test_draft_matches_generate_with_decoder_input_ids(models, ci):
-    hf, engine = models
+def test_draft_matches_generate_with_decoder_input_ids(parity_twins, ci):
+    hf, engine = parity_twins("base")
     case = CASES[ci]
     changed = 0
     for prompt, draft, seed in _fixtures(engine, 3):
-        ref = _reference(hf, prompt, draft, seed, case)
-        got = _run(engine, [engine.make_request(Submission(prompt, _params(case, seed), initial_canvas=draft))])[0]
+        ref = clear_reference(hf, prompt, seed, case, decoder_input_ids=draft)[0]
+        got = _run(engine, [engine.make_request(Submission(prompt, case_params(case, seed), initial_canvas=draft))])[0]
         assert got == ref[: len(got)], f"seed {seed} case {case}"
-        changed += engine.generate(prompt, _params(case, seed)).token_ids != got
+        changed += engine.generate(prompt, case_params(case, seed)).token_ids != got
     assert changed, "the draft was meant to change the tokens (the same seed from noise gives others)"
 
 
-def test_draft_batched_with_noise_requests_matches_alone(models):
+def test_draft_batched_with_noise_requests_matches_alone(parity_twins):
     """Drafted requests batched with requests that start from noise (and each other) give their solo tokens, which
     are transformers' own."""
-    hf, engine = models
+    hf, engine = parity_twins("base")
     case = CASES[0]
     fixtures = list(_fixtures(engine, 3))
-    refs = [_reference(hf, p, d, s, case) for p, d, s in fixtures]
+    refs = [clear_reference(hf, p, s, case, decoder_input_ids=d)[0] for p, d, s in fixtures]
     reqs = []
     for (p, d, s), _ in zip(fixtures, refs, strict=True):
-        reqs.append(engine.make_request(Submission(p, _params(case, s), initial_canvas=d)))
-        reqs.append(engine.make_request(Submission(p, _params(case, s + 1))))
+        reqs.append(engine.make_request(Submission(p, case_params(case, s), initial_canvas=d)))
+        reqs.append(engine.make_request(Submission(p, case_params(case, s + 1))))
     got = _run(engine, reqs)
     for i, ref in enumerate(refs):
         assert got[2 * i] == ref[: len(got[2 * i])]
-        assert got[2 * i + 1] == engine.generate(fixtures[i][0], _params(case, fixtures[i][2] + 1)).token_ids
+        assert got[2 * i + 1] == engine.generate(fixtures[i][0], case_params(case, fixtures[i][2] + 1)).token_ids
 
 
 def _run(engine, reqs):

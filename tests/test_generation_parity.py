@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import Margins, hf_generate
-
-from dgserve import Engine, SamplingParams
+from hf_reference import case_params, clear_reference
 
 # (max_new_tokens, steps, t_min, t_max, entropy_bound, stability, confidence): defaults, non-multiples of C,
 # wide acceptance, and adaptive stopping that triggers. A random tiny model is near-uniform (entropy ≈ ln V),
@@ -34,47 +32,13 @@ EARLY = {3, 4, 5}  # indices of CASES where some block must stop before its step
 PROMPT_SALT = {0: 4}
 
 
-@pytest.fixture(scope="module")
-def models(tiny_checkpoint, hf_model_loader):
-    out = {}
-    for variant in ("base", "wide"):
-        path = tiny_checkpoint(variant)
-        out[variant] = (hf_model_loader(path, torch.float32, attn="sdpa"), Engine.from_pretrained(path))
-    return out
-
-
 def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
-    max_new, steps, t_min, t_max, beta, S, tau = case
-    margins = Margins()
-    ref, ref_tpf = hf_generate(
-        hf,
-        prompt,
-        seed,
-        max_new_tokens=max_new,
-        steps=steps,
-        t_min=t_min,
-        t_max=t_max,
-        entropy_bound=beta,
-        stability_threshold=S,
-        confidence_threshold=tau,
-        eos_ids=None if ignore_eos else eos_ids,
-        pad_id=None if ignore_eos else 0,
-        margins=margins,
+    max_new = case[0]
+    # the fixture must stay clear of near-ties, or exact tokens are not promised (clear_reference asserts it)
+    ref, ref_tpf = clear_reference(
+        hf, prompt, seed, case, eos_ids=None if ignore_eos else eos_ids, pad_id=None if ignore_eos else 0
     )
-    # the fixture must stay clear of near-ties, or exact tokens are not promised (docs/exactness.md, "Near-ties")
-    assert margins.worst() > 1, f"seed {seed} case {case} prompt {prompt}: near-tie {margins}"
-    params = SamplingParams(
-        max_new_tokens=max_new,
-        max_denoising_steps=steps,
-        t_min=t_min,
-        t_max=t_max,
-        entropy_bound=beta,
-        stability_threshold=S,
-        confidence_threshold=tau,
-        seed=seed,
-        ignore_eos=ignore_eos,
-    )
-    res = engine.generate(prompt, params)
+    res = engine.generate(prompt, case_params(case, seed, ignore_eos=ignore_eos))
     assert res.seed == seed
     assert res.token_ids == ref[: len(res.token_ids)], f"seed {seed} case {case}"
     C = engine.model.config.canvas_length
@@ -93,9 +57,9 @@ def _check(hf, engine, prompt, seed, case, eos_ids=(1,), ignore_eos=False):
 
 @pytest.mark.parametrize("ci", range(len(CASES)))
 @pytest.mark.parametrize("variant", ["base", "wide"])
-def test_engine_matches_transformers_generate(models, variant, ci):
+def test_engine_matches_transformers_generate(parity_twins, variant, ci):
     case = CASES[ci]
-    hf, engine = models[variant]
+    hf, engine = parity_twins(variant)
     V = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(hash(case) % 1000 + PROMPT_SALT.get(ci, 0))
     early = 0
@@ -107,15 +71,15 @@ def test_engine_matches_transformers_generate(models, variant, ci):
         assert early, "adaptive stopping was meant to trigger in this case"
 
 
-def test_ignore_eos_matches_transformers_without_eos(models):
-    hf, engine = models["base"]
+def test_ignore_eos_matches_transformers_without_eos(parity_twins):
+    hf, engine = parity_twins("base")
     for seed in range(3):
         res = _check(hf, engine, [5, 6, 7, 8], seed, (64, 6, 0.4, 0.8, 0.1, 1, 0.005), ignore_eos=True)
         assert len(res.token_ids) == 64
 
 
-def test_several_eos_ids(models):
-    hf, engine = models["base"]
+def test_several_eos_ids(parity_twins):
+    hf, engine = parity_twins("base")
     engine_eos = engine.eos_ids
     try:
         engine.eos_ids = frozenset({1, 5, 7})
@@ -126,21 +90,21 @@ def test_several_eos_ids(models):
 
 
 @pytest.mark.parametrize("ci", [0, 3])
-def test_engine_matches_transformers_without_native_ops(models, ci):
+def test_engine_matches_transformers_without_native_ops(parity_twins, ci):
     """The same parity through the PyTorch reference ops only (dgserve._C disabled)."""
     from dgserve import ops
 
-    hf, engine = models["base"]
+    hf, engine = parity_twins("base")
     with ops.native_disabled():
         assert not ops.has_native("diffusion_step")
         for seed in (0, 7):
             _check(hf, engine, [3, 4, 5, 6, 7], seed, CASES[ci])
 
 
-def test_native_and_reference_paths_give_the_same_tokens(models):
+def test_native_and_reference_paths_give_the_same_tokens(parity_twins):
     from dgserve import SamplingParams, ops
 
-    _, engine = models["wide"]
+    _, engine = parity_twins("wide")
     for seed in range(3):
         p = SamplingParams(max_new_tokens=24, max_denoising_steps=6, seed=seed, ignore_eos=True)
         native = engine.generate([5, 6, 7], p).token_ids

@@ -146,7 +146,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.memory_room",
             ),
             ("dgserve.engine.request",),  # the one per-request record
-            ("dgserve.engine.scheduler", "dgserve.engine.sampler", "dgserve.engine.prompt"),
+            (
+                "dgserve.engine.scheduler",
+                "dgserve.engine.sampler",
+                "dgserve.engine.prompt",
+                "dgserve.engine.canvas_draft",  # a request's starting canvas and pins, checked (docs/edit-in-place.md)
+            ),
             ("dgserve.engine.model_runner",),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),
@@ -184,7 +189,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.site",
                 "dgserve.service.http.choices",
             ),
-            ("dgserve.service.http.sse", "dgserve.service.http.responses_input", "dgserve.service.http.messages_input"),
+            (
+                "dgserve.service.http.sse",
+                "dgserve.service.http.responses_input",
+                "dgserve.service.http.messages_input",
+                "dgserve.service.http.event_encoder",  # the output-item state machine of the agent doors
+            ),
             (
                 "dgserve.service.servicer",
                 "dgserve.service.http.generate",

@@ -233,6 +233,34 @@ def test_conversation_copy_has_object_arguments_and_leaves_the_callers_alone():
     assert validate_messages(msgs)[0]["tool_calls"][0]["function"]["arguments"] == {"k": 1}
 
 
+def test_history_arguments_text_is_read_once(monkeypatch):
+    """The object the bounded reader made from a call's arguments text is kept as is: the text never goes through
+    the conversation copy's json round trip again. Arguments given as an object are copied (the caller's own
+    object is not handed to the template)."""
+    dumped: list[str] = []
+    real_dumps = json.dumps
+
+    def recording_dumps(value, *args, **kw):
+        dumped.append(real_dumps(value, *args, **kw))
+        return dumped[-1]
+
+    given = {"k": [1, 2]}
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": '{"mark":"q7"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "r"},
+        {"role": "assistant", "tool_calls": [{"id": "b", "function": {"name": "f", "arguments": given}}]},
+    ]
+    monkeypatch.setattr(json, "dumps", recording_dumps)
+    plain = validate_messages(msgs)
+    monkeypatch.undo()
+    assert plain[1]["tool_calls"][0]["function"]["arguments"] == {"mark": "q7"}
+    assert dumped and not any("q7" in text for text in dumped)  # the text was read by the reader alone
+    assert plain[3]["tool_calls"][0]["function"]["arguments"] == given
+    assert plain[3]["tool_calls"][0]["function"]["arguments"] is not given
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"mark":"q7"}'  # the caller's untouched
+
+
 # ---------------------------------------------------------------------- the prompt
 
 EXPECTED = (

@@ -40,7 +40,7 @@ from dgserve import __version__
 from .. import errors
 from . import messages_api, playground, responses_api, tokens
 from .access_log import AccessLog
-from .errors import HttpError, anthropic_error_response, error_response
+from .errors import HttpError, anthropic_error_response, error_response, error_response_for
 from .gate import Gate
 from .generate import generate
 from .site import HostPolicy, OriginPolicy, SiteGuard
@@ -66,13 +66,11 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool 
     async def _http_error(request: Request, exc: StarletteHTTPException):
         reason = _HTTP_REASONS.get(exc.status_code, "INVALID_ARGUMENT")
         error = HttpError(reason, f"{request.method} {errors.clip(request.url.path)}: {exc.detail}")
-        if request.url.path.startswith("/v1/messages"):
-            return anthropic_error_response(error)
-        return error_response(error)
+        return error_response_for(request.url.path, error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(HttpError("INVALID_ARGUMENT", f"body: {exc.errors()[:1]}"))
+        return error_response_for(request.url.path, HttpError("INVALID_ARGUMENT", f"body: {exc.errors()[:1]}"))
 
     @app.get("/v1/health/live")
     async def live():

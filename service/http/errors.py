@@ -93,12 +93,14 @@ ANTHROPIC_TYPES = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",  # a body that is not JSON (the site guard's rule for a browser's simple POST)
     429: "rate_limit_error",
     503: "overloaded_error",
     529: "overloaded_error",
 }
 # reasons whose status differs on the Messages routes: a full queue is Anthropic's "overloaded" (529)
 ANTHROPIC_STATUS = {"OVERLOADED": 529}
+MESSAGES_PATH = "/v1/messages"  # the Messages routes (and any path under this prefix) answer in Anthropic's shape
 
 
 def anthropic_error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
@@ -115,3 +117,11 @@ def anthropic_error_response(exc: BaseException) -> JSONResponse:
     """The Anthropic error response for an exception (``anthropic_error_body``)."""
     status, body, headers = anthropic_error_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response_for(path: str, exc: BaseException) -> JSONResponse:
+    """The error response of a failure on ``path`` that no route's own handler answered (the site guard, an
+    unknown route or method): Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
+    if path.startswith(MESSAGES_PATH):
+        return anthropic_error_response(exc)
+    return error_response(exc)

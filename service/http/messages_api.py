@@ -23,13 +23,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
-from dgserve.structured.tool_parser import ToolCallDelta
+from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
 from .. import events
 from ..images import read_images, with_images
 from . import sse
 from .body import read_json
 from .errors import anthropic_error_body
+from .event_encoder import CALL, REASONING, TEXT, ItemEncoder, timing
 from .gate import Gate
 from .generate import read_all
 from .messages_input import count_request, messages_request
@@ -81,77 +82,48 @@ async def count_tokens(gate: Gate, request: Request) -> Response:
 # ---------------------------------------------------------------------------------------------- the message
 
 
-class MessageOutput:
+class MessageOutput(ItemEncoder[tuple[str, dict]]):
     """A message being made: its content blocks, built from the request's events in the order the output made
-    them, and the stream events that build them (``add`` returns them as (event name, data) pairs)."""
+    them (``event_encoder.ItemEncoder``; ``items`` are the blocks), and the stream events that build them
+    (``add`` returns them as (event name, data) pairs)."""
 
     def __init__(self, model: str, request_id: str, seed: int, prompt_tokens: int):
+        super().__init__()
         self.model, self.request_id, self.seed, self.prompt_tokens = model, request_id, seed, prompt_tokens
         self.id = "msg_" + secrets.token_hex(12)
-        self.blocks: list[dict] = []
-        self._open: dict | None = None  # the block being written (the last of blocks)
         self._args: dict[int, str] = {}  # a tool_use block's arguments as streamed, by block index
-        self.finished: events.FinishEvent | None = None
 
-    def add(self, e: events.Event) -> list[tuple[str, dict]]:
-        if not isinstance(e, (events.BlockEvent, events.FinishEvent)):
-            return []
-        out: list[tuple[str, dict]] = []
-        if e.reasoning:
-            out += self._text("thinking", e.reasoning)
-        if e.content:
-            out += self._text("text", e.content)
-        for d in e.call_deltas:
-            out += self._call(d)
-        if isinstance(e, events.FinishEvent):
-            out += self._close()
-            self.finished = e
-            calls = {_tool_use_id(c.id): c for c in e.calls}
-            for block in self.blocks:  # every call whole, as the parser read it
-                if block["type"] == "tool_use" and block["id"] in calls:
-                    block["input"] = json.loads(calls[block["id"]].arguments)
-        return out
+    # ------------------------------------------------------------------ content blocks: the wire shapes
 
-    def _text(self, kind: str, text: str) -> list[tuple[str, dict]]:
-        out = [] if self._open is not None and self._open["type"] == kind else self._close() + self._start(kind)
-        assert self._open is not None
-        self._open[kind] += text
-        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", kind: text}
-        return out + [_delta(len(self.blocks) - 1, delta)]
-
-    def _call(self, d: ToolCallDelta) -> list[tuple[str, dict]]:
-        out = []
-        if d.id is not None:  # a new call
-            out += self._close() + self._start("tool_use", d)
-        if self._open is None or self._open["type"] != "tool_use" or not d.arguments:
-            return out
-        index = len(self.blocks) - 1
-        self._args[index] += d.arguments
-        return out + [_delta(index, {"type": "input_json_delta", "partial_json": d.arguments})]
-
-    def _start(self, kind: str, call: ToolCallDelta | None = None) -> list[tuple[str, dict]]:
+    def start_item(self, kind: str, index: int, call: ToolCallDelta | None) -> tuple[dict, list[tuple[str, dict]]]:
         block: dict
-        if kind == "tool_use":
+        if kind == CALL:
             assert call is not None and call.id is not None
             block = {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name or "", "input": {}}
-            self._args[len(self.blocks)] = ""
-        elif kind == "thinking":
+            self._args[index] = ""
+        elif kind == REASONING:
             block = {"type": "thinking", "thinking": "", "signature": ""}
         else:
             block = {"type": "text", "text": ""}
-        self.blocks.append(block)
-        self._open = block
-        start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}
-        return [("content_block_start", start)]
+        start = {"type": "content_block_start", "index": index, "content_block": dict(block)}
+        return block, [("content_block_start", start)]
 
-    def _close(self) -> list[tuple[str, dict]]:
-        block, self._open = self._open, None
-        if block is None:
-            return []
-        index = len(self.blocks) - 1
-        if block["type"] == "tool_use" and self._args[index]:
-            block["input"] = json.loads(self._args[index])
+    def text_delta(self, kind: str, index: int, item: dict, text: str) -> list[tuple[str, dict]]:
+        key = "text" if kind == TEXT else "thinking"
+        item[key] += text
+        return [_delta(index, {"type": f"{key}_delta", key: text})]
+
+    def arguments_delta(self, index: int, item: dict, arguments: str) -> list[tuple[str, dict]]:
+        self._args[index] += arguments
+        return [_delta(index, {"type": "input_json_delta", "partial_json": arguments})]
+
+    def end_item(self, kind: str, index: int, item: dict) -> list[tuple[str, dict]]:
+        if kind == CALL and self._args[index]:
+            item["input"] = json.loads(self._args[index])
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def whole_call(self, item: dict, call: ToolCall) -> None:
+        item["input"] = json.loads(call.arguments)
 
     # ------------------------------------------------------------------ the message object
 
@@ -186,11 +158,11 @@ class MessageOutput:
             "type": "message",
             "role": "assistant",
             "model": self.model,
-            "content": [dict(b) for b in self.blocks] if self.finished is not None else [],
+            "content": [dict(b) for b in self.items] if self.finished is not None else [],
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": self.usage(),
-            "dgserve": {"request_id": self.request_id, "seed": self.seed, **_timing(self.finished)},
+            "dgserve": {"request_id": self.request_id, "seed": self.seed, **timing(self.finished)},
         }
 
     def message_delta(self) -> dict:
@@ -209,18 +181,6 @@ def _tool_use_id(call_id: str) -> str:
 
 def _delta(index: int, delta: dict) -> tuple[str, dict]:
     return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-
-
-def _timing(f: events.FinishEvent | None) -> dict:
-    if f is None:
-        return {}
-    t = f.timing
-    return {
-        "denoising_steps": f.usage.denoising_steps,
-        "queue_ms": round(t.queue_ms, 3),
-        "first_block_ms": round(t.first_block_ms, 3),
-        "total_ms": round(t.total_ms, 3),
-    }
 
 
 # ---------------------------------------------------------------------------------------------- streaming

@@ -21,13 +21,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH
-from dgserve.structured.tool_parser import ToolCallDelta
+from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
 from .. import events
 from ..images import with_images
 from . import sse
 from .body import read_json
 from .errors import HttpError, error_body
+from .event_encoder import CALL, TEXT, ItemEncoder, timing
 from .gate import Gate
 from .generate import read_all
 from .responses_input import ResponsesCall, responses_request
@@ -84,111 +85,73 @@ def _not_found(rid: str) -> HttpError:
 # ---------------------------------------------------------------------------------------------- the response
 
 
-class ResponseOutput:
+class ResponseOutput(ItemEncoder[dict]):
     """A response being made: its output items, built from the request's events in the order the output made
-    them, and the streaming events that build them (``add`` returns those)."""
+    them (``event_encoder.ItemEncoder``), and the streaming events that build them (``add`` returns those)."""
 
     def __init__(self, rc: ResponsesCall, model: str, request_id: str, seed: int):
+        super().__init__()
         self.rc, self.model, self.request_id, self.seed = rc, model, request_id, seed
         self.key = secrets.token_hex(12)
         self.id = "resp_" + self.key
         self.created_at = int(time.time())
-        self.items: list[dict] = []
-        self._open: dict | None = None  # the item being written (the last of items)
-        self.finished: events.FinishEvent | None = None
         self.transcript = events.Transcript()
 
-    # ------------------------------------------------------------------ items
+    # ------------------------------------------------------------------ items: the wire shapes
 
-    def add(self, e: events.Event) -> list[dict]:
-        """The stream events (without sequence numbers) that a request event makes."""
-        if not isinstance(e, (events.BlockEvent, events.FinishEvent)):
-            return []
+    def observe(self, e: events.BlockEvent | events.FinishEvent) -> None:
         self.transcript.add(e)
-        out: list[dict] = []
-        if e.reasoning:
-            out += self._text("reasoning", e.reasoning)
-        if e.content:
-            out += self._text("message", e.content)
-        for d in e.call_deltas:
-            out += self._call(d)
-        if isinstance(e, events.FinishEvent):
-            out += self._close()
-            self.finished = e
-            calls = {c.id: c for c in e.calls}
-            for item in self.items:  # every call whole, as the parser read it
-                if item["type"] == "function_call" and item["call_id"] in calls:
-                    item["arguments"] = calls[item["call_id"]].arguments
-        return out
 
-    def _text(self, kind: str, text: str) -> list[dict]:
-        out = [] if self._is_open(kind) else self._close() + self._open_item(kind)
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        delta = {"type": name, **self._where(), "content_index": 0, "delta": text}
-        if kind == "message":
-            delta["logprobs"] = []
-        return out + [delta]
-
-    def _call(self, d: ToolCallDelta) -> list[dict]:
-        out = []
-        if d.id is not None:  # a new call
-            out += self._close() + self._open_item("function_call", d)
-        item = self._open
-        if item is None or item["type"] != "function_call" or not d.arguments:
-            return out
-        item["arguments"] += d.arguments
-        return out + [{"type": "response.function_call_arguments.delta", **self._where(), "delta": d.arguments}]
-
-    def _is_open(self, kind: str) -> bool:
-        return self._open is not None and self._open["type"] == kind
-
-    def _where(self) -> dict:
-        assert self._open is not None
-        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
-
-    def _open_item(self, kind: str, call: ToolCallDelta | None = None) -> list[dict]:
-        index = len(self.items)
+    def start_item(self, kind: str, index: int, call: ToolCallDelta | None) -> tuple[dict, list[dict]]:
         item: dict
-        if kind == "function_call":
+        if kind == CALL:
             assert call is not None and call.id is not None
-            item = {"type": kind, "id": f"fc_{self.key}{index}", "call_id": call.id, "name": call.name or ""}
-            item |= {"arguments": "", "status": "in_progress"}
-        elif kind == "message":
-            item = {"type": kind, "id": f"msg_{self.key}{index}", "status": "in_progress", "role": "assistant"}
+            item = {"type": "function_call", "id": f"fc_{self.key}{index}", "call_id": call.id}
+            item |= {"name": call.name or "", "arguments": "", "status": "in_progress"}
+            return item, [_added(index, item)]
+        if kind == TEXT:
+            item = {"type": "message", "id": f"msg_{self.key}{index}", "status": "in_progress", "role": "assistant"}
             item["content"] = []
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"type": kind, "id": f"rs_{self.key}{index}", "summary": [], "content": [], "status": "in_progress"}
-        self.items.append(item)
-        self._open = item
-        out = [{"type": "response.output_item.added", "output_index": index, "item": _copy(item)}]
-        if kind == "function_call":
-            return out
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        if kind == "reasoning":
+            item = {"type": "reasoning", "id": f"rs_{self.key}{index}", "summary": [], "content": []}
+            item["status"] = "in_progress"
             part = {"type": "reasoning_text", "text": ""}
+        out = [_added(index, item)]
         item["content"].append(part)
-        return out + [{"type": "response.content_part.added", **self._where(), "content_index": 0, "part": dict(part)}]
+        where = {"item_id": item["id"], "output_index": index}
+        return item, out + [{"type": "response.content_part.added", **where, "content_index": 0, "part": dict(part)}]
 
-    def _close(self) -> list[dict]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
+    def text_delta(self, kind: str, index: int, item: dict, text: str) -> list[dict]:
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == TEXT else "response.reasoning_text.delta"
+        delta = {"type": name, "item_id": item["id"], "output_index": index, "content_index": 0, "delta": text}
+        if kind == TEXT:
+            delta["logprobs"] = []
+        return [delta]
+
+    def arguments_delta(self, index: int, item: dict, arguments: str) -> list[dict]:
+        item["arguments"] += arguments
+        where = {"item_id": item["id"], "output_index": index}
+        return [{"type": "response.function_call_arguments.delta", **where, "delta": arguments}]
+
+    def end_item(self, kind: str, index: int, item: dict) -> list[dict]:
         item["status"] = "completed"
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        if item["type"] == "function_call":
+        where = {"item_id": item["id"], "output_index": index}
+        if kind == CALL:
             name = "response.function_call_arguments.done"
             out = [{"type": name, **where, "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
-            name = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            name = "response.output_text.done" if kind == TEXT else "response.reasoning_text.done"
             done = {"type": name, **where, "content_index": 0, "text": part["text"]}
-            if item["type"] == "message":
+            if kind == TEXT:
                 done["logprobs"] = []
             out = [done, {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
-        return out + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(item)}]
+        return out + [{"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
+
+    def whole_call(self, item: dict, call: ToolCall) -> None:
+        item["arguments"] = call.arguments
 
     # ------------------------------------------------------------------ the response object
 
@@ -210,7 +173,7 @@ class ResponseOutput:
             "output": [_copy(item) for item in self.items] if f is not None else [],
             **self.rc.echo,
             "usage": None if f is None else usage(f.usage),
-            "dgserve": {"request_id": self.request_id, "seed": self.seed, **_timing(f)},
+            "dgserve": {"request_id": self.request_id, "seed": self.seed, **timing(f)},
         }
 
     def finish(self, gate: Gate, owner: str | None) -> dict:
@@ -242,16 +205,8 @@ def usage(u: events.Usage) -> dict:
     }
 
 
-def _timing(f: events.FinishEvent | None) -> dict:
-    if f is None:
-        return {}
-    t = f.timing
-    return {
-        "denoising_steps": f.usage.denoising_steps,
-        "queue_ms": round(t.queue_ms, 3),
-        "first_block_ms": round(t.first_block_ms, 3),
-        "total_ms": round(t.total_ms, 3),
-    }
+def _added(index: int, item: dict) -> dict:
+    return {"type": "response.output_item.added", "output_index": index, "item": _copy(item)}
 
 
 def _copy(item: dict) -> dict:

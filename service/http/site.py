@@ -14,6 +14,9 @@ resolves to this machine) the page can even read the answer. So, before any work
   (``--allowed-origins``: ``scheme://host[:port]`` each, or ``*``). Else 403, with no CORS headers. Allowed
   origins get Starlette's CORSMiddleware (preflights answered, ``Access-Control-Allow-Origin`` on answers).
 
+A refusal is the door's own error object: Anthropic's on the Messages routes, OpenAI's elsewhere
+(``errors.error_response_for``).
+
 JSON routes also take only ``application/json`` bodies (``body.check_content_type``), so a form or text/plain
 POST is a 415 even from a page whose origin is allowed.
 """
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 
-from .errors import HttpError, error_response
+from .errors import HttpError, error_response_for
 
 ANY = "*"
 LOCAL_NAMES = ("localhost",)
@@ -143,7 +146,7 @@ class SiteGuard:
                 param="Origin",
             )
         if refusal is not None:
-            response = error_response(refusal)
+            response = error_response_for(scope["path"], refusal)  # the door's own error shape
             if refusal.reason == "HOST_NOT_ALLOWED":  # (a missing Host too): not our client; no keep-alive
                 response.headers["Connection"] = "close"
             return await response(scope, receive, send)

@@ -1,4 +1,5 @@
-"""Fixtures: one shared server over a tiny random checkpoint with a BPE tokenizer, stubs, a local engine."""
+"""Fixtures: one shared server over a tiny random checkpoint with a BPE tokenizer, stubs, its HTTP URL and the
+official openai and anthropic clients on it, a local engine."""
 
 from __future__ import annotations
 
@@ -21,6 +22,30 @@ def server(model_dir):
     s = ServerThread(base_config(model_dir))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def url(server) -> str:
+    """The shared server's HTTP base URL."""
+    return server.http_url
+
+
+@pytest.fixture(scope="session")
+def openai_client(url):
+    """The official openai client on the shared server (no retries: a test sees every answer)."""
+    import openai
+
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def anthropic_client(url):
+    """The official anthropic client on the shared server (no retries)."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

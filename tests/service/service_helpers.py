@@ -4,11 +4,13 @@ thread, and request builders."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -69,6 +71,11 @@ class ServerThread:
     def engine(self):
         return self.server.state.engine
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP door's base URL (no trailing slash, no /v1)."""
+        return f"http://127.0.0.1:{self.server.http_port}"
+
     def stop(self, grace: float = 0) -> None:
         try:
             self.call(lambda: self.server.drain(grace))
@@ -90,6 +97,23 @@ def base_config(model_dir, **kw) -> ServiceConfig:
     )
     base.update(kw)
     return ServiceConfig(**base)
+
+
+@contextlib.contextmanager
+def running(config: ServiceConfig) -> Iterator[ServerThread]:
+    """A server of its own for the with block, stopped at its end."""
+    s = ServerThread(config)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def auth_config(model_dir, directory: pathlib.Path, tokens: tuple[str, ...], **kw) -> ServiceConfig:
+    """``base_config`` with auth on: ``tokens`` written to a token file in ``directory``."""
+    path = directory / "tokens"
+    path.write_text("".join(f"{t}\n" for t in tokens))
+    return base_config(model_dir, auth_token_file=str(path), **kw)
 
 
 def params(**kw) -> pb.SamplingParams:

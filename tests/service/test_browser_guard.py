@@ -1,8 +1,9 @@
 """The HTTP door is not reachable from a web page (docs/deployment.md, "Browsers and Host names"): the requests a
 hostile page's browser would send — text/plain, form and multipart POSTs, a cross-origin POST, a foreign
-preflight, a DNS-rebinding Host — are refused before any work (415 / 403 / 400 in OpenAI's error shape), while
-JSON clients (the official openai client, curl as the README writes it), same-origin pages, kubelet probes on
-the pod IP and the origins and Host names an operator allows are served."""
+preflight, a DNS-rebinding Host — are refused before any work (415 / 403 / 400 in the door's error shape: OpenAI's,
+or Anthropic's on the Messages routes), while JSON clients (the official openai client, curl as the README writes
+it), same-origin pages, kubelet probes on the pod IP and the origins and Host names an operator allows are
+served."""
 
 from __future__ import annotations
 
@@ -137,6 +138,43 @@ def test_a_foreign_preflight_gets_no_allow_headers(http):
 def test_a_same_origin_page_is_served(http):
     r = http.post("/v1/completions", json=SMALL, headers={"origin": str(http.base_url).rstrip("/")})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+# ---------------------------------------------------------------------------------------------- the Messages routes
+
+MESSAGES_POSTS = {
+    "/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str, words: str) -> None:
+    """Anthropic's error object (docs/messages-api.md, "Errors"), never OpenAI's, and no CORS headers."""
+    assert r.status_code == status, r.text[:300]
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == kind, body
+    assert words in body["error"]["message"], body
+    assert not any(k.lower().startswith("access-control-") for k in r.headers), dict(r.headers)
+
+
+@pytest.mark.parametrize("path", sorted(MESSAGES_POSTS))
+def test_the_messages_routes_refuse_in_anthropics_shape(http, path):
+    body = json.dumps(MESSAGES_POSTS[path])
+    r = http.post(path, content=b"{not even json", headers={**JSON, "origin": EVIL})  # refused unread
+    assert_anthropic_error(r, 403, "permission_error", "Origin")
+    r = http.post(path, content=body, headers={**JSON, "host": "evil.example:8000"})
+    assert_anthropic_error(r, 400, "invalid_request_error", "Host")
+    assert r.headers["connection"] == "close"
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = http.post(path, content=body, headers={"content-type": content_type})
+        assert_anthropic_error(r, 415, "invalid_request_error", "Content-Type")
+    r = http.post(path, content=body, headers=JSON)  # the same request, as a JSON client sends it, is served
+    assert r.status_code == 200, r.text[:300]
+    # the other routes keep OpenAI's shape for the same refusals
+    assert_error(
+        http.post("/v1/completions", json=SMALL, headers={"origin": EVIL}), 403, "origin_not_allowed", "Origin"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 400 on Host

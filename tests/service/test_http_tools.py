@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 KNOBS = {"max_denoising_steps": 4}
@@ -27,26 +26,14 @@ WEATHER = {
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def _call(client, **kw):
+def _call(openai_client, **kw):
     messages, extra = kw.pop("messages", ASK), kw.pop("extra_body", KNOBS)
-    return client.chat.completions.create(model="tiny", messages=messages, seed=1, extra_body=extra, **kw)
+    return openai_client.chat.completions.create(model="tiny", messages=messages, seed=1, extra_body=extra, **kw)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_calls_are_valid_tool_calls(client, choice):
-    r = _call(client, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=64)
+def test_required_and_named_calls_are_valid_tool_calls(openai_client, choice):
+    r = _call(openai_client, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=64)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls"
     assert c.message.content is None and len(c.message.tool_calls) == 1
@@ -55,10 +42,10 @@ def test_required_and_named_calls_are_valid_tool_calls(client, choice):
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
 
 
-def test_streamed_calls_arrive_as_tool_call_deltas(client):
-    whole = _call(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64)
+def test_streamed_calls_arrive_as_tool_call_deltas(openai_client):
+    whole = _call(openai_client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64)
     stream = _call(
-        client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64, stream=True
+        openai_client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64, stream=True
     )
     calls: dict[int, dict] = {}
     reasons = []
@@ -78,33 +65,33 @@ def test_streamed_calls_arrive_as_tool_call_deltas(client):
     assert reasons[-1] == "tool_calls"
 
 
-def test_auto_may_write_text_and_a_conversation_with_tool_turns_renders(client):
-    first = _call(client, tools=[WEATHER], tool_choice="required", max_tokens=64).choices[0].message
+def test_auto_may_write_text_and_a_conversation_with_tool_turns_renders(openai_client):
+    first = _call(openai_client, tools=[WEATHER], tool_choice="required", max_tokens=64).choices[0].message
     call = first.tool_calls[0]
     turns = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'},
     ]
-    r = _call(client, messages=turns, tools=[WEATHER], tool_choice="auto", max_tokens=32)
+    r = _call(openai_client, messages=turns, tools=[WEATHER], tool_choice="auto", max_tokens=32)
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length", "tool_calls")
     for tc in c.message.tool_calls or []:  # any call the model chose to make is valid
         assert json.loads(tc.function.arguments)["city"] in ("Paris", "Rome")
 
 
-def test_developer_role_is_the_system_role(client):
-    dev = _call(client, messages=[{"role": "developer", "content": "be brief"}, *ASK], max_tokens=16)
-    sys_ = _call(client, messages=[{"role": "system", "content": "be brief"}, *ASK], max_tokens=16)
+def test_developer_role_is_the_system_role(openai_client):
+    dev = _call(openai_client, messages=[{"role": "developer", "content": "be brief"}, *ASK], max_tokens=16)
+    sys_ = _call(openai_client, messages=[{"role": "system", "content": "be brief"}, *ASK], max_tokens=16)
     assert dev.choices[0].message.content == sys_.choices[0].message.content
     assert dev.usage.prompt_tokens == sys_.usage.prompt_tokens
 
 
-def test_reasoning_effort_enables_thinking(client, url):
-    on = _call(client, reasoning_effort="low", max_tokens=16)
-    kw = _call(client, max_tokens=16, extra_body={**KNOBS, "chat_template_kwargs": {"enable_thinking": True}})
+def test_reasoning_effort_enables_thinking(openai_client, url):
+    on = _call(openai_client, reasoning_effort="low", max_tokens=16)
+    kw = _call(openai_client, max_tokens=16, extra_body={**KNOBS, "chat_template_kwargs": {"enable_thinking": True}})
     assert on.usage.prompt_tokens == kw.usage.prompt_tokens  # the same prompt: thinking on
-    off = _call(client, max_tokens=16)
+    off = _call(openai_client, max_tokens=16)
     assert off.usage.prompt_tokens != on.usage.prompt_tokens
     r = httpx.post(
         url + "/v1/chat/completions",

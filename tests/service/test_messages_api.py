@@ -11,7 +11,7 @@ import json
 import anthropic
 import httpx
 import pytest
-from service_helpers import ServerThread, base_config
+from service_helpers import auth_config, base_config, running
 
 KNOBS = {"max_denoising_steps": 4}
 WEATHER = {
@@ -27,55 +27,43 @@ WEATHER = {
 HI = [{"role": "user", "content": "Say hi"}]
 
 
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    c = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def _create(client, **kw):
+def _create(anthropic_client, **kw):
     kw.setdefault("messages", HI)
     kw.setdefault("max_tokens", 32)
     extra = {"seed": 1, **KNOBS, **kw.pop("extra_body", {})}
-    return client.messages.create(model="tiny", extra_body=extra, **kw)
+    return anthropic_client.messages.create(model="tiny", extra_body=extra, **kw)
 
 
 def _text(message) -> str:
     return "".join(b.text for b in message.content if b.type == "text")
 
 
-def test_a_message_has_text_blocks_a_stop_reason_and_usage(client):
-    m = _create(client, system="Be brief.")
+def test_a_message_has_text_blocks_a_stop_reason_and_usage(anthropic_client):
+    m = _create(anthropic_client, system="Be brief.")
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == "tiny"
     assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
     assert all(b.type == "text" and b.text for b in m.content)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0 and 0 < m.usage.output_tokens <= 32
-    same = _create(client, system="Be brief.")  # seeded: the same output
+    same = _create(anthropic_client, system="Be brief.")  # seeded: the same output
     assert _text(same) == _text(m) and same.id != m.id
 
 
-def test_the_token_limit_is_stop_reason_max_tokens(client):
-    m = _create(client, max_tokens=16, extra_body={"ignore_eos": True})
+def test_the_token_limit_is_stop_reason_max_tokens(anthropic_client):
+    m = _create(anthropic_client, max_tokens=16, extra_body={"ignore_eos": True})
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 16
 
 
-def test_a_stop_sequence_ends_the_message_and_is_named(client):
-    whole = _text(_create(client, max_tokens=64, extra_body={"ignore_eos": True}))
+def test_a_stop_sequence_ends_the_message_and_is_named(anthropic_client):
+    whole = _text(_create(anthropic_client, max_tokens=64, extra_body={"ignore_eos": True}))
     stop = next(whole[i : i + 3] for i in range(4, len(whole) - 3) if whole[i : i + 3].strip())
-    m = _create(client, max_tokens=64, stop_sequences=["\x00never", stop], extra_body={"ignore_eos": True})
+    m = _create(anthropic_client, max_tokens=64, stop_sequences=["\x00never", stop], extra_body={"ignore_eos": True})
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert _text(m) == whole[: whole.index(stop)]
 
 
-def test_the_raw_stream_is_anthropics_event_sequence_and_ends_with_the_same_message(client):
-    whole = _create(client, max_tokens=48)
-    got = list(_create(client, max_tokens=48, stream=True))
+def test_the_raw_stream_is_anthropics_event_sequence_and_ends_with_the_same_message(anthropic_client):
+    whole = _create(anthropic_client, max_tokens=48)
+    got = list(_create(anthropic_client, max_tokens=48, stream=True))
     kinds = [e.type for e in got]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert got[0].message.id.startswith("msg_") and got[0].message.content == []
@@ -88,10 +76,10 @@ def test_the_raw_stream_is_anthropics_event_sequence_and_ends_with_the_same_mess
     assert delta.delta.stop_reason == whole.stop_reason and delta.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_the_sdks_stream_helper_builds_the_same_message(client):
-    whole = _create(client, max_tokens=48)
+def test_the_sdks_stream_helper_builds_the_same_message(anthropic_client):
+    whole = _create(anthropic_client, max_tokens=48)
     extra = {"seed": 1, **KNOBS}
-    with client.messages.stream(model="tiny", max_tokens=48, messages=HI, extra_body=extra) as s:
+    with anthropic_client.messages.stream(model="tiny", max_tokens=48, messages=HI, extra_body=extra) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert streamed == _text(final) == _text(whole)
@@ -112,9 +100,9 @@ def test_pings_open_the_stream_and_keep_it_alive(url, monkeypatch):
 # ---------------------------------------------------------------------------------------------- tools
 
 
-def test_a_tool_use_and_its_tool_result_round_trip(client):
+def test_a_tool_use_and_its_tool_result_round_trip(anthropic_client):
     asked = [{"role": "user", "content": "weather in Paris?"}]
-    m = _create(client, messages=asked, tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=64)
+    m = _create(anthropic_client, messages=asked, tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=64)
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and uses
     use = uses[0]
@@ -122,65 +110,65 @@ def test_a_tool_use_and_its_tool_result_round_trip(client):
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": "sunny, 21 C"} for u in uses]
     turn = [*asked, {"role": "assistant", "content": [b.model_dump() for b in m.content]}]
     turn.append({"role": "user", "content": results})
-    after = _create(client, messages=turn, tools=[WEATHER], max_tokens=32)
+    after = _create(anthropic_client, messages=turn, tools=[WEATHER], max_tokens=32)
     assert after.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert _prompt_tokens(after) > _prompt_tokens(m)
     failed = [{**r, "is_error": True, "content": [{"type": "text", "text": "no network"}]} for r in results]
     turn[-1] = {"role": "user", "content": [*failed, {"type": "text", "text": "try again"}]}
-    assert _create(client, messages=turn, tools=[WEATHER], max_tokens=16).usage.output_tokens > 0
+    assert _create(anthropic_client, messages=turn, tools=[WEATHER], max_tokens=16).usage.output_tokens > 0
 
 
 def _prompt_tokens(m) -> int:
     return m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
-def test_a_named_tool_streams_input_json_deltas(client):
+def test_a_named_tool_streams_input_json_deltas(anthropic_client):
     kw = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 64}
     choice = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-    whole = _create(client, tool_choice=choice, **kw)
-    got = list(_create(client, tool_choice=choice, stream=True, **kw))
+    whole = _create(anthropic_client, tool_choice=choice, **kw)
+    got = list(_create(anthropic_client, tool_choice=choice, stream=True, **kw))
     start = next(e for e in got if e.type == "content_block_start" and e.content_block.type == "tool_use")
     args = "".join(e.delta.partial_json for e in got if e.type == "content_block_delta")
     (use,) = [b for b in whole.content if b.type == "tool_use"]
     assert start.content_block.id == use.id and start.content_block.input == {}
     assert json.loads(args) == use.input and got[-2].delta.stop_reason == "tool_use"
     extra = {"seed": 1, **KNOBS}
-    with client.messages.stream(model="tiny", tool_choice=choice, extra_body=extra, **kw) as s:
+    with anthropic_client.messages.stream(model="tiny", tool_choice=choice, extra_body=extra, **kw) as s:
         final = s.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == [use.input]
 
 
-def test_count_tokens_equals_the_input_tokens_create_reports(client):
+def test_count_tokens_equals_the_input_tokens_create_reports(anthropic_client):
     kw = {
         "system": [{"type": "text", "text": "You answer weather questions."}],
         "messages": [{"role": "user", "content": "weather in Rome?"}],
         "tools": [WEATHER],
     }
-    counted = client.messages.count_tokens(model="tiny", **kw).input_tokens
+    counted = anthropic_client.messages.count_tokens(model="tiny", **kw).input_tokens
     salt = {"cache_salt": "count-tokens-test"}  # a salt nothing else used: the prompt is not in the prefix cache
-    m = _create(client, max_tokens=16, extra_body=salt, **kw)
+    m = _create(anthropic_client, max_tokens=16, extra_body=salt, **kw)
     assert counted == m.usage.input_tokens and m.usage.cache_read_input_tokens == 0
-    again = _create(client, max_tokens=16, extra_body=salt, **kw)
+    again = _create(anthropic_client, max_tokens=16, extra_body=salt, **kw)
     assert counted == again.usage.input_tokens + again.usage.cache_read_input_tokens
-    plain = client.messages.count_tokens(model="tiny", messages=kw["messages"]).input_tokens
+    plain = anthropic_client.messages.count_tokens(model="tiny", messages=kw["messages"]).input_tokens
     assert plain < counted  # the system prompt and the tool declarations count
     thinking = {"type": "enabled", "budget_tokens": 1024}
-    with_thinking = client.messages.count_tokens(model="tiny", messages=kw["messages"], thinking=thinking)
+    with_thinking = anthropic_client.messages.count_tokens(model="tiny", messages=kw["messages"], thinking=thinking)
     assert with_thinking.input_tokens > plain
 
 
-def test_thinking_gives_thinking_blocks_or_none(client):
-    m = _create(client, thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=32)
+def test_thinking_gives_thinking_blocks_or_none(anthropic_client):
+    m = _create(anthropic_client, thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=32)
     assert all(b.type in ("thinking", "text") for b in m.content)
     assert all(b.signature == "" for b in m.content if b.type == "thinking")
     said = [{"type": "thinking", "thinking": "greet", "signature": ""}, {"type": "text", "text": "hi"}]
     history = [*HI, {"role": "assistant", "content": said}, {"role": "user", "content": "again"}]
-    assert _create(client, messages=history, max_tokens=8).usage.output_tokens > 0
+    assert _create(anthropic_client, messages=history, max_tokens=8).usage.output_tokens > 0
 
 
-def test_output_config_format_gives_a_valid_document(client):
+def test_output_config_format_gives_a_valid_document(anthropic_client):
     fmt = {"format": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}}
-    m = _create(client, max_tokens=64, extra_body={"output_config": fmt})
+    m = _create(anthropic_client, max_tokens=64, extra_body={"output_config": fmt})
     assert m.stop_reason == "end_turn" and json.loads(_text(m)) in ("yes", "no")
 
 
@@ -299,15 +287,15 @@ def test_a_body_that_is_not_a_bounded_json_object_is_a_400_in_anthropics_shape(u
     assert r.json()["error"]["message"].startswith("body"), r.text
 
 
-def test_the_sdk_sees_its_exception_classes(client, url):
+def test_the_sdk_sees_its_exception_classes(anthropic_client, url):
     with pytest.raises(anthropic.BadRequestError) as bad:
-        client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "robot", "content": "x"}])
+        anthropic_client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "robot", "content": "x"}])
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError) as missing:
-        client.messages.create(model="gpt-5", max_tokens=8, messages=HI)
+        anthropic_client.messages.create(model="gpt-5", max_tokens=8, messages=HI)
     assert missing.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.count_tokens(model="gpt-5", messages=HI)
+        anthropic_client.messages.count_tokens(model="gpt-5", messages=HI)
     wrong = httpx.get(url + "/v1/messages", timeout=30)  # a route error, in the same shape
     assert wrong.status_code == 405 and wrong.json()["type"] == "error"
 
@@ -334,11 +322,9 @@ def test_error_types_follow_anthropics_statuses():
 
 @pytest.fixture(scope="module")
 def auth_url(model_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("token-a\n")
-    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens), max_message_bytes=64 << 10))
-    yield f"http://127.0.0.1:{s.server.http_port}"
-    s.stop()
+    config = auth_config(model_dir, tmp_path_factory.mktemp("auth"), ("token-a",), max_message_bytes=64 << 10)
+    with running(config) as s:
+        yield s.http_url
 
 
 def test_auth_takes_x_api_key_or_a_bearer_token(auth_url):
@@ -360,11 +346,9 @@ def test_auth_takes_x_api_key_or_a_bearer_token(auth_url):
 
 
 def test_the_drain_ends_a_stream_with_max_tokens(model_dir):
-    s = ServerThread(base_config(model_dir))
-    url = f"http://127.0.0.1:{s.server.http_port}"
     body = {"model": "tiny", "messages": HI, "stream": True, "max_tokens": 16 * 200, "ignore_eos": True, **KNOBS}
-    try:
-        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/messages", json=body) as r:
+    with running(base_config(model_dir)) as s:
+        with httpx.Client(timeout=60) as c, c.stream("POST", s.http_url + "/v1/messages", json=body) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             drained = asyncio.run_coroutine_threadsafe(s.server.drain(0.5), s.loop)
@@ -372,8 +356,6 @@ def test_the_drain_ends_a_stream_with_max_tokens(model_dir):
         assert [e["type"] for e in rest[-2:]] == ["message_delta", "message_stop"]
         assert rest[-2]["delta"]["stop_reason"] == "max_tokens"
         drained.result(30)
-    finally:
-        s.stop()
 
 
 # ---------------------------------------------------------------------------------------------- units

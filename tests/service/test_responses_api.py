@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from service_helpers import ServerThread, base_config
+from service_helpers import auth_config, base_config, running
 
 from dgserve.service.http.response_store import ResponseStore
 
@@ -28,26 +28,14 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def _create(client, **kw):
+def _create(openai_client, **kw):
     kw.setdefault("input", "Say hi")
     extra = {"seed": 1, **KNOBS, **kw.pop("extra_body", {})}
-    return client.responses.create(model="tiny", extra_body=extra, **kw)
+    return openai_client.responses.create(model="tiny", extra_body=extra, **kw)
 
 
-def test_a_plain_response_has_a_message_usage_and_is_stored(client):
-    r = _create(client, instructions="Be brief.", max_output_tokens=32)
+def test_a_plain_response_has_a_message_usage_and_is_stored(openai_client):
+    r = _create(openai_client, instructions="Be brief.", max_output_tokens=32)
     assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
     assert r.status in ("completed", "incomplete")
     if r.status == "incomplete":
@@ -60,21 +48,21 @@ def test_a_plain_response_has_a_message_usage_and_is_stored(client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.usage.input_tokens_details.cached_tokens >= 0
     assert r.instructions == "Be brief." and r.max_output_tokens == 32
-    again = client.responses.retrieve(r.id)
+    again = openai_client.responses.retrieve(r.id)
     assert again.id == r.id and again.output_text == r.output_text
-    same = _create(client, instructions="Be brief.", max_output_tokens=32)  # seeded: the same output
+    same = _create(openai_client, instructions="Be brief.", max_output_tokens=32)  # seeded: the same output
     assert same.output_text == r.output_text and same.id != r.id
 
 
-def test_the_token_limit_makes_an_incomplete_response(client):
-    r = _create(client, max_output_tokens=16, extra_body={"ignore_eos": True})
+def test_the_token_limit_makes_an_incomplete_response(openai_client):
+    r = _create(openai_client, max_output_tokens=16, extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 16
 
 
-def test_the_stream_is_openais_event_sequence_and_ends_with_the_same_response(client):
-    whole = _create(client, max_output_tokens=48)
-    got = list(_create(client, max_output_tokens=48, stream=True))
+def test_the_stream_is_openais_event_sequence_and_ends_with_the_same_response(openai_client):
+    whole = _create(openai_client, max_output_tokens=48)
+    got = list(_create(openai_client, max_output_tokens=48, stream=True))
     kinds = [e.type for e in got]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response." + ("completed" if whole.status == "completed" else "incomplete")
@@ -92,20 +80,20 @@ def test_the_stream_is_openais_event_sequence_and_ends_with_the_same_response(cl
 YES = {"format": {"type": "json_schema", "name": "yes", "schema": {"enum": ["yes", "no"]}}}
 
 
-def test_the_sdks_stream_helper_accumulates_the_events(client):
+def test_the_sdks_stream_helper_accumulates_the_events(openai_client):
     """``responses.stream`` checks the events' item ids and indices as it builds the response (it needs one that
     completes: a short schema ends it)."""
     extra = {"seed": 1, **KNOBS}
-    with client.responses.stream(model="tiny", input="Say hi", text=YES, extra_body=extra) as s:
+    with openai_client.responses.stream(model="tiny", input="Say hi", text=YES, extra_body=extra) as s:
         for _ in s:
             pass
         final = s.get_final_response()
     assert final.status == "completed" and json.loads(final.output_text) in ("yes", "no")
-    assert final.output_text == _create(client, text=YES).output_text
+    assert final.output_text == _create(openai_client, text=YES).output_text
 
 
-def test_a_function_call_and_its_output_round_trip(client):
-    r = _create(client, input="weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=64)
+def test_a_function_call_and_its_output_round_trip(openai_client):
+    r = _create(openai_client, input="weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=64)
     calls = [item for item in r.output if item.type == "function_call"]
     assert r.status == "completed" and len(calls) >= 1
     call = calls[0]
@@ -114,20 +102,22 @@ def test_a_function_call_and_its_output_round_trip(client):
     # the whole conversation sent back, as the Agents SDK does without previous_response_id
     history = [{"role": "user", "content": "weather in Paris?"}, *[c.model_dump() for c in calls]]
     history += [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
-    after = _create(client, input=history, tools=[WEATHER], max_output_tokens=32)
+    after = _create(openai_client, input=history, tools=[WEATHER], max_output_tokens=32)
     assert after.status in ("completed", "incomplete") and after.usage.input_tokens > r.usage.input_tokens
     # the same turn by previous_response_id: only the outputs are sent
     outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
-    chained = _create(client, input=outputs, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=32)
+    chained = _create(openai_client, input=outputs, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=32)
     assert chained.previous_response_id == r.id
     assert chained.usage.input_tokens == after.usage.input_tokens  # the same conversation, rendered alike
 
 
-def test_a_named_function_streams_arguments_deltas(client):
+def test_a_named_function_streams_arguments_deltas(openai_client):
     named = {"type": "function", "name": "get_weather"}
-    whole = _create(client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False)
+    whole = _create(openai_client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False)
     got = list(
-        _create(client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False, stream=True)
+        _create(
+            openai_client, input="weather?", tools=[WEATHER], tool_choice=named, parallel_tool_calls=False, stream=True
+        )
     )
     kinds = [e.type for e in got]
     added = next(e for e in got if e.type == "response.output_item.added" and e.item.type == "function_call")
@@ -139,36 +129,36 @@ def test_a_named_function_streams_arguments_deltas(client):
     assert got[-1].response.output[-1].arguments == call.arguments
 
 
-def test_previous_response_id_continues_the_conversation(client):
-    first = _create(client, input="My name is Ada.", max_output_tokens=16)
-    second = _create(client, input="What is my name?", previous_response_id=first.id, max_output_tokens=16)
-    alone = _create(client, input="What is my name?", max_output_tokens=16)
+def test_previous_response_id_continues_the_conversation(openai_client):
+    first = _create(openai_client, input="My name is Ada.", max_output_tokens=16)
+    second = _create(openai_client, input="What is my name?", previous_response_id=first.id, max_output_tokens=16)
+    alone = _create(openai_client, input="What is my name?", max_output_tokens=16)
     assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens // 2
     assert second.previous_response_id == first.id
 
 
-def test_reasoning_effort_gives_a_reasoning_item_or_none(client):
-    r = _create(client, reasoning={"effort": "low"}, max_output_tokens=32)
+def test_reasoning_effort_gives_a_reasoning_item_or_none(openai_client):
+    r = _create(openai_client, reasoning={"effort": "low"}, max_output_tokens=32)
     assert r.reasoning.effort == "low"
     assert all(item.type in ("reasoning", "message") for item in r.output)
 
 
-def test_text_format_json_schema_gives_a_valid_document(client):
+def test_text_format_json_schema_gives_a_valid_document(openai_client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     fmt = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
-    r = _create(client, text=fmt)
+    r = _create(openai_client, text=fmt)
     assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
     assert r.text.format.type == "json_schema"
-    obj = _create(client, text={"format": {"type": "json_object"}}, max_output_tokens=64)
+    obj = _create(openai_client, text={"format": {"type": "json_object"}}, max_output_tokens=64)
     if obj.status == "completed":
         assert isinstance(json.loads(obj.output_text), dict)
 
 
-def test_store_false_and_delete(client, url):
-    r = _create(client, store=False, max_output_tokens=8)
+def test_store_false_and_delete(openai_client, url):
+    r = _create(openai_client, store=False, max_output_tokens=8)
     assert httpx.get(f"{url}/v1/responses/{r.id}").status_code == 404
-    kept = _create(client, max_output_tokens=8)
-    assert client.responses.delete(kept.id) is None
+    kept = _create(openai_client, max_output_tokens=8)
+    assert openai_client.responses.delete(kept.id) is None
     gone = httpx.get(f"{url}/v1/responses/{kept.id}")
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
     assert httpx.delete(f"{url}/v1/responses/{kept.id}").status_code == 404
@@ -234,11 +224,8 @@ def test_the_store_is_bounded_by_entries_and_bytes_least_recently_used_first():
 
 @pytest.fixture(scope="module")
 def auth_url(model_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("token-a\ntoken-b\n")
-    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
-    yield f"http://127.0.0.1:{s.server.http_port}"
-    s.stop()
+    with running(auth_config(model_dir, tmp_path_factory.mktemp("auth"), ("token-a", "token-b"))) as s:
+        yield s.http_url
 
 
 def test_a_stored_response_is_only_its_callers(auth_url):
@@ -257,11 +244,9 @@ def test_a_stored_response_is_only_its_callers(auth_url):
 
 
 def test_the_drain_ends_a_stream_with_response_incomplete(model_dir):
-    s = ServerThread(base_config(model_dir))
-    url = f"http://127.0.0.1:{s.server.http_port}"
     body = {"input": "drain", "stream": True, "max_output_tokens": 16 * 200, "ignore_eos": True, **KNOBS}
-    try:
-        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/responses", json=body) as r:
+    with running(base_config(model_dir)) as s:
+        with httpx.Client(timeout=60) as c, c.stream("POST", s.http_url + "/v1/responses", json=body) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             drained = asyncio.run_coroutine_threadsafe(s.server.drain(0.5), s.loop)
@@ -269,8 +254,6 @@ def test_the_drain_ends_a_stream_with_response_incomplete(model_dir):
         assert rest[-1]["type"] == "response.incomplete"
         assert rest[-1]["response"]["incomplete_details"] == {"reason": "cancelled"}
         drained.result(30)
-    finally:
-        s.stop()
 
 
 # ---------------------------------------------------------------------------------------------- units

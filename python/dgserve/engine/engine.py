@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from dgserve.config import generation_eos_token_ids
-from dgserve.engine.block import BLANK, CanvasDraft
+from dgserve.engine.block import CanvasDraft
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.canvas_draft import DraftRules
+from dgserve.engine.canvas_draft import canvas_draft as _canvas_draft
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import PrefixCacheStats, prefix_hashes
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
@@ -649,72 +651,13 @@ class Engine:
         pinned: bool | Sequence[Sequence[int]] | None,
         params: SamplingParams,
     ) -> CanvasDraft | None:
-        """A request's starting canvas and pins, validated (docs/edit-in-place.md); None without a draft.
+        """A request's starting canvas and pins, validated against this model (``canvas_draft.canvas_draft``,
+        docs/edit-in-place.md); None without a draft. ValueError naming the field."""
+        return _canvas_draft(initial_canvas, pinned, params, self._draft_rules())
 
-        ``initial_canvas``: text (tokenized as content: no special-token parsing, no BOS) or token ids in the
-        vocabulary, ``BLANK`` (-1) for a position that starts from the noise; at most the request's canvases
-        (⌈max_new_tokens / C⌉ · C tokens). ``pinned``: True (every position of the draft), or ``[start, end)``
-        ranges of draft positions, in order, disjoint, non-empty, over no blank, ending at most at
-        ``max_new_tokens`` (the output holds every pinned token); an EOS id pinned anywhere but last is refused
-        (it would end the output before the other pins) unless ``ignore_eos``. Pins cannot be combined with a
-        response_format or tools that constrain the output. ValueError naming the field."""
-        if initial_canvas is None:
-            if pinned:
-                raise ValueError("pinned: needs an initial_canvas (the pinned positions are the draft's)")
-            return None
-        ids = self._draft_ids(initial_canvas, params.max_new_tokens)
-        ranges = _pinned_ranges(pinned, ids)
-        if not ranges:
-            return CanvasDraft(tuple(ids))
-        end = ranges[-1][1]
-        if end > params.max_new_tokens:
-            raise ValueError(
-                f"pinned: the last pinned range ends at position {end}, past max_new_tokens {params.max_new_tokens}"
-                " (the output holds every pinned token); raise max_new_tokens or pin less"
-            )
-        if params.min_tokens:  # its EOS ban and a pinned EOS would leave a position no token may take
-            raise ValueError("pinned: cannot be combined with min_tokens (the pins already decide the output's length)")
-        if params.response_format is not None:
-            raise ValueError(
-                "pinned: cannot be combined with response_format or tools that constrain the output (the grammar"
-                " and the pins would both decide the pinned positions); send initial_canvas without pins"
-            )
-        if not params.ignore_eos:
-            eos = [p for a, b in ranges for p in range(a, b) if ids[p] in self.eos_ids and p != end - 1]
-            if eos:
-                raise ValueError(
-                    f"pinned: position {eos[0]} pins EOS id {ids[eos[0]]} before other pinned tokens (the output"
-                    " ends at an EOS); pin EOS last, or set ignore_eos"
-                )
-        return CanvasDraft(tuple(ids), ranges)
-
-    def _draft_ids(self, initial_canvas: str | Sequence[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
-        """The draft's token ids, checked against the vocabulary and the request's canvases (ValueError naming
-        initial_canvas)."""
-        C = self.model.config.canvas_length
-        room = self.canvases(max_new_tokens) * C
-        where = f"the request's {room // C} canvases of {C} tokens (max_new_tokens {max_new_tokens})"
-        if isinstance(initial_canvas, str):
-            if self.tokenizer is None:
-                raise ValueError("initial_canvas: text needs a tokenizer, and this model has none; pass token ids")
-            try:
-                ids = self.tokenizer.encode_content(initial_canvas, max_tokens=room, field="initial_canvas")
-            except PromptTooLongError as e:
-                raise ValueError(f"initial_canvas: at least {e.at_least} tokens, more than {where} hold") from e
-        else:
-            raw = initial_canvas.tolist() if isinstance(initial_canvas, torch.Tensor) else list(initial_canvas)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in raw):
-                raise ValueError("initial_canvas: token ids must be integers")
-            ids = [int(t) for t in raw]
-            if len(ids) > room:
-                raise ValueError(f"initial_canvas: {len(ids)} tokens, more than {where} hold")
-        if not ids:
-            raise ValueError("initial_canvas: must hold at least one token (leave it out to start from noise)")
-        V = self.model.config.vocab_size
-        bad = [t for t in ids if not (0 <= t < V or t == BLANK)]
-        if bad:
-            raise ValueError(f"initial_canvas: token id {bad[0]} is outside the vocabulary [0, {V}) (-1: a blank)")
-        return ids
+    def _draft_rules(self) -> DraftRules:
+        c = self.model.config
+        return DraftRules(c.canvas_length, c.vocab_size, self.eos_ids, self.tokenizer)
 
     def request_prompt_ids(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         """Token ids of a request's prompt, which must fit in the context window with the canvases generated
@@ -807,40 +750,6 @@ def _check_max_model_len(value: int | None, limit: int) -> int:
             f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), got {value!r}"
         )
     return value
-
-
-def _pinned_ranges(pinned: bool | Sequence[Sequence[int]] | None, ids: list[int]) -> tuple[tuple[int, int], ...]:
-    """``pinned`` as sorted ``[start, end)`` ranges over ``ids`` (True: the whole draft); ValueError naming pinned
-    when a range is malformed, empty, out of order, overlapping, outside the draft or over a blank."""
-    if pinned is None or pinned is False:
-        return ()
-    if pinned is True:
-        ranges = [(0, len(ids))]
-    else:
-        if isinstance(pinned, (str, bytes)) or not isinstance(pinned, Sequence):
-            raise ValueError("pinned: must be true, false or a list of [start, end) ranges")
-        ranges = []
-        for i, r in enumerate(pinned):
-            if (
-                isinstance(r, (str, bytes))
-                or not isinstance(r, Sequence)
-                or len(r) != 2
-                or any(isinstance(x, bool) or not isinstance(x, int) for x in r)
-            ):
-                raise ValueError(f"pinned[{i}]: must be a [start, end) pair of integers")
-            a, b = int(r[0]), int(r[1])
-            if not 0 <= a < b <= len(ids):
-                raise ValueError(
-                    f"pinned[{i}]: [{a}, {b}) must be a non-empty range inside the draft's {len(ids)} positions"
-                )
-            if ranges and a < ranges[-1][1]:
-                raise ValueError(f"pinned[{i}]: [{a}, {b}) starts before the previous range ends (ranges in order)")
-            ranges.append((a, b))
-    for i, (a, b) in enumerate(ranges):
-        blank = next((p for p in range(a, b) if ids[p] == BLANK), None)
-        if blank is not None:
-            raise ValueError(f"pinned[{i}]: position {blank} is a blank (-1) and has no token to pin")
-    return tuple(ranges)
 
 
 def _as_tuple(x: object) -> tuple[Any, ...]:

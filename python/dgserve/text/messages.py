@@ -8,7 +8,7 @@ or developer only first: "developer" is OpenAI's current name for the system rol
   "function", "function": {"name": str, "arguments": text or an object}}``; its content may then be None, absent
   or empty, and its ``reasoning_content`` (a str) is kept for the template. Arguments are OpenAI's JSON text, but
   a history may carry text that is not a JSON object (another server's cut call, a client's edit): OpenAI accepts
-  it, and so do we, rendering it as it came (``call_arguments``);
+  it, and so do we, rendering it as it came (``_read_arguments``);
 * a ``tool`` message carries ``tool_call_id`` (a str) and the result as its content. It must answer a call of the
   assistant message it follows (only other tool messages may stand between them): a result that matches no call
   could not be rendered next to it.
@@ -38,7 +38,8 @@ def validate_messages(messages: list[dict]) -> list[dict]:
     text is not a JSON object (invalid or cut JSON, another JSON value: OpenAI accepts such a history)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
-    arguments: dict[tuple[int, int], dict | str] = {}  # (message, call) -> the arguments, an object or kept text
+    # (message, call) -> arguments given as text, read once: the object it holds, or the text kept as it came
+    arguments: dict[tuple[int, int], dict | str] = {}
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
@@ -50,7 +51,7 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         if role == "tool":
             _check_id(msg.get("tool_call_id"), f"messages[{i}].tool_call_id")
         if msg.get("tool_calls") not in (None, []):  # an empty list is no calls, as some clients send it
-            arguments.update(((i, j), args) for j, args in enumerate(_check_tool_calls(msg, i)))
+            arguments.update(((i, j), args) for j, args in _check_tool_calls(msg, i))
         if msg.get("reasoning_content") is not None:
             if not isinstance(msg["reasoning_content"], str):
                 raise ValueError(f"messages[{i}].reasoning_content must be a string")
@@ -58,19 +59,34 @@ def validate_messages(messages: list[dict]) -> list[dict]:
         if not (msg.get("tool_calls") and msg.get("content") is None):
             validate_content(msg.get("content"), f"messages[{i}].content")
     _check_results_follow_calls(messages)
+    # the copy: the arguments read from text are left out of the round trip (they are ours already: the reader made
+    # them, nobody else holds them) and put in afterwards, so their text is walked once, by the reader
     try:
-        plain = json.loads(json.dumps(list(messages)))
+        plain = json.loads(json.dumps([_without(msg, i, arguments) for i, msg in enumerate(messages)]))
     except RecursionError:  # (a request's JSON is bounded before it gets here; an API caller's objects are not)
         raise ValueError(f"messages: nest too deep; at most {client_json.MAX_DEPTH} levels are allowed") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"messages must hold only JSON data ({e})") from e
-    for i, msg in enumerate(plain):
+    for (i, j), args in arguments.items():
+        plain[i]["tool_calls"][j]["function"]["arguments"] = args
+    for msg in plain:
         if msg["role"] == "developer":
             msg["role"] = "system"
-        for j, call in enumerate(msg.get("tool_calls") or ()):
-            if isinstance(call["function"]["arguments"], str):
-                call["function"]["arguments"] = arguments[i, j]  # (parsed from the text: nobody else holds it)
     return plain
+
+
+def _without(msg: dict, i: int, arguments: dict[tuple[int, int], dict | str]) -> dict:
+    """``msg`` with the text arguments of its calls (those in ``arguments``) set to None: a shallow copy of the
+    parts that change (the message, its call list, those calls and their functions), the caller's own untouched."""
+    calls = msg.get("tool_calls")
+    if not calls or not any((i, j) in arguments for j in range(len(calls))):
+        return msg
+    out = dict(msg)
+    out["tool_calls"] = [
+        {**call, "function": {**call["function"], "arguments": None}} if (i, j) in arguments else call
+        for j, call in enumerate(calls)
+    ]
+    return out
 
 
 def _check_id(value: object, field: str) -> None:
@@ -79,8 +95,10 @@ def _check_id(value: object, field: str) -> None:
     check_unicode(value, field)
 
 
-def _check_tool_calls(msg: dict, i: int) -> list[dict | str]:
-    """Each call's arguments, an object or kept text, in order (ValueError naming the field of a bad call)."""
+def _check_tool_calls(msg: dict, i: int) -> list[tuple[int, dict | str]]:
+    """(call index, its arguments read from text: an object or the kept text) for each call whose arguments came
+    as text, in order; a call whose arguments came as an object is checked and left to the copy (ValueError
+    naming the field of a bad call)."""
     field = f"messages[{i}].tool_calls"
     if msg.get("role") not in ASSISTANT_ROLES:
         raise ValueError(f"{field}: only assistant messages carry tool calls")
@@ -103,24 +121,25 @@ def _check_tool_calls(msg: dict, i: int) -> list[dict | str]:
         if not isinstance(fn, dict):
             raise ValueError(f"{at}.function must be an object")
         _check_id(fn.get("name"), f"{at}.function.name")
-        arguments.append(_check_arguments(fn.get("arguments"), f"{at}.function.arguments"))
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            arguments.append((j, _read_arguments(args, f"{at}.function.arguments")))
+        elif not isinstance(args, dict):
+            raise ValueError(f"{at}.function.arguments must be a string (JSON text) or an object")
     return arguments
 
 
-def _check_arguments(args: object, field: str) -> dict | str:
-    """The arguments of a call in the history: text (OpenAI's form) or an object. Text holding a JSON object gives
-    that object; other text (invalid or cut JSON, another server's call, a client's edit, another JSON value) is
-    kept as it came, to be rendered verbatim. ValueError naming ``field`` for text over MAX_ARGUMENTS_BYTES, JSON
-    nesting deeper than the reader allows, or text that is not valid Unicode."""
-    if isinstance(args, str):
-        try:
-            value = client_json.loads(args, field, max_bytes=MAX_ARGUMENTS_BYTES)
-        except client_json.InvalidJSONError:
-            return args
-        return value if isinstance(value, dict) else args
-    if not isinstance(args, dict):
-        raise ValueError(f"{field} must be a string (JSON text) or an object")
-    return args
+def _read_arguments(args: str, field: str) -> dict | str:
+    """The arguments text of a call in the history (OpenAI's form), read once by the one reader of a client's JSON:
+    text holding a JSON object gives that object; other text (invalid or cut JSON, another server's call, a
+    client's edit, another JSON value) is kept as it came, to be rendered verbatim. ValueError naming ``field``
+    for text over MAX_ARGUMENTS_BYTES, JSON nesting deeper than the reader allows, or text that is not valid
+    Unicode."""
+    try:
+        value = client_json.loads(args, field, max_bytes=MAX_ARGUMENTS_BYTES)
+    except client_json.InvalidJSONError:
+        return args
+    return value if isinstance(value, dict) else args
 
 
 def _check_results_follow_calls(messages: list[dict]) -> None:
