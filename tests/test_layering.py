@@ -147,6 +147,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
             ),
             ("dgserve.engine.request",),  # the one per-request record
             ("dgserve.engine.scheduler", "dgserve.engine.sampler", "dgserve.engine.prompt"),
+            ("dgserve.engine.image_batch",),  # prompts' images and the iteration's one vision tower call
             ("dgserve.engine.model_runner",),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),
