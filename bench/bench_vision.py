@@ -59,16 +59,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """The best of ``repeats`` seconds of fn() after one warm-up call."""
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+def timed(fns: list, device: torch.device, repeats: int) -> list[float]:
+    """The best of ``repeats`` seconds of each fn() after one warm-up call each, the calls interleaved (a, b, a,
+    b, ...) so that a shared machine's load weighs on each alike."""
+    best = [float("inf")] * len(fns)
+    for r in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if r:  # the first round warms up
+                best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -128,8 +130,8 @@ def real_width_text(dtype, device) -> DiffusionGemma:
     return DiffusionGemma(cfg, random_weights(cfg, 0, dtype, device), dtype, device)
 
 
-def text_chunk_seconds(model: DiffusionGemma, tokens: int, repeats: int) -> float:
-    """Best seconds of one causal encoder pass of ``tokens`` prompt tokens into an empty slot."""
+def text_chunk(model: DiffusionGemma, tokens: int):
+    """A function running one causal encoder pass of ``tokens`` prompt tokens into an empty slot."""
     cache = SlotCache(model.config, 1, tokens + model.config.canvas_length, tokens, model.dtype, model.device)
     ids = torch.randint(3, min(model.config.vocab_size, 2000), (tokens,), generator=torch.Generator().manual_seed(1))
     ids = ids.to(model.device)
@@ -139,7 +141,7 @@ def text_chunk_seconds(model: DiffusionGemma, tokens: int, repeats: int) -> floa
         with torch.inference_mode():
             model.encode_row(ids, cache.view(0))
 
-    return timed(run, model.device, repeats)
+    return run
 
 
 def tower_rows(args, device, dtype) -> None:
@@ -154,23 +156,26 @@ def tower_rows(args, device, dtype) -> None:
             tower, scale = real_tower(text.config.hidden_size, dtype, device, max(args.soft)), 15
         for soft in args.soft:
             im = image(soft)
-            one = timed(lambda im=im, t=tower: t.encode(im.patches, im.positions), device, args.repeats)
-            chunk = text_chunk_seconds(text, soft + 2, args.repeats) * scale
+            fns = [lambda im=im, t=tower: t.encode(im.patches, im.positions), text_chunk(text, soft + 2)]
+            if tile > 1:
+                pairs = [(im.patches, im.positions)] * tile
+                fns.append(lambda pairs=pairs, t=tower: t.encode_tile(pairs))
+            one, chunk, *many = timed(fns, device, args.repeats)
+            chunk *= scale
             row = dict(bench="tower", tower=kind, soft_tokens=soft, batch=1, ms_per_image=round(one * 1e3, 2))
             row |= dict(soft_tokens_per_s=round(soft / one), text_chunk_ms=round(chunk * 1e3, 2))
             emit(**row, ratio_to_text_chunk=round(one / chunk, 3), text_model="shipped" if scale == 1 else "x15 est")
-            if tile > 1:
-                pairs = [(im.patches, im.positions)] * tile
-                many = timed(lambda pairs=pairs, t=tower: t.encode_tile(pairs), device, args.repeats) / tile
+            if many:
+                per = many[0] / tile
                 emit(
                     bench="tower",
                     tower=kind,
                     soft_tokens=soft,
                     batch=tile,
-                    ms_per_image=round(many * 1e3, 2),
-                    soft_tokens_per_s=round(soft / many),
+                    ms_per_image=round(per * 1e3, 2),
+                    soft_tokens_per_s=round(soft / per),
                     text_chunk_ms=round(chunk * 1e3, 2),
-                    ratio_to_text_chunk=round(many / chunk, 3),
+                    ratio_to_text_chunk=round(per / chunk, 3),
                 )
 
 
@@ -275,8 +280,11 @@ def main() -> None:
     ap.add_argument("--stream-soft", type=int, default=70)
     ap.add_argument("--skip-towers", action="store_true")
     ap.add_argument("--skip-streams", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     args.soft = [int(s) for s in args.soft.split(",")]
