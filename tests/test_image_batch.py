@@ -17,8 +17,8 @@ from dgserve import DiffusionGemma, Engine, SamplingParams
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prompt import ImagePrompt, Submission
-from dgserve.engine.request import RequestFailedError
-from dgserve.engine.scheduler import SchedulerConfig
+from dgserve.engine.request import Request, RequestFailedError
+from dgserve.engine.scheduler import Scheduler, SchedulerConfig
 from dgserve.media.images import ImageError, ImageInput, pad_batch, preprocess, to_rgb
 from dgserve.model.cache import SlotCache
 from dgserve.model.vision import VisionConfig, tile_workspace_bytes
@@ -163,3 +163,29 @@ def test_a_grid_beyond_the_position_table_is_a_value_error_before_the_tower(vis)
     with pytest.raises(ValueError, match="position table"):
         engine.model.vision.encode(img.patches, img.positions)
     assert isinstance(img, ImageInput)
+
+
+@pytest.mark.parametrize("cost, together", [(1.0, True), (2.0, False)])
+def test_soft_tokens_count_image_token_cost_in_the_prefill_budget(cost, together):
+    """A 100-token text prompt and a 70-token prompt holding a 60-soft-token image, a budget of 200 prompt tokens:
+    at cost 1 both fit one iteration (170); at cost 2 the image prompt counts 130 and waits for the next."""
+    from types import SimpleNamespace
+
+    s = Scheduler(SchedulerConfig(prefill_chunk=128, max_prefill_tokens=200, image_token_cost=cost))
+    s.add(Request("text", [0] * 100, None, None))  # type: ignore[arg-type]
+    img = SimpleNamespace(tokens=60)
+    s.add(Request("image", [0] * 70, None, None, images=((5, img),)))  # type: ignore[arg-type]
+    first = [(r.request_id, a, b) for r, a, b in s.schedule().prefill]
+    assert first == ([("text", 0, 100), ("image", 0, 70)] if together else [("text", 0, 100)])
+    # alone, an image chunk over the budget is still planned: at least one chunk runs every iteration
+    if not together:
+        assert [(r.request_id, a, b) for r, a, b in s.schedule().prefill] == [("image", 0, 70)]
+    with pytest.raises(ValueError, match="image_token_cost"):
+        SchedulerConfig(image_token_cost=0.5)
+
+
+def test_the_engine_sizes_image_tokens_for_its_device(vis):
+    engine = _engine(vis)
+    assert engine.scheduler.config.image_token_cost == 2.0  # the CPU's default (docs/images.md, "Bench")
+    given = Engine.from_pretrained(vis, scheduler_config=SchedulerConfig(image_token_cost=1.5))
+    assert given.scheduler.config.image_token_cost == 1.5

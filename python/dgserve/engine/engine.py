@@ -49,7 +49,13 @@ import torch
 from dgserve.config import generation_eos_token_ids
 from dgserve.engine.block import BLANK, CanvasDraft
 from dgserve.engine.cache_config import CacheConfig
-from dgserve.engine.image_batch import encode_planned, image_runs, image_spans, placeholder_id
+from dgserve.engine.image_batch import (
+    default_image_token_cost,
+    encode_planned,
+    image_runs,
+    image_spans,
+    placeholder_id,
+)
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import PrefixCacheStats, prefix_hashes
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
@@ -154,6 +160,8 @@ class Engine:
         self.max_request_seconds = max_request_seconds
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         sched = scheduler_config or SchedulerConfig()
+        if sched.image_token_cost is None:  # the device's default (docs/images.md, "Bounded like text")
+            sched = dataclasses.replace(sched, image_token_cost=default_image_token_cost(model))
         self.runner = ModelRunner(
             model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config, prefix_caching
         )

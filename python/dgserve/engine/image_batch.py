@@ -2,6 +2,7 @@
 per iteration over every image the planned prompt chunks hold (docs/images.md, "Where images are encoded").
 
 Public contract:
+    cost = default_image_token_cost(model)          # a soft token in the prefill budget, in prompt tokens
     runs = image_runs(model, prompt, chunk)         # the ids each image stands for; ValueError naming messages
     spans = image_spans(ids, prompt, model)         # (start, image) per image of the prompt ids
     feats = encode_planned(model, plan.prefill)     # per planned chunk: its soft tokens [m, H], or None
@@ -23,6 +24,15 @@ from dgserve.media.images import ImageInput
 from dgserve.model import DiffusionGemma
 
 log = logging.getLogger("dgserve.engine.image_batch")
+# what a soft token counts for in the prefill token budget, by device: on the CPU the tower costs up to ~1.9 text
+# prompt tokens per soft token at 280 soft tokens (its attention over 2,520 patches; docs/images.md, "Bench"), on
+# accelerators less than one by its FLOPs
+IMAGE_TOKEN_COST = {"cpu": 2.0}
+
+
+def default_image_token_cost(model: DiffusionGemma) -> float:
+    """The scheduler's ``image_token_cost`` for a model's device: ``IMAGE_TOKEN_COST``, else 1."""
+    return IMAGE_TOKEN_COST.get(model.device.type, 1.0)
 
 
 def image_runs(model: DiffusionGemma, prompt: ChatPrompt | ImagePrompt, chunk: int) -> list[list[int]]:
