@@ -9,10 +9,12 @@
     the shipped model's tiny tower ("small": 1 layer, width 16) and a random tower at the real model's vision dims
     ("real": transformers' Gemma 4 vision defaults, 16 layers, width 768, 12 heads, MLP 3072). Batch 1 always; a
     tile of --tile images in one padded pass too when --tile > 1 (default: the model's ``image_tile``, 1 on CPU,
-    4 on accelerators). Reported: ms per image, soft tokens/s, and the ratio to a text prompt chunk of the same
-    token count (the image's placeholders plus BOI and EOI) encoded by the same run's text model: the shipped small
-    model for "small"; for "real", a random two-layer model at the real text width (26B-A4B's hidden size,
-    attention and per-token expert work: 8 experts, all routed), whose time × 15 estimates the 30-layer chunk.
+    4 on accelerators). Reported: ms per image, soft tokens/s, the pass's peak memory beside what the KV budget
+    sets aside for it (``tile_workspace_bytes``; on the CPU the resident set's high-water mark, approximate), and
+    the ratio to a text prompt chunk of the same token count (the image's placeholders plus BOI and EOI) encoded
+    by the same run's text model: the shipped small model for "small"; for "real", a random two-layer model at
+    the real text width (26B-A4B's hidden size, attention and per-token expert work: 8 experts, all routed),
+    whose time × 15 estimates the 30-layer chunk.
 (b) Effect on running streams: --streams text requests decoding on the shipped small model (its tower, or the
     real-dims one with --stream-tower real, answering images through ids moved into its vocabulary); per engine
     step, the latency distribution (p50/p95/max over --rounds rounds) of a step with no new request, a step that
@@ -42,7 +44,7 @@ from dgserve.media.images import ImageInput, preprocess
 from dgserve.model.cache import SlotCache
 from dgserve.model.default_model import default_model_path
 from dgserve.model.tiny import preset, random_weights
-from dgserve.model.vision import EMBED, TOWER, VisionConfig, VisionTower
+from dgserve.model.vision import EMBED, TOWER, VisionConfig, VisionTower, tile_workspace_bytes
 
 # a grid of (rows, columns) soft tokens per count: the image resizes to exactly that many
 GRIDS = {70: (7, 10), 140: (10, 14), 280: (14, 20), 560: (20, 28), 1120: (28, 40)}
@@ -162,21 +164,47 @@ def tower_rows(args, device, dtype) -> None:
                 fns.append(lambda pairs=pairs, t=tower: t.encode_tile(pairs))
             one, chunk, *many = timed(fns, device, args.repeats)
             chunk *= scale
-            row = dict(bench="tower", tower=kind, soft_tokens=soft, batch=1, ms_per_image=round(one * 1e3, 2))
-            row |= dict(soft_tokens_per_s=round(soft / one), text_chunk_ms=round(chunk * 1e3, 2))
-            emit(**row, ratio_to_text_chunk=round(one / chunk, 3), text_model="shipped" if scale == 1 else "x15 est")
-            if many:
-                per = many[0] / tile
+            est = dataclasses.replace(tower.config, max_soft_tokens=soft)  # the workspace for images of this size
+            for n, secs in [(1, one)] + [(tile, t) for t in many]:
+                per = secs / n
                 emit(
                     bench="tower",
                     tower=kind,
                     soft_tokens=soft,
-                    batch=tile,
+                    batch=n,
                     ms_per_image=round(per * 1e3, 2),
                     soft_tokens_per_s=round(soft / per),
                     text_chunk_ms=round(chunk * 1e3, 2),
                     ratio_to_text_chunk=round(per / chunk, 3),
+                    text_model="shipped" if scale == 1 else "x15 est",
+                    peak_mib=round(peak_bytes(fns[0] if n == 1 else fns[2], device) / 2**20, 1),
+                    workspace_mib=round(tile_workspace_bytes(est, n, dtype) / 2**20, 1),
                 )
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def peak_bytes(fn, device: torch.device) -> int:
+    """The memory one fn() call takes beyond what was held before it, at its peak: CUDA's allocator peak; on a
+    Linux host the resident set's high-water mark (reset through /proc/self/clear_refs; -1 where unreadable)."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _status_bytes("VmRSS")
+        fn()
+        return _status_bytes("VmHWM") - base
+    except (OSError, StopIteration):
+        return -1
 
 
 def stream_engine(args, device, dtype) -> Engine:
