@@ -275,14 +275,14 @@ def stream_rows(args, device, dtype) -> None:
 
 def table() -> None:
     print()
-    print(
-        f"{'tower':6} {'soft':>5} {'batch':>5} {'ms/image':>10} {'soft tok/s':>11} {'text chunk ms':>14} {'ratio':>7}"
-    )
+    head = f"{'tower':6} {'soft':>5} {'batch':>5} {'ms/image':>10} {'soft tok/s':>11} {'text chunk ms':>14}"
+    print(head + f" {'ratio':>7} {'peak MiB':>9} {'reserved MiB':>13}")
     for r in ROWS:
         if r["bench"] == "tower":
             print(
                 f"{r['tower']:6} {r['soft_tokens']:>5} {r['batch']:>5} {r['ms_per_image']:>10} "
-                f"{r['soft_tokens_per_s']:>11} {r['text_chunk_ms']:>14} {r['ratio_to_text_chunk']:>7}"
+                f"{r['soft_tokens_per_s']:>11} {r['text_chunk_ms']:>14} {r['ratio_to_text_chunk']:>7} "
+                f"{r['peak_mib']:>9} {r['workspace_mib']:>13}"
             )
     print()
     print(f"{'step admits':12} {'tower':6} {'tokens':>6} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
