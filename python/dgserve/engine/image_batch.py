@@ -24,7 +24,7 @@ from dgserve.media.images import ImageInput
 from dgserve.model import DiffusionGemma
 
 log = logging.getLogger("dgserve.engine.image_batch")
-# what a soft token counts for in the prefill token budget, by device: on the CPU the tower costs up to ~1.9 text
+# what a soft token counts for in the prefill token budget, by device: on the CPU the tower costs up to ~2 text
 # prompt tokens per soft token at 280 soft tokens (its attention over 2,520 patches; docs/images.md, "Bench"), on
 # accelerators less than one by its FLOPs
 IMAGE_TOKEN_COST = {"cpu": 2.0}

@@ -369,7 +369,7 @@ class VisionTower:
         nkv = k.shape[1]
         g = nh // nkv  # query head h uses KV head h // g
         scores = torch.matmul(q.reshape(n, nkv, g * P, hd), k.transpose(-1, -2)).view(n, nh, P, P)
-        scores = scores.masked_fill(~keys[:, None, None, :], float("-inf"))
+        scores.masked_fill_(~keys[:, None, None, :], float("-inf"))  # in place: no second [n, nh, P, P]
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(p.view(n, nkv, g * P, P), v).view(n, nh, P, hd)
         return out.permute(0, 2, 1, 3).reshape(n * P, nh * hd)
