@@ -55,6 +55,7 @@ class ImageReader:
     unsupported: str | None = None
     remote: FetchPolicy = NO_FETCH  # where remote images may be fetched from (none: every URL is refused)
     max_tokens: int | None = None  # soft tokens one image may take (a prompt chunk: an image is encoded in one pass)
+    max_grid: int | None = None  # patches per side the tower's position table holds (position_embedding_size)
 
     @classmethod
     def for_model(
@@ -66,7 +67,16 @@ class ImageReader:
         if model.vision is None:
             return cls(caps, unsupported=why, remote=remote)
         vc = model.vision.config
-        return cls(caps, vc.patch_size, vc.pooling_kernel_size, vc.max_soft_tokens, why, remote, max_tokens)
+        return cls(
+            caps,
+            vc.patch_size,
+            vc.pooling_kernel_size,
+            vc.max_soft_tokens,
+            why,
+            remote,
+            max_tokens,
+            vc.position_embedding_size,
+        )
 
 
 def neutral(data: bytes | str, where: str) -> dict:
@@ -205,7 +215,7 @@ def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
     if source.url is not None:
         data = fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
     img = load_image(data, source.where, reader.caps)
-    image = preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where)
+    image = preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where, reader.max_grid)
     if reader.max_tokens is not None and image.tokens > reader.max_tokens:
         raise ImageError(
             f"{source.where}: the image takes {image.tokens} tokens, more than a prompt chunk ({reader.max_tokens}; "

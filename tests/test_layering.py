@@ -152,6 +152,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.prompt",
                 "dgserve.engine.canvas_draft",  # a request's starting canvas and pins, checked (docs/edit-in-place.md)
             ),
+            ("dgserve.engine.image_batch",),  # prompts' images and the iteration's one vision tower call
             ("dgserve.engine.model_runner",),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),

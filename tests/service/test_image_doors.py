@@ -208,6 +208,8 @@ def test_tokenize_counts_image_tokens(vserver, vstub, expected):
         ("data:image/png;base64,@@@", "not valid base64"),
         ("data:text/plain;base64,aGk=", "media type"),
         (_data_url(_bomb_png(8000, 6000)), "declares 8000x6000 pixels, more than the limit of 40000000"),
+        # "vis" has a position table of 64: 1000 x 40 resizes to 123 x 3 patches (an IndexError in the tower once)
+        (_data_url(_png(1000, 40)), "123x3 patches, more than the vision tower's position table of 64 per side"),
     ],
 )
 def test_bad_images_are_400_naming_the_part(vserver, url, why):

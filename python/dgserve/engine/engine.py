@@ -51,13 +51,19 @@ from dgserve.engine.block import CanvasDraft
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.canvas_draft import DraftRules
 from dgserve.engine.canvas_draft import canvas_draft as _canvas_draft
+from dgserve.engine.image_batch import (
+    default_image_token_cost,
+    encode_planned,
+    image_runs,
+    image_spans,
+    placeholder_id,
+)
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import PrefixCacheStats, prefix_hashes
 from dgserve.engine.prefix_cache import cache_salt as _cache_salt
 from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt, Submission, with_tools
 from dgserve.engine.request import Request, RequestFailedError, RequestKey, SharedWorkError
 from dgserve.engine.scheduler import Scheduler, SchedulerConfig
-from dgserve.media.images import ImageInput
 from dgserve.model import DiffusionGemma
 from dgserve.outputs import (
     FINISH_CANCELLED,
@@ -156,6 +162,8 @@ class Engine:
         self.max_request_seconds = max_request_seconds
         self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         sched = scheduler_config or SchedulerConfig()
+        if sched.image_token_cost is None:  # the device's default (docs/images.md, "Bounded like text")
+            sched = dataclasses.replace(sched, image_token_cost=default_image_token_cost(model))
         self.runner = ModelRunner(
             model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config, prefix_caching
         )
@@ -398,9 +406,10 @@ class Engine:
 
     def step(self) -> StepOutput:
         """One engine iteration, schedule → run → commit: end the requests whose time is up, admit into slots,
-        encode the planned prompt chunks, one denoising step for every running canvas whose prompt is encoded,
-        commit finished blocks. Each request's own work runs through ``_alone`` (its failure ends that request);
-        the shared work through ``_shared`` (its failure raises ``SharedWorkError``: an engine fault)."""
+        encode the planned prompt chunks (their images first, in one vision tower call: ``encode_planned``), one
+        denoising step for every running canvas whose prompt is encoded, commit finished blocks. Each request's own
+        work runs through ``_alone`` (its failure ends that request); the shared work through ``_shared`` (its
+        failure raises ``SharedWorkError``: an engine fault)."""
         out = StepOutput()
         with self._lock:
             plan = self._shared("scheduling", self.scheduler.schedule)
@@ -411,8 +420,11 @@ class Engine:
         # aborted or timed out since the last step: their slots are free before admission
         self._shared("slot release", self.runner.release_finished)
         out.admitted = self._alone("admission", plan.admitted, self.runner.admit, out)
-        for req, start, end in plan.prefill:
-            self._alone("prefill", [req], functools.partial(self.runner.prefill, start=start, end=end), out)
+        # the images of every planned chunk in one tower call; its failure leaves each request to encode its own
+        feats = encode_planned(self.model, plan.prefill)
+        for (req, start, end), emb in zip(plan.prefill, feats, strict=True):
+            work = functools.partial(self.runner.prefill, start=start, end=end, image_embeds=emb)
+            self._alone("prefill", [req], work, out)
         self._alone("block start", [r for r in plan.decode if r.block is None], self.runner.start_block, out)
         with self._lock:  # a grammar that failed before the block's first step: that request ends here
             active = [r for r in plan.decode if not r.finished and not self._failed_alone(r, out)]
@@ -601,11 +613,12 @@ class Engine:
                     tools=tools,
                     continue_final_message=prompt.continue_final_message,
                     chat_template=prompt.chat_template,
-                    image_runs=self.image_runs(prompt),
+                    image_runs=image_runs(self.model, prompt, self.runner.prefill_chunk),
                 )
         elif isinstance(prompt, ImagePrompt):
             if prompt.images:
-                self.image_runs(prompt)  # the model's checks; the caller placed the placeholders
+                # the model's checks; the caller placed the placeholders
+                image_runs(self.model, prompt, self.runner.prefill_chunk)
             ids = list(prompt.ids)
             if max_tokens is not None and len(ids) > max_tokens:
                 raise PromptTooLongError(len(ids), max_tokens, "given")
@@ -616,34 +629,11 @@ class Engine:
         V = self.model.config.vocab_size
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        vision = self.model.vision
-        if vision is not None and not (isinstance(prompt, (ChatPrompt, ImagePrompt)) and prompt.images):
-            if vision.config.image_token_id in ids:
-                raise ValueError(
-                    f"prompt: token id {vision.config.image_token_id} is the image placeholder; images come in chat "
-                    "image parts"
-                )
-        image_id = vision.config.image_token_id if vision is not None else -1
+        image_id = placeholder_id(self.model, prompt, ids)
         bad = [t for t in ids if not 0 <= t < V and t != image_id]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
         return ids
-
-    def image_runs(self, prompt: ChatPrompt | ImagePrompt) -> list[list[int]]:
-        """The ids each image of a chat stands for in its prompt (BOI, one placeholder per soft token, EOI), as
-        transformers' processor expands them; ValueError when the model cannot take images or an image has more
-        soft tokens than a prompt chunk (an image is encoded in one pass: docs/images.md)."""
-        if not prompt.images:
-            return []
-        why = self.model.images_unsupported()
-        if why is not None:
-            raise ValueError(f"messages: this model cannot take images ({why})")
-        assert self.model.vision is not None
-        vc, chunk = self.model.vision.config, self.runner.prefill_chunk
-        for k, im in enumerate(prompt.images):
-            if im.tokens > chunk:
-                raise ValueError(f"messages: image {k} takes {im.tokens} tokens, more than a prompt chunk ({chunk})")
-        return [[vc.boi_token_id] + [vc.image_token_id] * im.tokens + [vc.eoi_token_id] for im in prompt.images]
 
     def canvas_draft(
         self,
@@ -756,16 +746,3 @@ def _as_tuple(x: object) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
-
-
-def image_spans(ids: list[int], prompt: Prompt, model: DiffusionGemma) -> tuple[tuple[int, ImageInput], ...]:
-    """(start, image) of each image of a chat prompt: the runs of placeholders in ids, in order (transformers'
-    rule: a run of ``image_token_id`` is one image)."""
-    if not isinstance(prompt, (ChatPrompt, ImagePrompt)) or not prompt.images:
-        return ()
-    assert model.vision is not None, "images for a model without a vision tower (image_runs refuses them)"
-    image_id = model.vision.config.image_token_id
-    starts = [i for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != image_id)]
-    if len(starts) != len(prompt.images):
-        raise ValueError(f"messages: {len(starts)} image places in the prompt for {len(prompt.images)} images")
-    return tuple(zip(starts, prompt.images, strict=True))

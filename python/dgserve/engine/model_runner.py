@@ -18,10 +18,11 @@ no allocation proportional to the context; capturing it in CUDA graphs is the GP
 Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the memory the process may still take:
 ``free_memory``, which on the CPU heeds the container's cgroup limit); it decides how
 many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does and
-``check_fits`` rejects a request that needs more. What the slots leave of the budget holds the prefix cache
-(engine/prefix_cache.py, docs/prefix-caching.md): each full prompt chunk is copied out of the slot once encoded,
-and a request whose prompt starts with cached chunks gets them copied into its slot at admission (``match_prefix``
-then ``admit``).
+``check_fits`` rejects a request that needs more. The vision tower's working memory for one tile of images is
+set aside first (``DiffusionGemma.image_workspace_bytes``; docs/images.md, "Memory"). What the slots leave of
+the budget holds the prefix cache (engine/prefix_cache.py, docs/prefix-caching.md): each full prompt chunk is
+copied out of the slot once encoded, and a request whose prompt starts with cached chunks gets them copied into
+its slot at admission (``match_prefix`` then ``admit``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from dgserve.config import ConfigError
 from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.image_batch import chunk_images
 from dgserve.engine.memory_room import read_memory, room_reader
 from dgserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from dgserve.engine.request import Request
@@ -105,6 +107,19 @@ class ModelRunner:
             free, why = free_memory(dev)
             budget = int(cc.fraction * free)
             log.info("kv cache budget: %d MiB, %s of %s", budget >> 20, cc.fraction, why)
+        # the vision tower's working memory for one tile of the largest images comes out of the budget
+        # (docs/images.md, "Memory"); 0 for a model that cannot take images
+        self.image_workspace = model.image_workspace_bytes()
+        if self.image_workspace:
+            budget = max(0, budget - self.image_workspace)
+            log.info(
+                "kv cache budget: %d MiB after %.1f MiB set aside for the vision tower (a tile of %d images of %d"
+                " soft tokens)",
+                budget >> 20,
+                self.image_workspace / 2**20,
+                model.image_tile,
+                model.vision.config.max_soft_tokens if model.vision is not None else 0,
+            )
         self.num_slots, self.slot_len = plan_slots(model, max_num_seqs, max_model_len, self.chunk, budget)
         self.cache = SlotCache(cfg, self.num_slots, self.slot_len, self.chunk, model.dtype, dev, zero=model.batch_rows)
         self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
@@ -207,12 +222,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ passes
 
     @torch.inference_mode()
-    def prefill(self, req: Request, start: int, end: int) -> None:
+    def prefill(self, req: Request, start: int, end: int, image_embeds: torch.Tensor | None = None) -> None:
         """Encode prompt tokens start .. end − 1 (one chunk, after what the slot holds); a full chunk is then
-        offered to the prefix cache."""
+        offered to the prefix cache. image_embeds [placeholders, H]: the soft tokens of the chunk's images, encoded
+        by the iteration's one tower call (``image_batch.encode_planned``); None: the chunk's images (if any) are
+        encoded here, for this request alone."""
         assert req.slot is not None, "prefill of a request without a slot"
         assert self.cache.lengths[req.slot] == start, "prompt chunks are encoded in order"
-        self._encode(req, req.prompt_ids[start:end], self._image_features(req, start, end))
+        if image_embeds is None:
+            image_embeds = self._image_features(req, start, end)
+        self._encode(req, req.prompt_ids[start:end], image_embeds)
         c, off = divmod(start, self.prefill_chunk)
         if self.prefix is None or off or end - start != self.prefill_chunk or c >= len(req.prefix_hashes):
             return
@@ -224,10 +243,9 @@ class ModelRunner:
     def _image_features(self, req: Request, start: int, end: int) -> torch.Tensor | None:
         """The soft tokens of the images in prompt positions start .. end − 1 (whole: ``scheduler.chunk_end``),
         encoded now on the model's device: [placeholders, H], or None without images there."""
-        inside = [im for s, im in req.images if start <= s < end]
+        inside = chunk_images(req, start, end)
         if not inside:
             return None
-        assert all(s + im.tokens <= end for s, im in req.images if start <= s < end), "an image split across chunks"
         return torch.cat(self.model.encode_images([(im.patches, im.positions) for im in inside]))
 
     def _encode(self, req: Request, ids: list[int], image_embeds: torch.Tensor | None = None) -> None:

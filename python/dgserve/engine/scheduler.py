@@ -12,7 +12,8 @@ Each ``schedule()`` call plans one engine iteration:
 * chunked prefill: a running request's prompt is encoded in fixed chunks of ``prefill_chunk`` tokens (the chunk
   boundaries depend on the prompt alone, never on the batch, so a request's numbers do not depend on who else
   runs); at most ``max_prefill_tokens`` prompt tokens are planned per iteration (always at least one chunk), so
-  one long prompt cannot stall the running streams;
+  one long prompt cannot stall the running streams; an image's soft tokens count ``image_token_cost`` each, the
+  vision tower's work included;
 * every running request whose prompt is fully encoded (after this iteration's chunks) takes one denoising step.
 
 ``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
@@ -55,12 +56,16 @@ class SchedulerConfig:
     max_queue_len: requests waiting beyond the running ones; None = unbounded.
     prefill_chunk: prompt tokens per encoder chunk (fixed per request, so results are batch-invariant).
     max_prefill_tokens: prompt tokens encoded per engine iteration over all requests (>= one chunk is always run).
+    image_token_cost: what one image soft token counts for in ``max_prefill_tokens`` (its placeholder plus its
+    share of the vision tower), in prompt tokens; None: the engine's default for its device (docs/images.md,
+    "Bounded like text").
     """
 
     max_num_seqs: int = 256
     max_queue_len: int | None = None
     prefill_chunk: int = 512
     max_prefill_tokens: int = 512
+    image_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_prefill_tokens"):
@@ -70,6 +75,9 @@ class SchedulerConfig:
         q = self.max_queue_len
         if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
             raise ValueError(f"max_queue_len must be an integer >= 0 or None, got {q!r}")
+        c = self.image_token_cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 1000):
+            raise ValueError(f"image_token_cost must be a number in [1, 1000] or None, got {c!r}")
 
 
 @dataclass
@@ -217,14 +225,17 @@ class Scheduler:
             out.admitted.append(seq)
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:
-        chunk, budget = self.config.prefill_chunk, self.config.max_prefill_tokens
+        chunk, budget = self.config.prefill_chunk, float(self.config.max_prefill_tokens)
+        extra = (self.config.image_token_cost or 1) - 1  # an image's soft tokens beyond their placeholders
         for seq in self._running.values():
             while not seq.prefill_done:
                 end = chunk_end(seq, chunk)
-                if out.prefill and end - seq.prefilled > budget:
+                soft = sum(im.tokens for s, im in seq.images if seq.prefilled <= s < end)
+                cost = end - seq.prefilled + extra * soft
+                if out.prefill and cost > budget:
                     return
                 out.prefill.append((seq, seq.prefilled, end))
-                budget -= end - seq.prefilled
+                budget -= cost
                 seq.prefilled = end
 
 

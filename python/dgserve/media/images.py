@@ -3,7 +3,7 @@
 
 Public contract:
     img = load_image(data: bytes, where="messages[0].content[1]", caps=ImageCaps())   # ImageError (a 400)
-    inp = preprocess(img, patch_size=16, pooling=3, max_soft_tokens=280)             # an ImageInput
+    inp = preprocess(img, patch_size=16, pooling=3, max_soft_tokens=280, max_grid=10240)   # an ImageInput
 
 ``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_vision_parity.py): RGB with transparency
 composited onto white, an aspect-preserving resize to multiples of pooling·patch within the patch budget (PIL
@@ -108,8 +108,12 @@ def target_size(height: int, width: int, patch: int, max_patches: int, pooling: 
     return th, tw
 
 
-def preprocess(img, patch_size: int, pooling: int, max_soft_tokens: int, where: str = "image") -> ImageInput:
-    """An RGB PIL image → ``ImageInput`` (the module docstring has the steps)."""
+def preprocess(
+    img, patch_size: int, pooling: int, max_soft_tokens: int, where: str = "image", max_grid: int | None = None
+) -> ImageInput:
+    """An RGB PIL image → ``ImageInput`` (the module docstring has the steps). ``max_grid``: the vision tower's
+    position table (``position_embedding_size``); a resized image more patches wide or tall is an ImageError
+    naming ``where``, before any pixel is resized (a thin image under a small table)."""
     from PIL import Image
 
     max_patches = max_soft_tokens * pooling**2
@@ -117,6 +121,11 @@ def preprocess(img, patch_size: int, pooling: int, max_soft_tokens: int, where: 
         th, tw = target_size(img.height, img.width, patch_size, max_patches, pooling)
     except ValueError as e:
         raise ImageError(f"{where}: {e} (the image is too thin)") from None
+    if max_grid is not None and max(th, tw) // patch_size > max_grid:
+        raise ImageError(
+            f"{where}: the image resizes to {tw // patch_size}x{th // patch_size} patches, more than the vision"
+            f" tower's position table of {max_grid} per side (the image is too thin or too wide)"
+        )
     if (th, tw) != (img.height, img.width):
         img = img.resize((tw, th), resample=Image.Resampling.BICUBIC)
     arr = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, 3]

@@ -35,7 +35,7 @@ from .layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from .vision import VisionConfig, VisionTower
+from .vision import VisionConfig, VisionTower, tile_workspace_bytes
 
 
 class DiffusionGemma:
@@ -61,6 +61,10 @@ class DiffusionGemma:
         # temporaries are bounded by a tile, not by the batch. 1 on CPU: every GEMM keeps a fixed
         # shape per canvas (docs/exactness.md); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
         self.canvas_tile = 1 if self.device.type == "cpu" else 4
+        # images per pass of the vision tower (docs/images.md, "Where images are encoded"): 1 on CPU, each image's
+        # GEMMs keep their own shape (a request's soft tokens never depend on the others'); on accelerators a tile
+        # padded to its largest image, its working memory set aside in the KV cache budget (``tile_workspace_bytes``)
+        self.image_tile = 1 if self.device.type == "cpu" else 4
         self.embed = weights["embed_tokens.weight"]  # [V, H]
         self.lm_head = weights.get("lm_head.weight", self.embed)  # tied unless stored and different
         self.final_norm = weights["norm.weight"]
@@ -106,10 +110,22 @@ class DiffusionGemma:
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Per image (patches [n, 3·p²], positions [n, 2]) → soft tokens [n / k², H] in md (model/vision.py)."""
+        """Per image (patches [n, 3·p²], positions [n, 2]) → soft tokens [n / k², H] in md (model/vision.py), in
+        tower passes of ``image_tile`` images (one image: unpadded; several: padded to the tile's largest)."""
         if self.vision is None:
             raise ValueError("the model has no vision tower")
-        return [self.vision.encode(p, pos) for p, pos in images]
+        out: list[torch.Tensor] = []
+        for i in range(0, len(images), self.image_tile):
+            tile = list(images[i : i + self.image_tile])
+            out += [self.vision.encode(*tile[0])] if len(tile) == 1 else self.vision.encode_tile(tile)
+        return out
+
+    def image_workspace_bytes(self) -> int:
+        """The vision tower's peak working memory for one tile of ``image_tile`` images of the largest size the
+        config allows (``vision.tile_workspace_bytes``); 0 when the model cannot take images."""
+        if self.vision is None or self.images_unsupported() is not None:
+            return 0
+        return tile_workspace_bytes(self.vision.config, self.image_tile, self.dtype)
 
     # ------------------------------------------------------------------ public passes
 

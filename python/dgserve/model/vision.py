@@ -5,9 +5,12 @@ Public contract:
     vc = VisionConfig.from_dict(config_json)          # None when the checkpoint declares no vision tower
     tower = VisionTower.load(path, vc, hidden_size, dtype, device)
     feats [s, H] = tower.encode(patches [n, 3·p²] fp32 in [0, 1], positions [n, 2] int64 (x, y))
+    [feats, ...] = tower.encode_tile([(patches, positions), ...])    # several images in one padded pass
+    tile_workspace_bytes(vc, images, dtype)                          # the peak working memory of such a pass
 
-One image at a time and unpadded: transformers pads every image to ``max_patches`` and masks the padding out of
-attention and pooling, which gives the same values up to GEMM accumulation order (docs/exactness.md). Rounding
+``encode`` runs one image unpadded; ``encode_tile`` pads a tile of images to its largest and masks the padding
+out of attention and pooling as transformers does (it pads to ``max_patches`` with positions (-1, -1)): the same
+values up to GEMM accumulation order (docs/exactness.md). Rounding
 follows transformers' ``Gemma4VisionModel``: every op in the model dtype ``md``, RMSNorm in fp32 rounded once,
 softmax in fp32, the pooled average and its √hidden scale in fp32, then ``md``.
 """
@@ -104,6 +107,27 @@ class VisionConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> VisionConfig | None:
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def tile_workspace_bytes(config: VisionConfig, images: int, dtype: torch.dtype) -> int:
+    """The peak working memory of one tower pass over ``images`` images of the most patches the config allows
+    (P = max_soft_tokens · pooling²), in bytes: what the KV cache budget sets aside (docs/images.md, "Memory").
+
+    Per image, at one layer's peak: the attention scores [heads, P, P] in md, their fp32 softmax and its md copy;
+    the activations the layer holds at once, ~8 rows of width hv (residual, normed input, q, k, v, rotated q/k,
+    the attention output) and 3 of the MLP's width (gate, up, their product), in md; the fp32 patches
+    [P, 3·p²] and the pooling's fp32 one-hot weights [P, P / pooling²] and pooled output."""
+    md = torch.finfo(dtype).bits // 8
+    k = config.pooling_kernel_size
+    P = config.max_soft_tokens * k * k
+    scores = config.num_attention_heads * P * P * (md + 4 + md)
+    rows = P * (8 * config.hidden_size + 3 * config.intermediate_size) * md
+    edges = (
+        P * 3 * config.patch_size**2 * 4
+        + P * config.max_soft_tokens * 4
+        + config.max_soft_tokens * config.hidden_size * 4
+    )
+    return images * (scores + rows + edges)
 
 
 @dataclass
@@ -230,13 +254,19 @@ class VisionTower:
             [apply_rope(x[..., :h], cos[:, :h], sin[:, :h]), apply_rope(x[..., h:], cos[:, h:], sin[:, h:])], -1
         )
 
-    def _layer(self, x: torch.Tensor, lw: VisionLayer, cos, sin) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, lw: VisionLayer, cos, sin, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, hv]: one image's patches, or a padded tile's (``keys`` [n, P]: its real patches)."""
         c, eps, n = self.config, self.config.rms_norm_eps, x.shape[0]
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         q = self._rope2d(ops.rms_norm(lw.q(h).view(n, -1, c.head_dim), lw.q_norm, eps), cos, sin)
         k = self._rope2d(ops.rms_norm(lw.k(h).view(n, -1, c.head_dim), lw.k_norm, eps), cos, sin)
         v = ops.rms_norm(lw.v(h).view(n, -1, c.head_dim), None, eps)
-        attn = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None)  # bidirectional, scale 1
+        if keys is None:  # bidirectional, scale 1
+            attn = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None)
+        else:  # [n·P, heads, hd] → [n, heads, P, hd] per image
+            b, P = keys.shape
+            split = lambda t: t.view(b, P, -1, c.head_dim).transpose(1, 2)  # noqa: E731
+            attn = self._attend_masked(split(q), split(k), split(v), keys)
         x = x + ops.rms_norm(lw.o(attn), lw.post_attention_layernorm, eps)
         d = ops.rms_norm(x, lw.pre_feedforward_layernorm, eps)
         m = lw.down(F.gelu(lw.gate(d), approximate="tanh") * lw.up(d))
@@ -254,10 +284,21 @@ class VisionTower:
             x = (weights.transpose(0, 1) @ x.float()).to(x.dtype)
         return x.float() * self.config.hidden_size**0.5
 
+    def check_grid(self, positions: torch.Tensor) -> None:
+        """ValueError when a patch position lies outside the position table (``position_embedding_size``): the
+        preprocessing refuses such an image first (``media.images.preprocess``); this guards direct callers."""
+        size = self.config.position_embedding_size
+        if positions.numel() and int(positions.max()) >= size:
+            raise ValueError(
+                f"image: a patch grid of {int(positions.max()) + 1} exceeds the vision tower's position table"
+                f" ({size} positions)"
+            )
+
     @torch.inference_mode()
     def encode(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One image: patches [n, 3·p²] fp32 in [0, 1] (``media.images.preprocess``), positions [n, 2] (x, y)
         → soft tokens [n / k², H] in md, ready to replace the image's placeholder embeddings."""
+        self.check_grid(positions)
         patches = patches.to(self.device)
         positions = positions.to(self.device)
         x = F.linear((2 * (patches - 0.5)).to(self.dtype), self.input_proj)
@@ -265,8 +306,70 @@ class VisionTower:
         cos, sin = self._rope(positions)
         for lw in self.layers:
             x = self._layer(x, lw, cos, sin)
-        pooled = self._pool(x, positions)
+        return self._embed(self._pool(x, positions))
+
+    def _embed(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled [s, hv] fp32 → soft tokens [s, H] md: optional standardisation in fp32, then ``embed_vision``."""
         if self.std is not None:
             pooled = (pooled - self.std[0]) * self.std[1]
         soft = pooled.to(self.dtype)
         return F.linear(ops.rms_norm(soft, None, self.config.rms_norm_eps), self.projection)
+
+    # ------------------------------------------------------------------ a padded tile of images
+
+    @torch.inference_mode()
+    def encode_tile(self, images: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Several images in one pass, padded to the most patches P of any: per image (patches [n, 3·p²],
+        positions [n, 2]) → soft tokens [n / k², H] md, as ``encode`` gives them up to accumulation order.
+
+        As transformers' ``Gemma4VisionModel``: padding patches have position (-1, -1), a zero position
+        embedding, are masked out of every layer's attention keys and are zeroed before the pooling (whose one-hot
+        weights they then join at block 0 with nothing to add)."""
+        for _, pos in images:
+            self.check_grid(pos)
+        n, P = len(images), max(p.shape[0] for p, _ in images)
+        pv = torch.zeros(n, P, images[0][0].shape[1])
+        pos = torch.full((n, P, 2), -1, dtype=torch.int64)
+        for b, (p, q) in enumerate(images):
+            pv[b, : p.shape[0]], pos[b, : q.shape[0]] = p, q
+        pv, pos = pv.to(self.device), pos.to(self.device)
+        pad = (pos == -1).all(dim=-1)  # [n, P]
+        x = F.linear((2 * (pv - 0.5)).to(self.dtype), self.input_proj)  # [n, P, hv]
+        at = pos.clamp(min=0)
+        pe = F.embedding(at[..., 0], self.pos_table[0]) + F.embedding(at[..., 1], self.pos_table[1])
+        x = (x + torch.where(pad[..., None], 0.0, pe)).view(n * P, -1)
+        cos, sin = self._rope(pos.view(n * P, 2))
+        for lw in self.layers:
+            x = self._layer(x, lw, cos, sin, keys=~pad)
+        pooled = self._pool_padded(x.view(n, P, -1).masked_fill(pad[..., None], 0.0), at)  # [n, P / k², hv]
+        soft = self._embed(torch.cat([pooled[b, : p.shape[0] // self.pool_area] for b, (p, _) in enumerate(images)]))
+        return list(soft.split([p.shape[0] // self.pool_area for p, _ in images]))
+
+    @property
+    def pool_area(self) -> int:
+        return self.config.pooling_kernel_size**2
+
+    def _pool_padded(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """x [n, P, hv] md (padding zeroed), at [n, P, 2] positions with padding clamped to 0 → [n, P / k², hv]
+        fp32 · √hv: transformers' ``_avg_pool_by_positions``, each image's blocks row-major over its own width."""
+        k, length = self.config.pooling_kernel_size, x.shape[1] // self.pool_area
+        if k > 1:
+            max_x = at[..., 0].max(dim=-1, keepdim=True)[0] + 1  # [n, 1]
+            kidx = torch.div(at, k, rounding_mode="floor")
+            kidx = kidx[..., 0] + (max_x // k) * kidx[..., 1]
+            weights = F.one_hot(kidx.long(), length).float() / (k * k)  # [n, P, length]
+            x = (weights.transpose(1, 2) @ x.float()).to(x.dtype)
+        return x.float() * self.config.hidden_size**0.5
+
+    @staticmethod
+    def _attend_masked(q, k, v, keys: torch.Tensor) -> torch.Tensor:
+        """Bidirectional attention with scale 1 per image of a padded tile: q [n, nh, P, hd], k/v [n, nkv, P, hd],
+        keys [n, P] bool (True: a real patch) → [n·P, nh·hd] md. Scores in md, softmax in fp32 then md."""
+        n, nh, P, hd = q.shape
+        nkv = k.shape[1]
+        g = nh // nkv  # query head h uses KV head h // g
+        scores = torch.matmul(q.reshape(n, nkv, g * P, hd), k.transpose(-1, -2)).view(n, nh, P, P)
+        scores.masked_fill_(~keys[:, None, None, :], float("-inf"))  # in place: no second [n, nh, P, P]
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(p.view(n, nkv, g * P, P), v).view(n, nh, P, hd)
+        return out.permute(0, 2, 1, 3).reshape(n * P, nh * hd)
