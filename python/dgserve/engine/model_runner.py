@@ -102,24 +102,23 @@ class ModelRunner:
         self.model = model
         cfg, dev = model.config, model.device
         self.chunk = max(prefill_chunk, cfg.canvas_length)  # the most positions one pass writes
-        budget = cc.memory
+        budget, said = cc.memory, ""
         if budget is None:
             free, why = free_memory(dev)
             budget = int(cc.fraction * free)
-            log.info("kv cache budget: %d MiB, %s of %s", budget >> 20, cc.fraction, why)
+            said = f", {cc.fraction} of {why}"
         # the vision tower's working memory for one tile of the largest images comes out of the budget
         # (docs/images.md, "Memory"); 0 for a model that cannot take images
         self.image_workspace = model.image_workspace_bytes()
         if self.image_workspace:
             budget = max(0, budget - self.image_workspace)
-            log.info(
-                "kv cache budget: %d MiB after %.1f MiB set aside for the vision tower (a tile of %d images of %d"
-                " soft tokens)",
-                budget >> 20,
-                self.image_workspace / 2**20,
-                model.image_tile,
-                model.vision.config.max_soft_tokens if model.vision is not None else 0,
+            soft = model.vision.config.max_soft_tokens if model.vision is not None else 0
+            said += (
+                f", after {self.image_workspace / 2**20:.1f} MiB set aside for the vision tower (a tile of "
+                f"{model.image_tile} images of {soft} soft tokens)"
             )
+        if said:  # one line: what bounded the budget and what came out of it
+            log.info("kv cache budget: %d MiB%s", budget >> 20, said)
         self.num_slots, self.slot_len = plan_slots(model, max_num_seqs, max_model_len, self.chunk, budget)
         self.cache = SlotCache(cfg, self.num_slots, self.slot_len, self.chunk, model.dtype, dev, zero=model.batch_rows)
         self.cache_bytes = self.num_slots * SlotCache.bytes_per_slot(cfg, self.slot_len, self.chunk, model.dtype)
