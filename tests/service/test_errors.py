@@ -150,8 +150,8 @@ def test_unsupported_options_are_unimplemented(stub, request_kw, field):
     ],
 )
 def test_images_on_a_model_without_them_are_invalid_argument(stub, request_kw, field):
-    """The shipped-size model's image token ids lie outside its vocabulary: an image part is INVALID_ARGUMENT
-    naming the part and the reason (docs/images.md)."""
+    """The test model's image token ids lie outside its vocabulary (the tiny config's): an image part is
+    INVALID_ARGUMENT naming the part and the reason (docs/images.md)."""
     err = error_of(stub, pb.GenerateRequest(**request_kw))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(field)
 
