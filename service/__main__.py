@@ -214,6 +214,30 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         ),
     ),
     (
+        "--media-fetch-timeout",
+        "DGSERVE_MEDIA_FETCH_TIMEOUT",
+        "media_fetch_timeout",
+        float,
+        "seconds one remote image's whole fetch may take, redirects and body included (default 10)",
+    ),
+    (
+        "--media-fetch-max-redirects",
+        "DGSERVE_MEDIA_FETCH_MAX_REDIRECTS",
+        "media_fetch_max_redirects",
+        int,
+        "redirects one remote image's fetch follows; more is a 400 naming the part (default 3)",
+    ),
+    (
+        "--image-token-cost",
+        "DGSERVE_IMAGE_TOKEN_COST",
+        "image_token_cost",
+        float,
+        (
+            "prompt tokens one image soft token counts for in an iteration's prefill budget, 1 to 1000 (default: "
+            "the device's, 2 on the CPU and 1 elsewhere)"
+        ),
+    ),
+    (
         "--allowed-hosts",
         "DGSERVE_ALLOWED_HOSTS",
         "allowed_hosts",

@@ -16,6 +16,8 @@ _LABELS = r"[a-z0-9_-]+(\.[a-z0-9_-]+)*"
 HOST_PATTERN = re.compile(rf"\*|(\*\.)?{_LABELS}\.?", re.I)  # a name, a *.domain pattern, or * (any)
 ORIGIN_PATTERN = re.compile(rf"\*|https?://({_LABELS}|\[[0-9a-f:.]+\])(:[0-9]{{1,5}})?/?", re.I)
 MAX_REQUEST_SECONDS = 7 * 86400  # the largest --max-request-seconds: a week
+MAX_MEDIA_FETCH_SECONDS = 600.0  # the largest --media-fetch-timeout
+MAX_MEDIA_REDIRECTS = 20  # the largest --media-fetch-max-redirects
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class ServiceConfig:
     max_image_pixels: int = 40_000_000  # width x height one image declares
     # hosts remote images may be fetched from (names, *.domain patterns, "*"); () refuses every http(s) image URL
     allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 10.0  # seconds one remote image's whole fetch may take (every hop, the body)
+    media_fetch_max_redirects: int = 3  # redirects one remote image's fetch follows
+    # what one image soft token counts in the per-iteration prefill budget (docs/images.md, "Bounded like text");
+    # None = the device's default
+    image_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -83,6 +90,7 @@ class ServiceConfig:
             ("max_images_per_request", 0, 1 << 16),
             ("max_image_bytes", 1, 1 << 31),
             ("max_image_pixels", 1, 1 << 40),
+            ("media_fetch_max_redirects", 0, MAX_MEDIA_REDIRECTS),
         ):
             _int(name, getattr(self, name), lo, hi)
         if self.http_port is not None:
@@ -100,6 +108,14 @@ class ServiceConfig:
             raise ValueError(
                 f"max_request_seconds must be a number of seconds in (0, {MAX_REQUEST_SECONDS}], got {v!r}"
             )
+        v = self.media_fetch_timeout
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_MEDIA_FETCH_SECONDS:
+            raise ValueError(
+                f"media_fetch_timeout must be a number of seconds in (0, {MAX_MEDIA_FETCH_SECONDS:g}], got {v!r}"
+            )
+        c = self.image_token_cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 1000):
+            raise ValueError(f"image_token_cost must be a number in [1, 1000], got {c!r}")
         for name in ("drain_timeout", "stall_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

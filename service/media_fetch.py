@@ -5,10 +5,12 @@ Public contract:
     data = fetch("https://images.example.com/a.png", policy, max_bytes, where="messages[0].content[1]")
 
 ``fetch`` is blocking (callers run it in a worker thread). Every hop (the URL, then each redirect, at most
-``max_redirects``) must be http(s) to an allowed host; the host's addresses are resolved once and must all be
-global (no loopback, private, link-local, ...) unless the host is named literally in the policy (a pattern or
-``*`` never allows them); the connection goes to the address that was checked (no second lookup to rebind). The
-whole fetch has one deadline and the body a byte cap. Every failure is an ImageError naming ``where``.
+``max_redirects``, the server's ``--media-fetch-max-redirects``) must be http(s) to an allowed host; the host's
+addresses are resolved once and must all be global (no loopback, private, link-local, ...) unless the host is
+named literally in the policy (a pattern or ``*`` never allows them); the connection goes to the address that was
+checked (no second lookup to rebind). The whole fetch has one deadline (``timeout_s``, ``--media-fetch-timeout``):
+at it the connection is shut, so a server that stalls or trickles its headers or body cannot hold the worker past
+it. The body has a byte cap. Every failure is an ImageError naming ``where``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -50,6 +53,7 @@ class FetchPolicy:
 def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
     """The body of ``url`` (module docstring: the rules); ImageError naming ``where``."""
     deadline = time.monotonic() + policy.timeout_s
+    late = ImageError(f"{where}: fetching the image took longer than the timeout ({policy.timeout_s:g} s)")
     for _ in range(policy.max_redirects + 1):
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or ""
@@ -59,8 +63,16 @@ def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
             raise ImageError(f"{where}: {host!r} is not an allowed media domain (--allowed-media-domains)")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         address = _address(host, port, policy.named(host), where)
-        conn = _connection(parts.scheme, host, address, port, max(deadline - time.monotonic(), 0.001))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise late
+        conn = _connection(parts.scheme, host, address, port, left)
+        cut = _Cutoff(left)
         try:
+            conn.connect()
+            cut.arm(conn.sock)  # the response keeps reading this socket after the connection lets it go
+            if cut.fired.is_set():  # the deadline passed while connecting (no socket to shut then)
+                raise late
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", target, headers={"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*"})
             resp = conn.getresponse()
@@ -69,10 +81,16 @@ def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
                 continue
             if resp.status != 200:
                 raise ImageError(f"{where}: fetching the image answered HTTP {resp.status}")
-            return _body(resp, max_bytes, deadline, where)
+            body = _body(resp, max_bytes, where)
+            if cut.fired.is_set():  # the cut may end a body without a length like a server's close
+                raise late
+            return body
         except (OSError, http.client.HTTPException) as e:
+            if cut.fired.is_set() or isinstance(e, TimeoutError):
+                raise late from None
             raise ImageError(f"{where}: fetching the image failed ({type(e).__name__})") from None
         finally:
+            cut.cancel()
             conn.close()
     raise ImageError(f"{where}: more than {policy.max_redirects} redirects")
 
@@ -112,16 +130,40 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(sock, server_hostname=self._name)  # type: ignore[attr-defined]
 
 
-def _body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float, where: str) -> bytes:
+class _Cutoff:
+    """After ``seconds`` sets ``fired`` and shuts the socket given to ``arm``: a blocking read there returns or
+    raises at once, however the server paces its bytes (the socket's own timeout bounds each read, not their sum)."""
+
+    def __init__(self, seconds: float):
+        self.fired, self.sock = threading.Event(), None
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def arm(self, sock) -> None:
+        self.sock = sock
+
+    def _cut(self) -> None:
+        self.fired.set()
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _body(resp: http.client.HTTPResponse, max_bytes: int, where: str) -> bytes:
     length = resp.getheader("Content-Length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise ImageError(f"{where}: the image has {length} bytes, more than the limit of {max_bytes}")
     chunks: list[bytes] = []
     got = 0
     while True:
-        if time.monotonic() > deadline:
-            raise ImageError(f"{where}: fetching the image took longer than the timeout")
-        chunk = resp.read(min(65536, max_bytes + 1 - got))
+        chunk = resp.read1(min(65536, max_bytes + 1 - got))  # what one receive gives: the cap is checked as it grows
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)

@@ -75,6 +75,7 @@ def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
         max_queue_len=cfg.max_queue_len,
         prefill_chunk=cfg.prefill_chunk,
         max_prefill_tokens=cfg.prefill_chunk,
+        image_token_cost=cfg.image_token_cost,
     )
 
 
@@ -247,7 +248,7 @@ class Server:
             self.state.info = convert.model_info(aengine, self.state.names)
             cfg = self.config
             caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
-            remote = FetchPolicy(cfg.allowed_media_domains)
+            remote = FetchPolicy(cfg.allowed_media_domains, cfg.media_fetch_timeout, cfg.media_fetch_max_redirects)
             chunk = engine.runner.prefill_chunk
             self.state.images = ImageReader.for_model(engine.model, caps, remote, chunk)
             self.metrics.track_engine(

@@ -15,6 +15,7 @@ from tiny_models import BOI, EOI, IMAGE
 
 from dgserve import DiffusionGemma, Engine, SamplingParams
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.image_batch import encode_planned
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prompt import ImagePrompt, Submission
 from dgserve.engine.request import Request, RequestFailedError
@@ -41,13 +42,21 @@ def vis(tiny_checkpoint):
     return tiny_checkpoint("vis")
 
 
-def test_a_padded_tile_equals_each_image_alone_and_transformers(vis, hf_model_loader):
+@pytest.mark.parametrize("kernel", ["default", "math"])
+def test_a_padded_tile_equals_each_image_alone_and_transformers(vis, hf_model_loader, kernel):
+    """The padded pass's SDPA, with the kernel torch picks and with the math kernel it may fall back to."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model = DiffusionGemma.from_pretrained(vis)
     assert model.vision is not None and model.image_tile == 1  # CPU: one image per pass
     imgs = _images(SIZES)
     pairs = [(im.patches, im.positions) for im in imgs]
     alone = [model.vision.encode(*p) for p in pairs]
-    tile = model.vision.encode_tile(pairs)
+    if kernel == "math":
+        with sdpa_kernel([SDPBackend.MATH]):
+            tile = model.vision.encode_tile(pairs)
+    else:
+        tile = model.vision.encode_tile(pairs)
     assert [t.shape for t in tile] == [a.shape for a in alone] == [(im.tokens, 64) for im in imgs]
     for a, t in zip(alone, tile, strict=True):
         assert (a - t).abs().max().item() <= FP32_TOL
@@ -99,6 +108,27 @@ def test_images_of_requests_admitted_together_give_the_tokens_of_each_alone(vis)
     assert [r.result().token_ids for r in reqs] == alone
 
 
+def test_a_tile_of_four_on_the_cpu_runs_the_padded_pass_through_the_engine(vis):
+    """The accelerators' tile forced on the CPU: five images of three requests admitted together are encoded in
+    one planned call as a padded tile of four and one alone; each request's soft tokens equal its images alone
+    within fp32 tolerance, and every request completes."""
+    engine = _engine(vis)
+    engine.model.image_tile = 4
+    assert engine.model.vision is not None
+    prompts = [_prompt([(96, 96), (48, 150)], 1), _prompt([(150, 100)], 2), _prompt([(200, 60), (96, 96)], 3)]
+    reqs = [engine.add(engine.make_request(Submission(p, PARAMS))) for p in prompts]
+    feats = encode_planned(engine.model, [(r, 0, r.prompt_len) for r in reqs])
+    for r, f in zip(reqs, feats, strict=True):
+        alone = torch.cat([engine.model.vision.encode(im.patches, im.positions) for _, im in r.images])
+        assert f is not None and f.shape == alone.shape
+        assert (f - alone).abs().max().item() <= FP32_TOL
+    engine.step()
+    assert all(r.prefilled == r.prompt_len for r in reqs)  # one step planned the three prompts: one tower call
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert all(r.error is None and r.result().token_ids for r in reqs)
+
+
 def test_a_bad_image_fails_its_request_alone(vis):
     good = [_prompt([(96, 96)], 4), _prompt([(48, 150), (150, 100)], 5)]
     engine = _engine(vis)
@@ -121,11 +151,12 @@ def test_the_tile_workspace_arithmetic_on_the_real_dims():
     assert vc is not None
     assert (vc.hidden_size, vc.intermediate_size, vc.num_attention_heads, vc.max_soft_tokens) == (768, 3072, 12, 280)
     P = 280 * 9  # patches of the largest image
-    scores = 12 * P * P * (2 + 4 + 2)  # md scores, fp32 softmax, md probabilities
-    rows = P * (8 * 768 + 3 * 3072) * 2  # the layer's activations in bf16
+    # the math kernel SDPA may fall back to: fp32 scores, softmax, the all-masked-row check's bool and where()
+    scores = 12 * P * P * (4 + 4 + 1 + 4)
+    rows = P * (8 * 768 + 3 * 3072) * 2 + P * 4 * 768 * 4  # the layer's activations in bf16, fp32 q/k/v/out
     edges = P * 768 * 4 + P * 280 * 4 + 280 * 768 * 4  # fp32 patches, pooling weights, pooled
-    assert tile_workspace_bytes(vc, 1, torch.bfloat16) == scores + rows + edges == 698_476_800
-    assert tile_workspace_bytes(vc, 4, torch.bfloat16) == 4 * 698_476_800  # ~2.8 GB for a GPU tile of 4
+    assert tile_workspace_bytes(vc, 1, torch.bfloat16) == scores + rows + edges == 1_110_466_560
+    assert tile_workspace_bytes(vc, 4, torch.bfloat16) == 4 * 1_110_466_560  # ~4.4 GB for a GPU tile of 4
 
 
 def test_the_tile_workspace_comes_out_of_the_kv_budget(vis, caplog):

@@ -25,6 +25,7 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 SEED, TOKENS = 11, 16
+FETCH_TIMEOUT = 1.5  # the test server's --media-fetch-timeout
 
 
 def _png(w: int, h: int, seed: int = 0, fmt: str = "PNG") -> bytes:
@@ -68,7 +69,14 @@ def vision_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vserver(vision_dir):
     s = ServerThread(
-        base_config(vision_dir, max_images_per_request=2, max_image_bytes=200_000, allowed_media_domains=("127.0.0.1",))
+        base_config(
+            vision_dir,
+            max_images_per_request=2,
+            max_image_bytes=200_000,
+            allowed_media_domains=("127.0.0.1",),
+            media_fetch_timeout=FETCH_TIMEOUT,
+            media_fetch_max_redirects=2,
+        )
     )
     yield s
     s.stop()
@@ -313,16 +321,38 @@ def test_count_tokens_and_a_continued_response_read_images(vserver, expected):
 
 @pytest.fixture(scope="module")
 def media_site():
-    """http://127.0.0.1:<port>: /a.png the image, /loop redirects to itself, /big more bytes than the cap."""
+    """http://127.0.0.1:<port>: /a.png the image, /loop redirects to itself, /chain/<n> redirects n times to the
+    image, /big more bytes than the cap, /stall answers after 6 s, /trickle sends its body a byte every 0.1 s for
+    6 s (each byte well within a socket timeout, the whole past any fetch deadline here)."""
     import http.server
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            if self.path == "/loop":
+            try:
+                self._answer()
+            except OSError:
+                pass  # the fetch gave up and closed the connection
+
+        def _answer(self):
+            if self.path == "/loop" or self.path.startswith("/chain/"):
+                n = int(self.path.rpartition("/")[2]) if self.path != "/loop" else 1
                 self.send_response(302)
-                self.send_header("Location", "/loop")
+                self.send_header(
+                    "Location", "/loop" if self.path == "/loop" else f"/chain/{n - 1}" if n > 1 else "/a.png"
+                )
                 self.end_headers()
+                return
+            if self.path in ("/stall", "/trickle"):
+                if self.path == "/stall":
+                    time.sleep(6)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                for _ in range(60):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(0.1)
                 return
             body = IMG if self.path == "/a.png" else b"\0" * 300_000
             self.send_response(200)
@@ -346,11 +376,41 @@ def test_an_allowed_remote_image_is_fetched_and_gives_the_engines_tokens(vserver
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == result.text
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
-    for path, why in (("/loop", "more than 3 redirects"), ("/big", "more than 200000 bytes")):
+    for path, why in (("/loop", "more than 2 redirects"), ("/big", "more than 200000 bytes")):
         parts = [{"type": "image_url", "image_url": {"url": media_site + path}}]
         r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0]: ")
         assert why in r.json()["error"]["message"], r.text
+
+
+def test_redirects_past_the_flag_are_a_400_naming_the_part(vserver, media_site):
+    """The server follows --media-fetch-max-redirects (2 here): a chain of 2 gives the image, one of 3 a 400."""
+
+    def body(path: str) -> dict:
+        return {
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": media_site + path}}]}]
+        }
+
+    ok = httpx.post(_url(vserver, "/tokenize"), json=body("/chain/2"), timeout=60)
+    assert ok.status_code == 200, ok.text
+    r = httpx.post(_url(vserver, "/tokenize"), json=body("/chain/3"), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "messages[0].content[0]: more than 2 redirects"
+
+
+@pytest.mark.parametrize("path", ["/stall", "/trickle"])
+def test_a_slow_server_is_a_400_at_the_fetch_timeout(vserver, media_site, path):
+    """--media-fetch-timeout (1.5 s here) bounds the whole fetch: a server that says nothing, and one whose body
+    comes a byte at a time (each read quick, their sum not), end in a 400 naming the part at about the timeout."""
+    parts = [{"type": "image_url", "image_url": {"url": media_site + path}}]
+    t0 = time.monotonic()
+    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    took = time.monotonic() - t0
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        f"messages[0].content[0]: fetching the image took longer than the timeout ({FETCH_TIMEOUT:g} s)"
+    )
+    assert FETCH_TIMEOUT <= took < FETCH_TIMEOUT + 2.5, took
 
 
 def test_fetch_refuses_non_public_addresses_unless_named(media_site):

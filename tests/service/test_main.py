@@ -65,11 +65,29 @@ def test_flags_override_environment_which_overrides_defaults():
         ([], {"DGSERVE_MAX_NUM_SEQS": "many"}, "max_num_seqs"),
         (["--tls-cert", "c.pem"], {}, "tls_cert"),
         (["--dtype", "int3"], {}, "dtype"),
+        (["--media-fetch-timeout", "0"], {}, "media_fetch_timeout"),
+        ([], {"DGSERVE_MEDIA_FETCH_TIMEOUT": "soon"}, "media_fetch_timeout"),
+        (["--media-fetch-max-redirects", "-1"], {}, "media_fetch_max_redirects"),
+        (["--image-token-cost", "0.5"], {}, "image_token_cost"),
     ],
 )
 def test_bad_configuration_names_field(argv, env, field):
     with pytest.raises(ValueError, match=field):
         build_config(argv, env)
+
+
+def test_image_flags_flow_to_the_fetch_policy_and_the_scheduler():
+    from dgserve.service.server import scheduler_config
+
+    env = {"DGSERVE_MEDIA_FETCH_TIMEOUT": "2.5", "DGSERVE_IMAGE_TOKEN_COST": "3"}
+    cfg, _ = build_config(["--media-fetch-max-redirects", "0"], env)
+    assert (cfg.media_fetch_timeout, cfg.media_fetch_max_redirects, cfg.image_token_cost) == (2.5, 0, 3.0)
+    assert scheduler_config(cfg).image_token_cost == 3.0
+    defaults, _ = build_config([], {})
+    assert (defaults.media_fetch_timeout, defaults.media_fetch_max_redirects) == (10.0, 3)
+    assert scheduler_config(defaults).image_token_cost is None  # the engine's device default
+    with pytest.raises(ValueError, match=r"media_fetch_timeout .* \(set --media-fetch-timeout / env DGSERVE_ME"):
+        build_config(["--media-fetch-timeout", "601"], {})
 
 
 def test_dry_run_prints_resolved_config():

@@ -9,8 +9,8 @@ Public contract:
     tile_workspace_bytes(vc, images, dtype)                          # the peak working memory of such a pass
 
 ``encode`` runs one image unpadded; ``encode_tile`` pads a tile of images to its largest and masks the padding
-out of attention and pooling as transformers does (it pads to ``max_patches`` with positions (-1, -1)): the same
-values up to GEMM accumulation order (docs/exactness.md). Rounding
+out of attention and pooling as transformers does (it pads to ``max_patches`` with positions (-1, -1)), attending
+with torch's SDPA and a key-padding mask: the same values up to accumulation order (docs/exactness.md). Rounding
 follows transformers' ``Gemma4VisionModel``: every op in the model dtype ``md``, RMSNorm in fp32 rounded once,
 softmax in fp32, the pooled average and its √hidden scale in fp32, then ``md``.
 """
@@ -113,15 +113,20 @@ def tile_workspace_bytes(config: VisionConfig, images: int, dtype: torch.dtype) 
     """The peak working memory of one tower pass over ``images`` images of the most patches the config allows
     (P = max_soft_tokens · pooling²), in bytes: what the KV cache budget sets aside (docs/images.md, "Memory").
 
-    Per image, at one layer's peak: the attention scores [heads, P, P] in md, their fp32 softmax and its md copy;
-    the activations the layer holds at once, ~8 rows of width hv (residual, normed input, q, k, v, rotated q/k,
-    the attention output) and 3 of the MLP's width (gate, up, their product), in md; the fp32 patches
-    [P, 3·p²] and the pooling's fp32 one-hot weights [P, P / pooling²] and pooled output."""
+    Per image, at one layer's peak, assuming the worst attention kernel: SDPA (the padded tile) may fall back to its
+    math kernel on any device (a mask, a head size or a dtype the fused kernels refuse), which holds the scores
+    [heads, P, P] in fp32, their fp32 softmax, the all-masked-row check's bool mask and its where() result at once
+    (13 bytes a score; measured 9.2-9.5 on the CPU), plus fp32 copies of q, k, v and the output (4 rows of width
+    hv); this also covers the unpadded pass's eager attention (scores in md, an fp32 softmax and its md copy). The
+    fused kernels hold no [P, P] at all. Then the activations the layer holds at once, ~8 rows of width hv
+    (residual, normed input, q, k, v, rotated q/k, the attention output) and 3 of the MLP's width (gate, up, their
+    product), in md; the fp32 patches [P, 3·p²] and the pooling's fp32 one-hot weights [P, P / pooling²] and
+    pooled output."""
     md = torch.finfo(dtype).bits // 8
     k = config.pooling_kernel_size
     P = config.max_soft_tokens * k * k
-    scores = config.num_attention_heads * P * P * (md + 4 + md)
-    rows = P * (8 * config.hidden_size + 3 * config.intermediate_size) * md
+    scores = config.num_attention_heads * P * P * (4 + 4 + 1 + 4)
+    rows = P * (8 * config.hidden_size + 3 * config.intermediate_size) * md + P * 4 * config.hidden_size * 4
     edges = (
         P * 3 * config.patch_size**2 * 4
         + P * config.max_soft_tokens * 4
@@ -364,12 +369,14 @@ class VisionTower:
     @staticmethod
     def _attend_masked(q, k, v, keys: torch.Tensor) -> torch.Tensor:
         """Bidirectional attention with scale 1 per image of a padded tile: q [n, nh, P, hd], k/v [n, nkv, P, hd],
-        keys [n, P] bool (True: a real patch) → [n·P, nh·hd] md. Scores in md, softmax in fp32 then md."""
+        keys [n, P] bool (True: a real patch) → [n·P, nh·hd] md.
+
+        torch's SDPA with a boolean key-padding mask (broadcast [n, 1, 1, P], never materialised per head), as
+        transformers' SDPA pass runs it: the softmax in fp32 inside the kernel and the output rounded to md once, so
+        it equals ``attend`` (scores in md, softmax in fp32 then md) up to rounding: within 1e-4 in fp32
+        (tests/test_image_batch.py). Every query row sees its image's real patches, so no row is all masked."""
         n, nh, P, hd = q.shape
-        nkv = k.shape[1]
-        g = nh // nkv  # query head h uses KV head h // g
-        scores = torch.matmul(q.reshape(n, nkv, g * P, hd), k.transpose(-1, -2)).view(n, nh, P, P)
-        scores.masked_fill_(~keys[:, None, None, :], float("-inf"))  # in place: no second [n, nh, P, P]
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(p.view(n, nkv, g * P, P), v).view(n, nh, P, hd)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keys[:, None, None, :], scale=1.0, enable_gqa=k.shape[1] != nh
+        )  # [n, nh, P, hd]
         return out.permute(0, 2, 1, 3).reshape(n * P, nh * hd)
