@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from dgserve.engine.engine import check_request_id
+from dgserve.engine.request_checks import check_request_id
 
 from . import errors
 from .logs import request_id_var

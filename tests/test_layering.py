@@ -151,8 +151,15 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.sampler",
                 "dgserve.engine.prompt",
                 "dgserve.engine.canvas_draft",  # a request's starting canvas and pins, checked (docs/edit-in-place.md)
+                "dgserve.engine.isolation",  # a request fails alone: the step's two guards
+                "dgserve.engine.step_output",  # what a step reports; the blocks that commit or end a request
             ),
             ("dgserve.engine.image_batch",),  # prompts' images and the iteration's one vision tower call
+            (
+                "dgserve.engine.request_checks",  # a request's prompt ids, context, work, knobs and id, checked
+                "dgserve.engine.loading",  # a checkpoint directory → model, tokenizer, defaults; the runtime info
+                "dgserve.engine.grammar_rows",  # each structured request's grammar state, from one compiled cache
+            ),
             ("dgserve.engine.model_runner",),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),

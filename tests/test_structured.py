@@ -119,7 +119,7 @@ def test_json_object_regex_and_choice(engine):
             assert isinstance(json.loads(obj.text), dict)
         else:
             assert obj.finish_reason == "length" and obj.text.startswith("{")
-            assert engine._grammars.matcher(fmts[0]).consume_tokens(obj.token_ids)
+            assert engine._grammar_compiler().matcher(fmts[0]).consume_tokens(obj.token_ids)
         assert rx.finish_reason == "eos" and len(rx.text) in range(6, 9) and rx.text[:3].isdigit() and rx.text[3] == "-"
         assert ch.text in fmts[2].choices
 
@@ -149,7 +149,7 @@ def test_length_ends_with_an_accepted_prefix(engine):
     fmt = schema_format(SCHEMAS["pattern"])  # at least 40 characters: cannot fit in 7 tokens
     r = engine.generate("x", params(fmt, 2, max_new_tokens=7))
     assert r.finish_reason == "length" and len(r.token_ids) == 7
-    m = engine._grammars.matcher(fmt)
+    m = engine._grammar_compiler().matcher(fmt)
     assert m.consume_tokens(r.token_ids) and not m.is_error()
 
 
@@ -169,9 +169,9 @@ def test_jump_forward_commits_forced_tokens_without_forwards(engine):
 def test_grammar_compiled_once_per_format(engine):
     fmt = schema_format({"type": "object", "properties": {"once": {"type": "integer"}}, "required": ["once"]})
     engine.generate("x", params(fmt, 0))
-    n = engine._grammars.compiles
+    n = engine._grammar_compiler().compiles
     engine.generate_batch(["x", "y"], [params(fmt, 1), params(fmt, 2)])
-    assert engine._grammars.compiles == n
+    assert engine._grammar_compiler().compiles == n
 
 
 @pytest.mark.parametrize(

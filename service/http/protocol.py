@@ -25,8 +25,8 @@ import secrets
 from dataclasses import dataclass
 
 from dgserve.engine.async_engine import DraftSpec
-from dgserve.engine.engine import MAX_REQUEST_ID_LENGTH
 from dgserve.engine.prompt import ChatPrompt, Prompt, Submission
+from dgserve.engine.request_checks import MAX_REQUEST_ID_LENGTH
 from dgserve.sampling_params import SCALAR_KNOBS, SamplingParams, choice_seed, with_temperature
 from dgserve.structured import ResponseFormat
 from dgserve.structured.response_format import read_schema

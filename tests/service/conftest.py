@@ -1,9 +1,13 @@
-"""Fixtures: one shared server over a tiny random checkpoint with a BPE tokenizer, stubs, its HTTP URL and the
-official openai and anthropic clients on it, a local engine."""
+"""Fixtures: one shared server over a tiny random checkpoint with a BPE tokenizer, stubs, its HTTP URL with an
+httpx client and the official openai and anthropic clients on it, a local engine, and a check that the server
+logged no error or traceback during a test."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+import httpx
 import pytest
 from service_helpers import ServerThread, base_config
 
@@ -46,6 +50,22 @@ def anthropic_client(url):
 
     with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def http(url):
+    """An httpx client on the shared server's HTTP door (paths relative to its base URL)."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def no_traceback(caplog):
+    """Fails the test when the server logged an error or a traceback while it ran."""
+    caplog.set_level(logging.INFO)
+    yield
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage()[:200] for r in bad]
 
 
 @pytest.fixture(scope="session")

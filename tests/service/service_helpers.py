@@ -100,9 +100,10 @@ def base_config(model_dir, **kw) -> ServiceConfig:
 
 
 @contextlib.contextmanager
-def running(config: ServiceConfig) -> Iterator[ServerThread]:
-    """A server of its own for the with block, stopped at its end."""
-    s = ServerThread(config)
+def running(config: ServiceConfig, **kw) -> Iterator[ServerThread]:
+    """A server of its own for the with block, stopped at its end; ``kw`` go to ``ServerThread`` (engine_factory,
+    wait_ready)."""
+    s = ServerThread(config, **kw)
     try:
         yield s
     finally:

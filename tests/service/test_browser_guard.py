@@ -13,9 +13,8 @@ import socket
 import subprocess
 
 import httpx
-import openai
 import pytest
-from service_helpers import ServerThread, base_config
+from service_helpers import base_config, running
 
 from dgserve.service.__main__ import build_config
 from dgserve.service.config import ServiceConfig
@@ -32,16 +31,6 @@ POSTS = {
     "/detokenize": {"tokens": [1, 2]},
 }
 JSON = {"content-type": "application/json"}
-
-
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=url(server), timeout=60) as c:
-        yield c
 
 
 def assert_error(r: httpx.Response, status: int, code: str, param: str) -> None:
@@ -82,15 +71,14 @@ def test_get_routes_ignore_the_content_type(http):
         assert http.get(path, headers={"content-type": "text/plain"}).status_code == 200, path
 
 
-def test_the_openai_client_and_the_readme_curl_still_work(server):
-    with openai.OpenAI(base_url=url(server) + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        r = client.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=8,
-            extra_body={"max_denoising_steps": 2},
-        )
-        assert r.choices[0].finish_reason in ("stop", "length")
+def test_the_openai_client_and_the_readme_curl_still_work(server, openai_client):
+    r = openai_client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        extra_body={"max_denoising_steps": 2},
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
     if shutil.which("curl") is None:
         pytest.skip("curl not found")
     base = f"localhost:{server.server.http_port}"
@@ -230,10 +218,8 @@ def allowing(model_dir):
         allowed_hosts=("dgserve.example", "*.svc.cluster.local"),
         warm_up=False,
     )
-    s = ServerThread(cfg)
-    with httpx.Client(base_url=url(s), timeout=60) as c:
+    with running(cfg) as s, httpx.Client(base_url=s.http_url, timeout=60) as c:
         yield c
-    s.stop()
 
 
 def test_allowed_origins_get_cors(allowing):

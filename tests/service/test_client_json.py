@@ -7,7 +7,6 @@ traceback (json's RecursionError), and the server keeps serving."""
 from __future__ import annotations
 
 import json
-import logging
 
 import grpc
 import httpx
@@ -21,21 +20,6 @@ from dgserve.v1 import text_generation_pb2 as pb
 
 DEPTHS = [1_000, 5_000, 100_000]
 ARGS_FIELD = "messages[1].tool_calls[0].function.arguments"
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}", timeout=60) as c:
-        yield c
-
-
-@pytest.fixture
-def no_traceback(caplog):
-    """Fails the test when the server logged an error or a traceback while it ran."""
-    caplog.set_level(logging.INFO)
-    yield
-    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert not bad, [r.getMessage()[:200] for r in bad]
 
 
 def deep(depth: int) -> str:

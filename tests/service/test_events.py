@@ -10,8 +10,8 @@ import pytest
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished, Started, StreamStalledError
-from dgserve.engine.engine import DraftOutput
 from dgserve.engine.prompt import Submission
+from dgserve.engine.step_output import DraftOutput
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, BlockOutput, BlockStats
 from dgserve.service import convert, events
 from dgserve.service.http import protocol, responses

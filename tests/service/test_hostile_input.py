@@ -5,7 +5,6 @@ messages never echo a huge value back, and 16 MB bodies do not stall the event l
 from __future__ import annotations
 
 import json
-import logging
 import math
 import threading
 import time
@@ -21,21 +20,6 @@ from dgserve.v1 import text_generation_pb2 as pb
 GENERATE = "/dgserve.v1.TextGeneration/Generate"
 BIG = 15 << 20  # under the 16 MB message limit, far over anything an error message should hold
 SHORT = 4096  # the most an error body may take (its message is capped at 2048 characters)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}", timeout=60) as c:
-        yield c
-
-
-@pytest.fixture
-def no_traceback(caplog):
-    """Fails the test when the server logged an error or a traceback while it ran."""
-    caplog.set_level(logging.INFO)
-    yield
-    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert not bad, [r.getMessage()[:200] for r in bad]
 
 
 def post(http, path: str, body: bytes) -> httpx.Response:

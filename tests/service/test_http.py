@@ -14,7 +14,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from service_helpers import ServerThread, base_config, long_params, params, wait_until
+from service_helpers import auth_config, base_config, long_params, params, running, wait_until
 
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
@@ -23,17 +23,6 @@ KNOBS = {"max_denoising_steps": 4}
 # every block runs all 16 steps (no early stop): an unread draft is dropped when its block commits, so give the
 # reader many steps per block to see one even on a loaded machine
 SLOW_BLOCKS = {"max_denoising_steps": 16, "confidence_threshold": 1e-30}
-
-
-def base_url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
 
 
 def grpc_text(stub, **request) -> tuple[str, pb.Finished, list[int]]:
@@ -45,13 +34,13 @@ def grpc_text(stub, **request) -> tuple[str, pb.Finished, list[int]]:
 # ---------------------------------------------------------------------------------------------- happy paths
 
 
-def test_models_lists_the_served_name_and_aliases(client):
-    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+def test_models_lists_the_served_name_and_aliases(openai_client):
+    assert [m.id for m in openai_client.models.list().data] == ["tiny", "tiny-alias"]
 
 
-def test_completion_equals_grpc_generate_for_the_same_seed(client, stub):
+def test_completion_equals_grpc_generate_for_the_same_seed(openai_client, stub):
     text, fin, _ = grpc_text(stub, prompt="hello there", params=params(max_new_tokens=40, seed=11))
-    r = client.completions.create(model="tiny", prompt="hello there", max_tokens=40, seed=11, extra_body=KNOBS)
+    r = openai_client.completions.create(model="tiny", prompt="hello there", max_tokens=40, seed=11, extra_body=KNOBS)
     assert r.choices[0].text == text and len(text) > 0
     assert r.usage.completion_tokens == fin.usage.completion_tokens == 40
     assert r.usage.prompt_tokens == fin.usage.prompt_tokens
@@ -60,25 +49,25 @@ def test_completion_equals_grpc_generate_for_the_same_seed(client, stub):
     assert sum(b["tokens"] for b in r.model_extra["dgserve"]["blocks"]) == 40
 
 
-def test_token_id_prompt_and_alias(client, stub):
+def test_token_id_prompt_and_alias(openai_client, stub):
     text, _, _ = grpc_text(stub, token_ids=pb.TokenIds(ids=[5, 6, 7]), params=params(max_new_tokens=20, seed=3))
-    r = client.completions.create(model="tiny-alias", prompt=[5, 6, 7], max_tokens=20, seed=3, extra_body=KNOBS)
+    r = openai_client.completions.create(model="tiny-alias", prompt=[5, 6, 7], max_tokens=20, seed=3, extra_body=KNOBS)
     assert r.choices[0].text == text and r.model == "tiny-alias"
 
 
-def test_chat_equals_grpc_chat_and_streams_one_chunk_per_block(client, stub):
+def test_chat_equals_grpc_chat_and_streams_one_chunk_per_block(openai_client, stub):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     text, fin, sizes = grpc_text(
         stub,
         chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]),
         params=params(max_new_tokens=48, seed=5),
     )
-    r = client.chat.completions.create(
+    r = openai_client.chat.completions.create(
         model="tiny", messages=messages, max_completion_tokens=48, seed=5, extra_body=KNOBS
     )
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == fin.usage.completion_tokens
-    stream = client.chat.completions.create(
+    stream = openai_client.chat.completions.create(
         model="tiny",
         messages=messages,
         max_completion_tokens=48,
@@ -98,8 +87,8 @@ def test_chat_equals_grpc_chat_and_streams_one_chunk_per_block(client, stub):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == fin.usage.completion_tokens
 
 
-def test_stop_string_gives_stop_and_cuts_the_text(client):
-    full = client.completions.create(model="tiny", prompt="stop test", max_tokens=48, seed=2, extra_body=KNOBS)
+def test_stop_string_gives_stop_and_cuts_the_text(openai_client):
+    full = openai_client.completions.create(model="tiny", prompt="stop test", max_tokens=48, seed=2, extra_body=KNOBS)
     text = full.choices[0].text
     stop = next(
         (
@@ -111,14 +100,14 @@ def test_stop_string_gives_stop_and_cuts_the_text(client):
     )
     if stop is None:
         pytest.skip("no usable two-character stop string in this output")
-    r = client.completions.create(
+    r = openai_client.completions.create(
         model="tiny", prompt="stop test", max_tokens=48, seed=2, stop=[stop], extra_body=KNOBS
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.index(stop)]
 
 
-def test_raw_sse_frames_seed_header_and_drafts(server):
+def test_raw_sse_frames_seed_header_and_drafts(url):
     # ignore_eos: no seed is given, so the draw is random; without it an early EOS would end the stream "stop"
     body = {
         "prompt": "raw",
@@ -128,7 +117,7 @@ def test_raw_sse_frames_seed_header_and_drafts(server):
         "ignore_eos": True,
         **SLOW_BLOCKS,
     }
-    with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         seed = int(r.headers["x-dgserve-seed"])
         raw = r.read().decode()
@@ -146,32 +135,34 @@ def test_raw_sse_frames_seed_header_and_drafts(server):
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
     assert plain[-1]["dgserve"]["seed"] == seed  # no seed asked: the one used, in header and body
     again = httpx.post(
-        base_url(server) + "/v1/completions",
+        url + "/v1/completions",
         timeout=60,
         json={"prompt": "raw", "max_tokens": 40, "seed": seed, "ignore_eos": True, **SLOW_BLOCKS},
     ).json()
     assert again["choices"][0]["text"] == "".join(d["choices"][0]["text"] for d in plain)
 
 
-def test_official_client_skips_draft_events(client):
+def test_official_client_skips_draft_events(openai_client):
     """Drafts are typed SSE events whose chunks have no choices: the official client yields no text for them."""
     kw = dict(model="tiny", prompt="drafts", max_tokens=40, seed=9, stream=True)
-    plain = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=SLOW_BLOCKS) if c.choices)
-    chunks = list(client.completions.create(**kw, extra_body={**SLOW_BLOCKS, "drafts": {"include_text": True}}))
+    plain = "".join(
+        c.choices[0].text for c in openai_client.completions.create(**kw, extra_body=SLOW_BLOCKS) if c.choices
+    )
+    chunks = list(openai_client.completions.create(**kw, extra_body={**SLOW_BLOCKS, "drafts": {"include_text": True}}))
     assert any(not c.choices for c in chunks)  # the drafts reached the client
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
 
 
-def test_request_id_in_and_out(server):
+def test_request_id_in_and_out(url):
     r = httpx.post(
-        base_url(server) + "/v1/completions",
+        url + "/v1/completions",
         headers={"X-Request-Id": "my-request-1"},
         timeout=60,
         json={"prompt": "id", "max_tokens": 8, "max_denoising_steps": 2},
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-request-1" and r.json()["id"] == "my-request-1"
     r = httpx.post(
-        base_url(server) + "/v1/completions",
+        url + "/v1/completions",
         headers={"X-Request-Id": "x" * 300},
         timeout=60,
         json={"prompt": "id", "max_tokens": 8},
@@ -201,8 +192,8 @@ def test_request_id_in_and_out(server):
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
-def test_bad_completion_fields_are_400_naming_the_field(server, extra, param):
-    r = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "x", "max_tokens": 8, **extra}, timeout=30)
+def test_bad_completion_fields_are_400_naming_the_field(url, extra, param):
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 8, **extra}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
@@ -222,31 +213,31 @@ def test_bad_completion_fields_are_400_naming_the_field(server, extra, param):
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ],
 )
-def test_bad_chat_fields_are_400_naming_the_field(server, extra, param):
+def test_bad_chat_fields_are_400_naming_the_field(url, extra, param):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
-    r = httpx.post(base_url(server) + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
-def test_official_client_errors(client):
+def test_official_client_errors(openai_client):
     with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="nope", prompt="x", max_tokens=4)
+        openai_client.completions.create(model="nope", prompt="x", max_tokens=4)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
+        openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
     assert e.value.body["param"] == "logprobs"
 
 
-def test_not_json_and_unknown_route(server):
+def test_not_json_and_unknown_route(url):
     r = httpx.post(
-        base_url(server) + "/v1/completions",
+        url + "/v1/completions",
         content=b"{not json",
         headers={"content-type": "application/json"},
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
-    r = httpx.get(base_url(server) + "/v1/nothing", timeout=30)
+    r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
 
 
@@ -256,17 +247,14 @@ def test_not_json_and_unknown_route(server):
 @pytest.fixture(scope="module")
 def guarded(model_dir, tmp_path_factory):
     """Bearer auth, a 4 KiB body limit, one running request and no queue."""
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("# accepted\nsecret-a\nsecret-b\n")
-    s = ServerThread(
-        base_config(model_dir, auth_token_file=str(tokens), max_message_bytes=4096, max_num_seqs=1, max_queue_len=0)
-    )
-    yield s
-    s.stop()
+    lines = ("# accepted", "secret-a", "secret-b")  # the token file's comment line is skipped
+    limits = dict(max_message_bytes=4096, max_num_seqs=1, max_queue_len=0)
+    with running(auth_config(model_dir, tmp_path_factory.mktemp("auth"), lines, **limits)) as s:
+        yield s
 
 
 def test_bearer_auth_matches_the_grpc_rule(guarded):
-    url = base_url(guarded)
+    url = guarded.http_url
     for token in ("secret-a", "secret-b"):
         c = openai.OpenAI(base_url=url + "/v1", api_key=token, max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
@@ -286,7 +274,7 @@ def test_bearer_auth_matches_the_grpc_rule(guarded):
 
 def test_oversized_body_is_413(guarded):
     r = httpx.post(
-        base_url(guarded) + "/v1/completions",
+        guarded.http_url + "/v1/completions",
         headers={"Authorization": "Bearer secret-a"},
         json={"prompt": "x" * 8000},
         timeout=30,
@@ -303,7 +291,7 @@ def test_overload_is_429_with_retry_after_shared_with_grpc(guarded):
     )
     try:
         assert next(call).HasField("started")
-        c = openai.OpenAI(base_url=base_url(guarded) + "/v1", api_key="secret-b", max_retries=0)
+        c = openai.OpenAI(base_url=guarded.http_url + "/v1", api_key="secret-b", max_retries=0)
         with pytest.raises(openai.RateLimitError) as e:
             c.completions.create(model="tiny", prompt="x", max_tokens=4)
         assert int(e.value.response.headers["retry-after"]) >= 1
@@ -316,12 +304,12 @@ def test_overload_is_429_with_retry_after_shared_with_grpc(guarded):
 # ------------------------------------------------------------------------------------------- disconnect, loading, drain
 
 
-def test_disconnect_mid_stream_frees_the_slot(server):
+def test_disconnect_mid_stream_frees_the_slot(server, url):
     eng = server.engine
     aborted = server.server.metrics.value("dgserve_request_aborted_total", {"reason": "client_cancelled"})
     body = {"prompt": "long", "stream": True, "max_tokens": 16 * 200, "ignore_eos": True, "max_denoising_steps": 8}
     with httpx.Client(timeout=60) as c:
-        with c.stream("POST", base_url(server) + "/v1/completions", json=body) as r:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             assert eng.num_running == 1
@@ -330,11 +318,11 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert server.server.metrics.value("dgserve_request_aborted_total", {"reason": "client_cancelled"}) == aborted + 1
 
 
-def test_client_giving_up_on_a_non_streaming_request_frees_the_slot(server):
+def test_client_giving_up_on_a_non_streaming_request_frees_the_slot(server, url):
     eng = server.engine
     body = {"prompt": "long", "max_tokens": 16 * 200, "ignore_eos": True, "max_denoising_steps": 8}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url(server) + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
 
 
@@ -347,25 +335,23 @@ def test_loading_is_503_and_live(model_dir):
         gate.wait(60)
         return Engine.from_pretrained(model_dir)
 
-    s = ServerThread(base_config(model_dir), engine_factory=slow_factory, wait_ready=False)
-    try:
-        url = base_url(s)
-        assert httpx.get(url + "/v1/health/live", timeout=10).status_code == 200
-        assert httpx.get(url + "/v1/health/ready", timeout=10).status_code == 503
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
-        gate.set()
-        s.call(s.server.loaded.wait, timeout=120)
-        assert httpx.get(url + "/v1/health/ready", timeout=10).status_code == 200
-    finally:
-        gate.set()
-        s.stop()
+    with running(base_config(model_dir), engine_factory=slow_factory, wait_ready=False) as s:
+        try:
+            url = s.http_url
+            assert httpx.get(url + "/v1/health/live", timeout=10).status_code == 200
+            assert httpx.get(url + "/v1/health/ready", timeout=10).status_code == 503
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+            gate.set()
+            s.call(s.server.loaded.wait, timeout=120)
+            assert httpx.get(url + "/v1/health/ready", timeout=10).status_code == 200
+        finally:
+            gate.set()  # the factory returns before the server stops
 
 
 def test_drain_finishes_running_http_streams_and_refuses_new_ones(model_dir):
-    s = ServerThread(base_config(model_dir))
-    url = base_url(s)
-    try:
+    with running(base_config(model_dir)) as s:
+        url = s.http_url
         body = {"prompt": "drain", "stream": True, "max_tokens": 16 * 12, "ignore_eos": True, "max_denoising_steps": 8}
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -378,16 +364,13 @@ def test_drain_finishes_running_http_streams_and_refuses_new_ones(model_dir):
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert rest[-1]["choices"][0]["finish_reason"] == "length"
         drained.result(30)
-    finally:
-        s.stop()
 
 
 def test_drain_past_the_grace_ends_sse_streams_with_abort_then_done(model_dir, caplog):
     """A stream that outlives the drain grace gets a last chunk with finish_reason "abort", then [DONE]; no
     traceback is logged."""
-    s = ServerThread(base_config(model_dir))
-    url = base_url(s)
-    try:
+    with running(base_config(model_dir)) as s:
+        url = s.http_url
         body = {
             "prompt": "forever",
             "stream": True,
@@ -404,5 +387,3 @@ def test_drain_past_the_grace_ends_sse_streams_with_abort_then_done(model_dir, c
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
         drained.result(30)
         assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
-    finally:
-        s.stop()

@@ -7,24 +7,13 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from service_helpers import base_config, running
 
 import dgserve
 from dgserve.engine.prompt import ChatPrompt
 from dgserve.v1 import text_generation_pb2 as pb
 
 KNOBS = {"max_denoising_steps": 4}
-
-
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
 
 
 def _text(client, **kw) -> tuple[str, int]:
@@ -36,26 +25,26 @@ def _text(client, **kw) -> tuple[str, int]:
 # ---------------------------------------------------------------------------------------------- temperature
 
 
-def test_temperature_one_is_the_models_schedule(client):
-    assert _text(client, seed=5, temperature=1) == _text(client, seed=5)
-    assert _text(client, seed=5, temperature=1.0) == _text(client, seed=5)
+def test_temperature_one_is_the_models_schedule(openai_client):
+    assert _text(openai_client, seed=5, temperature=1) == _text(openai_client, seed=5)
+    assert _text(openai_client, seed=5, temperature=1.0) == _text(openai_client, seed=5)
 
 
-def test_temperature_zero_is_deterministic_with_the_default_schedule(client):
-    first, seed = _text(client, temperature=0)
+def test_temperature_zero_is_deterministic_with_the_default_schedule(openai_client):
+    first, seed = _text(openai_client, temperature=0)
     assert seed == 0  # no seed given: seed 0, the model's own schedule
-    assert _text(client, temperature=0) == (first, 0)
-    assert _text(client, seed=0) == (first, 0)  # exactly the default sampler: no quality traded for determinism
-    assert _text(client, temperature=0, seed=9) == _text(client, seed=9)  # a given seed is kept
+    assert _text(openai_client, temperature=0) == (first, 0)
+    assert _text(openai_client, seed=0) == (first, 0)  # exactly the default sampler: no quality traded for determinism
+    assert _text(openai_client, temperature=0, seed=9) == _text(openai_client, seed=9)  # a given seed is kept
 
 
-def test_other_temperatures_scale_the_schedule_and_explicit_knobs_win(client, local_engine):
+def test_other_temperatures_scale_the_schedule_and_explicit_knobs_win(openai_client, local_engine):
     d = local_engine.default_params()
-    scaled = _text(client, seed=3, extra_body={"t_min": d.t_min * 0.5, "t_max": d.t_max * 0.5})
-    assert _text(client, seed=3, temperature=0.5) == scaled
-    explicit = _text(client, seed=3, extra_body={"t_min": 0.3, "t_max": 0.9})
-    assert _text(client, seed=3, temperature=0.5, extra_body={"t_min": 0.3, "t_max": 0.9}) == explicit
-    chat = client.chat.completions.create(
+    scaled = _text(openai_client, seed=3, extra_body={"t_min": d.t_min * 0.5, "t_max": d.t_max * 0.5})
+    assert _text(openai_client, seed=3, temperature=0.5) == scaled
+    explicit = _text(openai_client, seed=3, extra_body={"t_min": 0.3, "t_max": 0.9})
+    assert _text(openai_client, seed=3, temperature=0.5, extra_body={"t_min": 0.3, "t_max": 0.9}) == explicit
+    chat = openai_client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0, extra_body=KNOBS
     )
     assert chat.model_extra["dgserve"]["seed"] == 0
@@ -70,11 +59,11 @@ def test_bad_temperature_is_400_naming_it(url, value):
 # ---------------------------------------------------------------------------------------------- routes
 
 
-def test_model_by_id(client, url):
-    m = client.models.retrieve("tiny-alias")
+def test_model_by_id(openai_client, url):
+    m = openai_client.models.retrieve("tiny-alias")
     assert m.id == "tiny-alias" and m.object == "model"
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-4")
+        openai_client.models.retrieve("gpt-4")
     r = httpx.get(url + "/v1/models/gpt-4", timeout=10)
     assert r.status_code == 404 and "tiny" in r.json()["error"]["message"]
 
@@ -310,11 +299,9 @@ def test_chat_template_is_refused_unless_the_operator_trusts_requests(url):
 
 @pytest.fixture(scope="module")
 def trusting_url(model_dir):
-    from service_helpers import ServerThread, base_config
-
-    s = ServerThread(base_config(model_dir, trust_request_chat_template=True))
-    yield f"http://127.0.0.1:{s.server.http_port}"
-    s.stop()
+    """A server of its own that trusts a request's chat_template (--trust-request-chat-template)."""
+    with running(base_config(model_dir, trust_request_chat_template=True)) as s:
+        yield s.http_url
 
 
 def test_a_trusted_request_chat_template_renders_the_chat(trusting_url, local_engine):
@@ -352,7 +339,7 @@ def test_grpc_takes_stop_token_ids_and_min_tokens(stub, local_engine):
 # ---------------------------------------------------------------------------------------------- n > 1
 
 
-def test_n_choices_are_n_seeds_derived_from_the_request_seed(url, client):
+def test_n_choices_are_n_seeds_derived_from_the_request_seed(url, openai_client):
     from dgserve.sampling_params import choice_seed
 
     body = {"prompt": "the quick", "max_tokens": 24, "seed": 5, "ignore_eos": True, **KNOBS}
@@ -367,7 +354,7 @@ def test_n_choices_are_n_seeds_derived_from_the_request_seed(url, client):
     assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone) == 72
     ext = many["dgserve"]
     assert ext["seed"] == 5 and [c["seed"] for c in ext["choices"]] == [choice_seed(5, i) for i in range(3)]
-    chat = client.chat.completions.create(
+    chat = openai_client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=16, seed=2, extra_body=KNOBS
     )
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)

@@ -10,7 +10,6 @@ import json
 import grpc
 import httpx
 import jsonschema
-import openai
 import pytest
 from service_helpers import params
 
@@ -27,15 +26,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 KNOBS = {"max_denoising_steps": 4}
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused", max_retries=0, timeout=60
-    )
-    yield c
-    c.close()
 
 
 def grpc_generate(stub, fmt: pb.ResponseFormat, seed: int, **kw) -> tuple[str, pb.Finished]:
@@ -64,10 +54,10 @@ def test_grpc_regex_and_choice(stub):
     assert text in ("left", "right")
 
 
-def test_http_chat_and_completion_json_schema_match_grpc(client, stub):
+def test_http_chat_and_completion_json_schema_match_grpc(openai_client, stub):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
     for seed in range(3):
-        chat = client.chat.completions.create(
+        chat = openai_client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "City as JSON"}],
             max_tokens=96,
@@ -77,12 +67,12 @@ def test_http_chat_and_completion_json_schema_match_grpc(client, stub):
         )
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
         assert chat.choices[0].finish_reason == "stop"
-    done = client.completions.create(
+    done = openai_client.completions.create(
         model="tiny", prompt="City as JSON:", max_tokens=96, seed=5, extra_body={**KNOBS, "response_format": fmt}
     )
     text, _ = grpc_generate(stub, schema_format(), 5)
     assert done.choices[0].text == text  # the same seeded document over both front doors
-    obj = client.completions.create(
+    obj = openai_client.completions.create(
         model="tiny",
         prompt="x",
         max_tokens=64,
@@ -121,14 +111,13 @@ def test_grpc_bad_format_is_invalid_argument_and_server_stays_healthy(stub, fmt,
         ({"type": "json_schema", "json_schema": {"schema": {"description": "x" * 40000}}}, "bytes"),
     ],
 )
-def test_http_bad_format_is_400_naming_response_format(server, client, fmt, problem):
-    url = f"http://127.0.0.1:{server.server.http_port}/v1/chat/completions"
+def test_http_bad_format_is_400_naming_response_format(url, openai_client, fmt, problem):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "response_format": fmt}
-    r = httpx.post(url, json=body, timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].startswith("response_format") and problem in err["message"]
-    ok = client.completions.create(model="tiny", prompt="x", max_tokens=8, seed=1, extra_body=KNOBS)
+    ok = openai_client.completions.create(model="tiny", prompt="x", max_tokens=8, seed=1, extra_body=KNOBS)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 

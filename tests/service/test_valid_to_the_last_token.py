@@ -9,8 +9,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
-import pytest
 from service_helpers import params
 
 from dgserve.v1 import text_generation_pb2 as pb
@@ -29,32 +27,20 @@ CUT = 16  # tokens: the tiny model spells <|tool_call> in text, so a call is cut
 MARKER_PIECES = ("<", "|")
 
 
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
 def _chat(client, **kw):
     kw.setdefault("messages", ASK)
     return client.chat.completions.create(model="tiny", seed=1, extra_body=KNOBS, **kw)
 
 
-def test_chat_a_cut_call_is_no_call(client):
-    r = _chat(client, tools=[WEATHER], tool_choice=NAMED, max_tokens=CUT)
+def test_chat_a_cut_call_is_no_call(openai_client):
+    r = _chat(openai_client, tools=[WEATHER], tool_choice=NAMED, max_tokens=CUT)
     c = r.choices[0]
     assert c.finish_reason == "length" and not c.message.tool_calls
     assert not any(p in (c.message.content or "") for p in MARKER_PIECES)
 
 
-def test_chat_stream_a_cut_call_sends_nothing_of_it(client):
-    stream = _chat(client, tools=[WEATHER], tool_choice=NAMED, max_tokens=CUT, stream=True)
+def test_chat_stream_a_cut_call_sends_nothing_of_it(openai_client):
+    stream = _chat(openai_client, tools=[WEATHER], tool_choice=NAMED, max_tokens=CUT, stream=True)
     reasons, content = [], ""
     for chunk in stream:
         if not chunk.choices:
@@ -66,8 +52,8 @@ def test_chat_stream_a_cut_call_sends_nothing_of_it(client):
     assert reasons[-1] == "length" and not any(p in content for p in MARKER_PIECES)
 
 
-def test_responses_a_cut_call_is_incomplete_without_a_function_call(client):
-    r = client.responses.create(
+def test_responses_a_cut_call_is_incomplete_without_a_function_call(openai_client):
+    r = openai_client.responses.create(
         model="tiny",
         input="weather in Paris?",
         tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
@@ -93,13 +79,13 @@ def test_grpc_a_cut_call_is_no_call(stub):
     assert not any(p in "".join(b.text for b in blocks) + fin.text for p in MARKER_PIECES)
 
 
-def test_a_budget_that_holds_a_call_ends_with_complete_valid_calls(client):
+def test_a_budget_that_holds_a_call_ends_with_complete_valid_calls(openai_client):
     """required, parallel calls allowed, a free string (the random model writes it until the budget ends when
     nothing steers it): steered to end inside the budget, no call started that cannot finish."""
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     note = {"type": "function", "function": {"name": "note", "parameters": schema}}
     for seed in (1, 2):
-        r = client.chat.completions.create(
+        r = openai_client.chat.completions.create(
             model="tiny", messages=ASK, seed=seed, tools=[note], tool_choice="required", max_tokens=64, extra_body=KNOBS
         )
         c = r.choices[0]
@@ -125,7 +111,7 @@ def test_completions_a_document_at_its_budget_ends_complete(url):
     assert short["choices"][0]["finish_reason"] == "length"  # no document fits: cut, and said so
 
 
-def test_a_history_call_with_arguments_that_are_not_json_is_rendered(client):
+def test_a_history_call_with_arguments_that_are_not_json_is_rendered(openai_client):
     messages = [
         *ASK,
         {
@@ -137,5 +123,5 @@ def test_a_history_call_with_arguments_that_are_not_json_is_rendered(client):
         },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
-    r = _chat(client, messages=messages, tools=[WEATHER], max_tokens=16)
+    r = _chat(openai_client, messages=messages, tools=[WEATHER], max_tokens=16)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -35,9 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dgserve.engine.engine import DraftOutput, Engine, StepOutput, check_request_id
+from dgserve.engine.engine import Engine
 from dgserve.engine.prompt import Prompt, Submission
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, SharedWorkError
+from dgserve.engine.request_checks import check_request_id
+from dgserve.engine.step_output import DraftOutput, StepOutput
 from dgserve.outputs import FINISH_CANCELLED, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
 
