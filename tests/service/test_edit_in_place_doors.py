@@ -5,7 +5,6 @@ tokens (the same submission); bad input is a 400 / INVALID_ARGUMENT naming the f
 from __future__ import annotations
 
 import grpc
-import httpx
 import pytest
 
 from dgserve import SamplingParams
@@ -17,10 +16,6 @@ DRAFT = [-1, -1, 40, 41, 42, -1, 43]
 PINNED = [[2, 5], [6, 7]]
 
 
-def _url(server) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
 def _local(engine, prompt, max_new=16):
     sub = Submission(prompt, SamplingParams(max_new_tokens=max_new, **KNOBS), initial_canvas=DRAFT, pinned=PINNED)
     req = engine.add(engine.make_request(sub))
@@ -29,15 +24,15 @@ def _local(engine, prompt, max_new=16):
     return req.result().token_ids
 
 
-def _post(server, path, body):
-    return httpx.post(_url(server) + path, json=body, timeout=120)
+def _post(http, path, body):
+    return http.post(path, json=body, timeout=120)
 
 
-def test_completions_and_chat_carry_the_draft(server, local_engine):
+def test_completions_and_chat_carry_the_draft(http, local_engine):
     body = {"prompt": [5, 6, 7], "max_tokens": 16, "initial_canvas": DRAFT, "pinned": PINNED, **KNOBS}
-    r = _post(server, "/v1/completions", {**body, "return_token_ids": True})
+    r = _post(http, "/v1/completions", {**body, "return_token_ids": True})
     if r.status_code == 400 and "return_token_ids" in r.text:  # the door does not return ids: compare the text
-        r = _post(server, "/v1/completions", body)
+        r = _post(http, "/v1/completions", body)
     assert r.status_code == 200, r.text
     want = _local(local_engine, [5, 6, 7])
     assert [want[2:5], want[6]] == [[40, 41, 42], 43]
@@ -46,7 +41,7 @@ def test_completions_and_chat_carry_the_draft(server, local_engine):
     assert sum(b["pinned_tokens"] for b in r.json()["dgserve"]["blocks"]) == 4
     msgs = [{"role": "user", "content": "hello"}]
     r = _post(
-        server,
+        http,
         "/v1/chat/completions",
         {"messages": msgs, "max_tokens": 16, "initial_canvas": DRAFT, "pinned": PINNED, **KNOBS},
     )
@@ -55,15 +50,15 @@ def test_completions_and_chat_carry_the_draft(server, local_engine):
     assert r.json()["choices"][0]["message"]["content"] == local_engine.tokenizer.decode(want)
 
 
-def test_responses_and_messages_accept_the_fields(server):
+def test_responses_and_messages_accept_the_fields(http):
     r = _post(
-        server,
+        http,
         "/v1/responses",
         {"input": "hello", "max_output_tokens": 16, "initial_canvas": DRAFT, "pinned": PINNED, **KNOBS},
     )
     assert r.status_code == 200, r.text
     r = _post(
-        server,
+        http,
         "/v1/messages",
         {
             "messages": [{"role": "user", "content": "hello"}],
@@ -87,9 +82,9 @@ def test_responses_and_messages_accept_the_fields(server):
         ({"pinned": True}, "pinned"),
     ],
 )
-def test_bad_input_is_a_400_naming_the_field(server, extra, field):
+def test_bad_input_is_a_400_naming_the_field(http, extra, field):
     body = {"prompt": [5, 6, 7], "max_tokens": 16, **KNOBS, **extra}
-    r = _post(server, "/v1/completions", body)
+    r = _post(http, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import grpc
-import httpx
 import pytest
 from service_helpers import params
 
@@ -28,7 +27,7 @@ def _generate(stub, chat: pb.Chat, **kw):
     return list(stub.Generate(req, timeout=120))
 
 
-def test_a_named_call_streams_and_finishes_whole(stub, server):
+def test_a_named_call_streams_and_finishes_whole(stub, http):
     chat = pb.Chat(
         messages=[ASK],
         tools=[WEATHER],
@@ -59,9 +58,8 @@ def test_a_named_call_streams_and_finishes_whole(stub, server):
         "seed": 1,
         "max_denoising_steps": 4,
     }
-    url = f"http://127.0.0.1:{server.server.http_port}/v1/chat/completions"
-    http = httpx.post(url, json=body, timeout=120).json()["choices"][0]["message"]["tool_calls"][0]
-    assert (http["id"], http["function"]["arguments"]) == (call.id, call.arguments)
+    got = http.post("/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["tool_calls"][0]
+    assert (got["id"], got["function"]["arguments"]) == (call.id, call.arguments)
 
 
 def test_a_conversation_with_tool_turns_and_a_developer_message(stub):

@@ -9,7 +9,6 @@ import json
 import pathlib
 import re
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import ROOT
 
@@ -19,9 +18,9 @@ DASHBOARD = pathlib.Path(ROOT) / "deploy" / "grafana" / "dgserve-dashboard.json"
 LABELS = {"model_name": "tiny", "engine": "0"}  # the first served name (service_helpers.base_config)
 
 
-def scrape(server) -> tuple[dict[tuple[str, tuple], float], set[str], set[str]]:
+def scrape(http) -> tuple[dict[tuple[str, tuple], float], set[str], set[str]]:
     """(value by (sample name, labels), sample names, family names) of the server's /metrics."""
-    text = httpx.get(f"http://127.0.0.1:{server.server.http_port}/metrics", timeout=30).text
+    text = http.get("/metrics", timeout=30).text
     values, samples, families = {}, set(), set()
     for fam in text_string_to_metric_families(text):
         families.add(fam.name)
@@ -35,15 +34,15 @@ def get(values, name: str, **extra) -> float:
     return values.get((name, tuple(sorted({**LABELS, **extra}.items()))), 0.0)
 
 
-def test_vllm_names_move_after_a_request(server):
-    before, _, _ = scrape(server)
+def test_vllm_names_move_after_a_request(server, http):
+    before, _, _ = scrape(http)
     body = {"prompt": "The sea", "max_tokens": 24, "seed": 5, "max_denoising_steps": 4, "stream": True}
-    with httpx.stream("POST", f"http://127.0.0.1:{server.server.http_port}/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", "/v1/completions", json=body, timeout=60) as r:
         raw = r.read().decode()
     chunks = [json.loads(x[6:]) for x in raw.split("\n") if x.startswith("data: {")]
     blocks = [c["dgserve"]["block"] for c in chunks if "block" in c.get("dgserve", {})]
     usage = next(c for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"])
-    after, _, _ = scrape(server)
+    after, _, _ = scrape(http)
 
     def moved(name):
         return get(after, name) - get(before, name)
@@ -79,9 +78,9 @@ def dashboard_metrics() -> set[str]:
     return names
 
 
-def test_grafana_dashboard_queries_only_exported_metrics(server):
-    httpx.post(f"http://127.0.0.1:{server.server.http_port}/v1/completions", json={"prompt": "x", "max_tokens": 4})
-    _, samples, families = scrape(server)
+def test_grafana_dashboard_queries_only_exported_metrics(http):
+    http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    _, samples, families = scrape(http)
     named = dashboard_metrics()
     assert len(named) >= 15 and any(n.startswith("vllm:diffusion_") for n in named)
     # a histogram's _bucket / _sum / _count and a counter's _total are sample names
