@@ -14,7 +14,7 @@ import zlib
 import grpc
 import httpx
 import pytest
-from service_helpers import ServerThread, base_config, params
+from service_helpers import base_config, params, running
 from tiny_models import make_tiny_hf_model
 
 from dgserve import Engine, SamplingParams
@@ -68,18 +68,24 @@ def vision_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vserver(vision_dir):
-    s = ServerThread(
-        base_config(
-            vision_dir,
-            max_images_per_request=2,
-            max_image_bytes=200_000,
-            allowed_media_domains=("127.0.0.1",),
-            media_fetch_timeout=FETCH_TIMEOUT,
-            media_fetch_max_redirects=2,
-        )
+    """A server of its own over the vision checkpoint, with image caps and remote fetches on."""
+    config = base_config(
+        vision_dir,
+        max_images_per_request=2,
+        max_image_bytes=200_000,
+        allowed_media_domains=("127.0.0.1",),
+        media_fetch_timeout=FETCH_TIMEOUT,
+        media_fetch_max_redirects=2,
     )
-    yield s
-    s.stop()
+    with running(config) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def vhttp(vserver):
+    """An httpx client on the vision server's HTTP door."""
+    with httpx.Client(base_url=vserver.http_url, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +107,15 @@ def expected(vision_dir):
     return engine.generate(prompt, p), engine.prompt_ids(prompt)
 
 
-def _url(server, path: str) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}{path}"
-
-
 def _chat(parts: list, **kw) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": TOKENS, "seed": SEED, **kw}
 
 
-def test_every_door_gives_the_engines_tokens(vserver, vstub, expected):
+def test_every_door_gives_the_engines_tokens(vserver, vhttp, vstub, expected):
     result, ids = expected
     assert 297 in ids  # the image placeholders
-    chat = httpx.post(
-        _url(vserver, "/v1/chat/completions"),
+    chat = vhttp.post(
+        "/v1/chat/completions",
         json=_chat([{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": _data_url(IMG)}}]),
         timeout=60,
     )
@@ -121,8 +123,8 @@ def test_every_door_gives_the_engines_tokens(vserver, vstub, expected):
     assert chat.json()["choices"][0]["message"]["content"] == result.text
     assert chat.json()["usage"]["prompt_tokens"] == len(ids)
 
-    responses = httpx.post(
-        _url(vserver, "/v1/responses"),
+    responses = vhttp.post(
+        "/v1/responses",
         json={
             "model": "tiny",
             "input": [
@@ -144,8 +146,8 @@ def test_every_door_gives_the_engines_tokens(vserver, vstub, expected):
     assert responses.json()["output"][-1]["content"][0]["text"] == result.text
 
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMG).decode()}
-    messages = httpx.post(
-        _url(vserver, "/v1/messages"),
+    messages = vhttp.post(
+        "/v1/messages",
         json={
             "model": "tiny",
             "max_tokens": TOKENS,
@@ -179,7 +181,7 @@ def result_steps(server) -> int:
     return server.engine.default_params().max_denoising_steps
 
 
-def test_tokenize_counts_image_tokens(vserver, vstub, expected):
+def test_tokenize_counts_image_tokens(vhttp, vstub, expected):
     _, ids = expected
     body = {
         "messages": [
@@ -192,7 +194,7 @@ def test_tokenize_counts_image_tokens(vserver, vstub, expected):
             }
         ]
     }
-    r = httpx.post(_url(vserver, "/tokenize"), json=body, timeout=60)
+    r = vhttp.post("/tokenize", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == ids
     chat = pb.Chat(
@@ -220,19 +222,19 @@ def test_tokenize_counts_image_tokens(vserver, vstub, expected):
         (_data_url(_png(1000, 40)), "123x3 patches, more than the vision tower's position table of 64 per side"),
     ],
 )
-def test_bad_images_are_400_naming_the_part(vserver, url, why):
+def test_bad_images_are_400_naming_the_part(vhttp, url, why):
     parts = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
-    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    r = vhttp.post("/v1/chat/completions", json=_chat(parts), timeout=60)
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert msg.startswith("messages[0].content[1]") and why in msg, msg
 
 
-def test_a_declared_40000_square_png_is_refused_in_milliseconds(vserver, vstub):
+def test_a_declared_40000_square_png_is_refused_in_milliseconds(vhttp, vstub):
     bomb = _bomb_png(40_000, 40_000)
     parts = [{"type": "image_url", "image_url": {"url": _data_url(bomb)}}]
     t0 = time.perf_counter()
-    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    r = vhttp.post("/v1/chat/completions", json=_chat(parts), timeout=60)
     took = time.perf_counter() - t0
     assert r.status_code == 400 and "declares more pixels than the limit" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["message"].startswith("messages[0].content[0]")
@@ -244,26 +246,24 @@ def test_a_declared_40000_square_png_is_refused_in_milliseconds(vserver, vstub):
     assert e.value.details().startswith("chat.messages[0].parts[0]: the image declares more pixels")
 
 
-def test_too_many_images_is_400_naming_the_first_over_the_cap(vserver):
+def test_too_many_images_is_400_naming_the_first_over_the_cap(vhttp):
     part = {"type": "image_url", "image_url": {"url": _data_url(IMG)}}
-    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat([part, part, part]), timeout=60)
+    r = vhttp.post("/v1/chat/completions", json=_chat([part, part, part]), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[2]: more than 2")
 
 
-def test_the_shipped_size_model_refuses_images_on_every_door(server):
+def test_the_shipped_size_model_refuses_images_on_every_door(http):
     """The tiny default model's image token ids lie outside its vocabulary: a 400 naming the part, never a 500."""
     url = _data_url(IMG)
-    chat = httpx.post(
-        _url(server, "/v1/chat/completions"), json=_chat([{"type": "image_url", "image_url": {"url": url}}]), timeout=60
-    )
-    responses = httpx.post(
-        _url(server, "/v1/responses"),
+    chat = http.post("/v1/chat/completions", json=_chat([{"type": "image_url", "image_url": {"url": url}}]), timeout=60)
+    responses = http.post(
+        "/v1/responses",
         json={"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}]},
         timeout=60,
     )
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMG).decode()}
-    messages = httpx.post(
-        _url(server, "/v1/messages"),
+    messages = http.post(
+        "/v1/messages",
         json={
             "model": "tiny",
             "max_tokens": 8,
@@ -271,8 +271,8 @@ def test_the_shipped_size_model_refuses_images_on_every_door(server):
         },
         timeout=60,
     )
-    tokenize = httpx.post(
-        _url(server, "/tokenize"),
+    tokenize = http.post(
+        "/tokenize",
         json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]},
         timeout=60,
     )
@@ -287,18 +287,18 @@ def test_the_shipped_size_model_refuses_images_on_every_door(server):
         assert body["message"].startswith(f"{where}: this model cannot take images"), body
 
 
-def test_count_tokens_and_a_continued_response_read_images(vserver, expected):
+def test_count_tokens_and_a_continued_response_read_images(vhttp, expected):
     _, ids = expected
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMG).decode()}
     content = [{"type": "text", "text": "what is"}, {"type": "image", "source": source}]
-    r = httpx.post(
-        _url(vserver, "/v1/messages/count_tokens"),
+    r = vhttp.post(
+        "/v1/messages/count_tokens",
         json={"model": "tiny", "messages": [{"role": "user", "content": content}]},
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["input_tokens"] == len(ids), r.text
-    first = httpx.post(
-        _url(vserver, "/v1/responses"),
+    first = vhttp.post(
+        "/v1/responses",
         json={
             "model": "tiny",
             "input": [{"role": "user", "content": [{"type": "input_image", "image_url": _data_url(IMG)}]}],
@@ -307,8 +307,8 @@ def test_count_tokens_and_a_continued_response_read_images(vserver, expected):
         timeout=60,
     )
     assert first.status_code == 200, first.text
-    then = httpx.post(
-        _url(vserver, "/v1/responses"),
+    then = vhttp.post(
+        "/v1/responses",
         json={"model": "tiny", "input": "and now?", "previous_response_id": first.json()["id"], "max_output_tokens": 8},
         timeout=60,
     )
@@ -369,21 +369,21 @@ def media_site():
     srv.shutdown()
 
 
-def test_an_allowed_remote_image_is_fetched_and_gives_the_engines_tokens(vserver, media_site, expected):
+def test_an_allowed_remote_image_is_fetched_and_gives_the_engines_tokens(vhttp, media_site, expected):
     result, ids = expected
     parts = [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": media_site + "/a.png"}}]
-    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    r = vhttp.post("/v1/chat/completions", json=_chat(parts), timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == result.text
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
     for path, why in (("/loop", "more than 2 redirects"), ("/big", "more than 200000 bytes")):
         parts = [{"type": "image_url", "image_url": {"url": media_site + path}}]
-        r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+        r = vhttp.post("/v1/chat/completions", json=_chat(parts), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0]: ")
         assert why in r.json()["error"]["message"], r.text
 
 
-def test_redirects_past_the_flag_are_a_400_naming_the_part(vserver, media_site):
+def test_redirects_past_the_flag_are_a_400_naming_the_part(vhttp, media_site):
     """The server follows --media-fetch-max-redirects (2 here): a chain of 2 gives the image, one of 3 a 400."""
 
     def body(path: str) -> dict:
@@ -391,20 +391,20 @@ def test_redirects_past_the_flag_are_a_400_naming_the_part(vserver, media_site):
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": media_site + path}}]}]
         }
 
-    ok = httpx.post(_url(vserver, "/tokenize"), json=body("/chain/2"), timeout=60)
+    ok = vhttp.post("/tokenize", json=body("/chain/2"), timeout=60)
     assert ok.status_code == 200, ok.text
-    r = httpx.post(_url(vserver, "/tokenize"), json=body("/chain/3"), timeout=60)
+    r = vhttp.post("/tokenize", json=body("/chain/3"), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "messages[0].content[0]: more than 2 redirects"
 
 
 @pytest.mark.parametrize("path", ["/stall", "/trickle"])
-def test_a_slow_server_is_a_400_at_the_fetch_timeout(vserver, media_site, path):
+def test_a_slow_server_is_a_400_at_the_fetch_timeout(vhttp, media_site, path):
     """--media-fetch-timeout (1.5 s here) bounds the whole fetch: a server that says nothing, and one whose body
     comes a byte at a time (each read quick, their sum not), end in a 400 naming the part at about the timeout."""
     parts = [{"type": "image_url", "image_url": {"url": media_site + path}}]
     t0 = time.monotonic()
-    r = httpx.post(_url(vserver, "/v1/chat/completions"), json=_chat(parts), timeout=60)
+    r = vhttp.post("/v1/chat/completions", json=_chat(parts), timeout=60)
     took = time.monotonic() - t0
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == (
@@ -440,13 +440,13 @@ def test_remote_urls_are_refused_without_allowed_domains():
 
 
 @pytest.mark.parametrize(("fmt", "media"), [("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")])
-def test_jpeg_webp_and_gif_data_urls_are_read(vserver, fmt, media):
+def test_jpeg_webp_and_gif_data_urls_are_read(vhttp, fmt, media):
     data = _png(150, 100, seed=3, fmt=fmt)
     want = preprocess(load_image(data, "x", ImageCaps()), 16, 3, 70).tokens
     body = {
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(data, media)}}]}]
     }
-    r = httpx.post(_url(vserver, "/tokenize"), json=body, timeout=60)
+    r = vhttp.post("/tokenize", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"].count(297) == want
 
