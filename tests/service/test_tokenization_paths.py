@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import tokenizers
-from service_helpers import ServerThread, base_config, params
+from service_helpers import base_config, params, running
 
 from dgserve.model.default_model import SHIPPED
 from dgserve.text.tokenizer import Tokenizer
@@ -78,15 +78,15 @@ def _checkpoints():
 
 @pytest.fixture(scope="module", params=_checkpoints())
 def checkpoint(request, model_dir, tiny_chat_dir):
-    """(name, directory, stub of a server over it)."""
+    """(name, directory, stub of a server over it): the shared server for "tiny", one of its own for the others."""
     path = {"shipped": SHIPPED, "tiny": pathlib.Path(model_dir), "tiny-chat": tiny_chat_dir}[request.param]
-    server = ServerThread(base_config(path))
+    if request.param == "tiny":
+        yield request.param, path, request.getfixturevalue("stub")
+        return
     import grpc
 
-    channel = grpc.insecure_channel(server.target)
-    yield request.param, path, pb_grpc.TextGenerationStub(channel)
-    channel.close()
-    server.stop()
+    with running(base_config(path)) as server, grpc.insecure_channel(server.target) as channel:
+        yield request.param, path, pb_grpc.TextGenerationStub(channel)
 
 
 def _auto(path):
@@ -196,18 +196,14 @@ def test_marker_text_in_a_chat_is_text_on_every_door():
     assert want.count(turn) == 5 and want.count(end) == 4
     assert plain.count(turn) > want.count(turn)
     assert ours.decode(want, skip_special_tokens=False) == ours.apply_chat_template(MARKED_CHAT)
-    server = ServerThread(base_config(SHIPPED))
-    try:
-        url = f"http://127.0.0.1:{server.server.http_port}"
-        got = httpx.post(url + "/tokenize", json={"messages": MARKED_CHAT}, timeout=60).json()["tokens"]
+    with running(base_config(SHIPPED)) as server, httpx.Client(base_url=server.http_url, timeout=60) as http:
+        got = http.post("/tokenize", json={"messages": MARKED_CHAT}).json()["tokens"]
         assert got == want, "/tokenize"
         body = {"model": "tiny", "messages": MARKED_CHAT, "max_tokens": 16, "max_denoising_steps": 2, "seed": 1}
-        usage = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        usage = http.post("/v1/chat/completions", json=body).json()["usage"]
         assert usage["prompt_tokens"] == len(want), "chat completions"
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.TextGenerationStub(channel)
             chat = _pb_chat(MARKED_CHAT)
             assert list(stub.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids) == want, "gRPC Tokenize(chat)"
             assert _prompt_tokens(stub, chat=chat) == len(want), "gRPC Generate(chat)"
-    finally:
-        server.stop()
