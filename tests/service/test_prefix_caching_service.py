@@ -5,6 +5,7 @@ tokens as without reuse, and never shares blocks between authenticated callers."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -12,7 +13,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from service_helpers import ServerThread, base_config
+from service_helpers import ServerThread, auth_config, base_config, running
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.cache_config import CacheConfig
@@ -38,30 +39,26 @@ def _chat(turns: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("prefix-auth") / "tokens"
-    tokens.write_text("token-a\ntoken-b\n")
-    made = {
-        "on": ServerThread(base_config(model_dir, prefill_chunk=CHUNK)),
-        "off": ServerThread(base_config(model_dir, prefill_chunk=CHUNK, prefix_caching=False)),
-        "auth": ServerThread(base_config(model_dir, prefill_chunk=CHUNK, auth_token_file=str(tokens))),
+    """Servers of their own (a prefill chunk of CHUNK): prefix caching on, off, and on behind two tokens."""
+    configs = {
+        "on": base_config(model_dir, prefill_chunk=CHUNK),
+        "off": base_config(model_dir, prefill_chunk=CHUNK, prefix_caching=False),
+        "auth": auth_config(
+            model_dir, tmp_path_factory.mktemp("prefix-auth"), ("token-a", "token-b"), prefill_chunk=CHUNK
+        ),
     }
-    yield made
-    for s in made.values():
-        s.stop()
-
-
-def _url(s: ServerThread) -> str:
-    return f"http://127.0.0.1:{s.server.http_port}"
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(running(c)) for name, c in configs.items()}
 
 
 def _chat_call(s: ServerThread, messages: list[dict], token: str = "unused"):
-    with openai.OpenAI(base_url=_url(s) + "/v1", api_key=token, max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=s.http_url + "/v1", api_key=token, max_retries=0, timeout=60) as client:
         return client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, extra_body=KNOBS)
 
 
 def _shared(s: ServerThread, a: list[dict], b: list[dict]) -> int:
     """How many leading tokens two chats' rendered prompts share (``/tokenize`` renders as chat completions does)."""
-    ids = [httpx.post(_url(s) + "/tokenize", json={"messages": m}, timeout=30).json()["tokens"] for m in (a, b)]
+    ids = [httpx.post(s.http_url + "/tokenize", json={"messages": m}, timeout=30).json()["tokens"] for m in (a, b)]
     n = 0
     while n < min(map(len, ids)) and ids[0][n] == ids[1][n]:
         n += 1
@@ -69,7 +66,7 @@ def _shared(s: ServerThread, a: list[dict], b: list[dict]) -> int:
 
 
 def _metric(s: ServerThread, name: str) -> float:
-    body = urllib.request.urlopen(_url(s) + "/metrics", timeout=10).read().decode()
+    body = urllib.request.urlopen(s.http_url + "/metrics", timeout=10).read().decode()
     for line in body.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -98,7 +95,7 @@ def test_second_turn_reuses_the_first_and_says_so(servers):
     # the bytes the cache holds: whole blocks, within what the slots leave of the budget
     held, cap = _metric(on, "dgserve_prefix_cache_bytes"), _metric(on, "dgserve_prefix_cache_capacity_bytes")
     assert 0 < held <= cap and held % _metric(on, "dgserve_prefix_cache_blocks") == 0
-    assert "dgserve_prefix_cache_bytes" not in urllib.request.urlopen(_url(off) + "/metrics").read().decode()
+    assert "dgserve_prefix_cache_bytes" not in urllib.request.urlopen(off.http_url + "/metrics").read().decode()
 
 
 def test_metrics_follow_the_bytes_held_and_the_evictions(model_dir):
@@ -130,7 +127,7 @@ def test_reuse_crosses_the_doors_and_streams_report_it(servers):
     on = servers["on"]
     prompt = "a prompt long enough for a few chunks of the prefix cache, shared by both doors " * 3
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, **KNOBS}
-    r = httpx.post(_url(on) + "/v1/completions", json=body, timeout=60).json()
+    r = httpx.post(on.http_url + "/v1/completions", json=body, timeout=60).json()
     n = r["usage"]["prompt_tokens"]
     with grpc.insecure_channel(on.target) as ch:
         stub = pb_grpc.TextGenerationStub(ch)
@@ -139,7 +136,7 @@ def test_reuse_crosses_the_doors_and_streams_report_it(servers):
     fin = events[-1].finished
     assert fin.usage.prompt_tokens == n and fin.usage.cached_tokens == n // CHUNK * CHUNK > 0
     streamed = httpx.post(
-        _url(on) + "/v1/completions",
+        on.http_url + "/v1/completions",
         json={**body, "stream": True, "stream_options": {"include_usage": True}},
         timeout=60,
     ).text
@@ -163,7 +160,7 @@ def test_cache_salt_isolates_requests_on_both_doors(servers):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, **KNOBS}
 
     def http(**extra) -> dict:
-        return httpx.post(_url(on) + "/v1/completions", json={**body, **extra}, timeout=60).json()
+        return httpx.post(on.http_url + "/v1/completions", json={**body, **extra}, timeout=60).json()
 
     n = http(cache_salt="tenant-1")["usage"]["prompt_tokens"]
     assert http()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the shared cache had nothing
@@ -177,7 +174,7 @@ def test_cache_salt_isolates_requests_on_both_doors(servers):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(prompt=prompt, params=p, cache_salt="x" * 300)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in (e.value.details() or "")
-    bad = httpx.post(_url(on) + "/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
+    bad = httpx.post(on.http_url + "/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
     assert bad.status_code == 400 and "cache_salt" in bad.text
-    bad = httpx.post(_url(on) + "/v1/completions", json={**body, "cache_salt": 5}, timeout=60)
+    bad = httpx.post(on.http_url + "/v1/completions", json={**body, "cache_salt": 5}, timeout=60)
     assert bad.status_code == 400 and "cache_salt" in bad.text
