@@ -12,7 +12,7 @@ import pathlib
 
 import httpx
 import pytest
-from service_helpers import ServerThread, base_config
+from service_helpers import auth_config, base_config, running
 
 from dgserve.service.__main__ import build_config
 from dgserve.service.http import playground
@@ -26,15 +26,11 @@ UPLOT_SHA256 = {
 BUDGET_BYTES = 100_000  # every file the pages load, together (they ship with every install)
 
 
-def url(s: ServerThread) -> str:
-    return f"http://127.0.0.1:{s.server.http_port}"
-
-
-def test_pages_and_assets_are_served_with_a_self_only_csp(server):
-    r = httpx.get(url(server) + "/", timeout=30)
+def test_pages_and_assets_are_served_with_a_self_only_csp(http):
+    r = http.get("/", timeout=30)
     assert r.status_code == 307 and r.headers["location"] == "/playground"
     for path in ("/playground", "/dashboard"):
-        r = httpx.get(url(server) + path, timeout=30)
+        r = http.get(path, timeout=30)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         csp = r.headers["content-security-policy"]
         assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
@@ -43,13 +39,13 @@ def test_pages_and_assets_are_served_with_a_self_only_csp(server):
         for ref in _refs(r.text):
             assert ref.startswith("/playground/static/") or ref in ("/playground", "/dashboard", "/metrics", "data:,")
             if ref.startswith("/playground/static/"):
-                a = httpx.get(url(server) + ref, timeout=30)
+                a = http.get(ref, timeout=30)
                 assert a.status_code == 200 and a.content == (STATIC / ref.rsplit("/", 1)[1]).read_bytes()
                 assert a.headers["content-security-policy"] == csp
                 assert a.headers["x-content-type-options"] == "nosniff"
         assert "<script>" not in r.text and "style=" not in r.text  # nothing inline: the CSP would block it
     for name in ("README.md", "uPlot.LICENSE", "..%2Fplayground.py", "nope.js"):
-        assert httpx.get(url(server) + "/playground/static/" + name, timeout=30).status_code == 404
+        assert http.get("/playground/static/" + name, timeout=30).status_code == 404
 
 
 def _refs(html: str) -> list[str]:
@@ -75,26 +71,21 @@ def test_no_playground_flag_and_env():
 
 
 def test_without_the_playground_its_routes_are_404(model_dir):
-    s = ServerThread(base_config(model_dir, playground=False))
-    try:
+    with running(base_config(model_dir, playground=False)) as s:
         for path in ("/", "/playground", "/dashboard", "/playground/static/playground.js"):
-            assert httpx.get(url(s) + path, timeout=30).status_code == 404, path
-        assert httpx.get(url(s) + "/metrics", timeout=30).status_code == 200
-    finally:
-        s.stop()
+            assert httpx.get(s.http_url + path, timeout=30).status_code == 404, path
+        assert httpx.get(s.http_url + "/metrics", timeout=30).status_code == 200
 
 
 @pytest.fixture(scope="module")
 def guarded(model_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("secret-a\n")
-    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
-    yield s
-    s.stop()
+    """A server of its own behind one token."""
+    with running(auth_config(model_dir, tmp_path_factory.mktemp("auth"), ("secret-a",))) as s:
+        yield s
 
 
 def test_pieces_is_an_api_route_behind_auth_and_the_site_guard(guarded):
-    base, ok = url(guarded), {"Authorization": "Bearer secret-a"}
+    base, ok = guarded.http_url, {"Authorization": "Bearer secret-a"}
     # the page itself is public (it holds no data); what it calls is not
     assert httpx.get(base + "/playground", timeout=30).status_code == 200
     r = httpx.post(base + "/playground/pieces", json={"ids": [1, 2]}, timeout=30)
@@ -120,45 +111,45 @@ def test_pieces_is_an_api_route_behind_auth_and_the_site_guard(guarded):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("text"), (str(bad)[:40], r.text)
 
 
-def test_draft_is_tokenized_as_the_engine_tokenizes_initial_canvas(server):
+def test_draft_is_tokenized_as_the_engine_tokenizes_initial_canvas(http):
     """Special-token texts stay characters and no BOS is added, as for an initial_canvas text (and unlike
     /tokenize with add_special_tokens false, which parses them): a request with the text pinned whole returns
     exactly the ids the page showed."""
     text = "a <bos> b <|turn> c"
-    got = httpx.post(url(server) + "/playground/draft", json={"text": text}, timeout=30).json()
+    got = http.post("/playground/draft", json={"text": text}, timeout=30).json()
     tokenize = {"prompt": text, "add_special_tokens": False}
-    parsed = httpx.post(url(server) + "/tokenize", json=tokenize, timeout=30).json()["tokens"]
+    parsed = http.post("/tokenize", json=tokenize, timeout=30).json()["tokens"]
     assert got["ids"] != parsed and len(got["ids"]) > len(parsed)
     assert "".join(got["pieces"]) == text
     body = {"prompt": "Once", "max_tokens": 32, "seed": 3, "max_denoising_steps": 4, "ignore_eos": True}
-    ids = _streamed_ids(server, {**body, "initial_canvas": text, "pinned": True})
+    ids = _streamed_ids(http, {**body, "initial_canvas": text, "pinned": True})
     assert ids[: len(got["ids"])] == got["ids"]
 
 
-def test_pieces_are_each_ids_own_text(server):
+def test_pieces_are_each_ids_own_text(http):
     ids = [5, 17, 40]
-    r = httpx.post(url(server) + "/playground/pieces", json={"ids": ids}, timeout=30)
+    r = http.post("/playground/pieces", json={"ids": ids}, timeout=30)
     assert r.status_code == 200, r.text
     got = r.json()["pieces"]
     for i, piece in zip(ids, got, strict=True):
-        one = httpx.post(url(server) + "/detokenize", json={"tokens": [i]}, timeout=30).json()["prompt"]
+        one = http.post("/detokenize", json={"tokens": [i]}, timeout=30).json()["prompt"]
         assert piece == one
 
 
-def test_streamed_blocks_carry_their_token_ids(server):
+def test_streamed_blocks_carry_their_token_ids(http):
     body = {"prompt": "Once", "max_tokens": 40, "seed": 3, "max_denoising_steps": 4}
-    blocks = _streamed_blocks(server, body)
+    blocks = _streamed_blocks(http, body)
     ids = [t for b in blocks for t in b["token_ids"]]
     assert blocks and all(len(b["token_ids"]) == b["tokens"] for b in blocks)
-    whole = httpx.post(url(server) + "/v1/completions", json=body, timeout=60).json()
+    whole = http.post("/v1/completions", json=body, timeout=60).json()
     assert len(ids) == whole["usage"]["completion_tokens"]
-    text = httpx.post(url(server) + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    text = http.post("/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
     assert text == whole["choices"][0]["text"]
 
 
-def _streamed_blocks(server, body: dict) -> list[dict]:
+def _streamed_blocks(http, body: dict) -> list[dict]:
     """The ``dgserve.block`` objects of the completion streamed."""
-    with httpx.stream("POST", url(server) + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200, r.read()
         raw = r.read().decode()
     return [
@@ -168,5 +159,5 @@ def _streamed_blocks(server, body: dict) -> list[dict]:
     ]
 
 
-def _streamed_ids(server, body: dict) -> list[int]:
-    return [t for b in _streamed_blocks(server, body) for t in b["token_ids"]]
+def _streamed_ids(http, body: dict) -> list[int]:
+    return [t for b in _streamed_blocks(http, body) for t in b["token_ids"]]

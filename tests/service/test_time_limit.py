@@ -10,7 +10,7 @@ import time
 import grpc
 import httpx
 import pytest
-from service_helpers import ServerThread, base_config, long_params, params, wait_until
+from service_helpers import base_config, long_params, params, running, wait_until
 
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
@@ -21,9 +21,9 @@ LONG = long_params(max_denoising_steps=2)  # blocks of two steps: some commit wi
 
 @pytest.fixture(scope="module")
 def limited(model_dir):
-    s = ServerThread(base_config(model_dir, max_request_seconds=LIMIT_S, max_num_seqs=2))
-    yield s
-    s.stop()
+    """A server of its own: a time limit per request, two slots."""
+    with running(base_config(model_dir, max_request_seconds=LIMIT_S, max_num_seqs=2)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,7 @@ def test_a_request_past_its_time_ends_with_length_and_others_are_unaffected(limi
 def test_http_requests_get_the_server_limit(limited):
     """OpenAI clients send no deadline: the server's limit applies, with OpenAI's "length"."""
     body = {"prompt": "long", "max_tokens": 16 * 200, "max_denoising_steps": 2, "ignore_eos": True, "seed": 1}
-    url = f"http://127.0.0.1:{limited.server.http_port}/v1/completions"
-    r = httpx.post(url, json=body, timeout=60)
+    r = httpx.post(limited.http_url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["choices"][0]["finish_reason"] == "length" and 0 < got["usage"]["completion_tokens"] < 16 * 200
