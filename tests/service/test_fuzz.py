@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from service_helpers import ServerThread, base_config
+from service_helpers import base_config, running
 
 from dgserve.sampling_params import SCALAR_KNOBS
 from dgserve.service.http import protocol
@@ -337,12 +337,12 @@ class LogRecords(logging.Handler):
 @pytest.fixture(scope="module")
 def doors(model_dir):
     # work per request bounded (steps and seconds): the valid edge cases stay cheap
-    s = ServerThread(base_config(model_dir, max_request_steps=24, max_request_seconds=2.0))
+    config = base_config(model_dir, max_request_steps=24, max_request_seconds=2.0)
     root, handler = logging.getLogger(), LogRecords()
     level = root.level
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    with httpx.Client(base_url=f"http://127.0.0.1:{s.server.http_port}", timeout=60) as http:
+    with running(config) as s, httpx.Client(base_url=s.http_url, timeout=60) as http:
+        root.setLevel(logging.INFO)
+        root.addHandler(handler)
         d = Doors(s, http)
         d.log = handler  # type: ignore[attr-defined]
         try:
@@ -350,7 +350,6 @@ def doors(model_dir):
         finally:
             root.removeHandler(handler)
             root.setLevel(level)
-            s.stop()
 
 
 HTTP_FIELDS = {
