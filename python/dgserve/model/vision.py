@@ -377,8 +377,9 @@ class VisionTower:
         [nh, n, n] scores. Equal to the eager ``attend`` of the text model up to rounding (within 1e-4 in fp32:
         tests/test_vision_parity.py, tests/test_image_batch.py)."""
         nh, n, hd = q.shape
-        out = F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=k.shape[0] != nh)  # [nh, n, hd]
-        return out.transpose(0, 1).reshape(n, nh * hd)
+        # a batch of one: torch's fused kernels take only 4-D inputs (3-D ones fall back to the math kernel)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0, enable_gqa=k.shape[0] != nh)
+        return out[0].transpose(0, 1).reshape(n, nh * hd)  # [nh, n, hd] → [n, nh·hd]
 
     @staticmethod
     def _attend_masked(q, k, v, keys: torch.Tensor) -> torch.Tensor:
