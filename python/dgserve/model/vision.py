@@ -8,9 +8,10 @@ Public contract:
     [feats, ...] = tower.encode_tile([(patches, positions), ...])    # several images in one padded pass
     tile_workspace_bytes(vc, images, dtype)                          # the peak working memory of such a pass
 
-``encode`` runs one image unpadded; ``encode_tile`` pads a tile of images to its largest and masks the padding
-out of attention and pooling as transformers does (it pads to ``max_patches`` with positions (-1, -1)), attending
-with torch's SDPA and a key-padding mask: the same values up to accumulation order (docs/exactness.md). Rounding
+``encode`` runs one image unpadded, attending with torch's SDPA and no mask; ``encode_tile`` pads a tile of
+images to its largest and masks the padding out of attention and pooling as transformers does (it pads to
+``max_patches`` with positions (-1, -1)), attending with SDPA and a key-padding mask: the same values up to
+accumulation order (docs/exactness.md). Rounding
 follows transformers' ``Gemma4VisionModel``: every op in the model dtype ``md``, RMSNorm in fp32 rounded once,
 softmax in fp32, the pooled average and its √hidden scale in fp32, then ``md``.
 """
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from dgserve import ops
 
-from .layers import apply_rope, attend
+from .layers import apply_rope
 
 TOWER = "model.encoder.vision_tower."
 EMBED = "model.encoder.embed_vision."
@@ -117,8 +118,8 @@ def tile_workspace_bytes(config: VisionConfig, images: int, dtype: torch.dtype) 
     math kernel on any device (a mask, a head size or a dtype the fused kernels refuse), which holds the scores
     [heads, P, P] in fp32, their fp32 softmax, the all-masked-row check's bool mask and its where() result at once
     (13 bytes a score; measured 9.2-9.5 on the CPU), plus fp32 copies of q, k, v and the output (4 rows of width
-    hv); this also covers the unpadded pass's eager attention (scores in md, an fp32 softmax and its md copy). The
-    fused kernels hold no [P, P] at all. Then the activations the layer holds at once, ~8 rows of width hv
+    hv); this also covers the unpadded pass (one image), the same SDPA without a mask. The fused kernels hold no
+    [P, P] at all. Then the activations the layer holds at once, ~8 rows of width hv
     (residual, normed input, q, k, v, rotated q/k, the attention output) and 3 of the MLP's width (gate, up, their
     product), in md; the fp32 patches [P, 3·p²] and the pooling's fp32 one-hot weights [P, P / pooling²] and
     pooled output."""
@@ -266,8 +267,8 @@ class VisionTower:
         q = self._rope2d(ops.rms_norm(lw.q(h).view(n, -1, c.head_dim), lw.q_norm, eps), cos, sin)
         k = self._rope2d(ops.rms_norm(lw.k(h).view(n, -1, c.head_dim), lw.k_norm, eps), cos, sin)
         v = ops.rms_norm(lw.v(h).view(n, -1, c.head_dim), None, eps)
-        if keys is None:  # bidirectional, scale 1
-            attn = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None)
+        if keys is None:  # one image: bidirectional over all its patches, [n, heads, hd] → [heads, n, hd]
+            attn = self._attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
         else:  # [n·P, heads, hd] → [n, heads, P, hd] per image
             b, P = keys.shape
             split = lambda t: t.view(b, P, -1, c.head_dim).transpose(1, 2)  # noqa: E731
@@ -367,13 +368,27 @@ class VisionTower:
         return x.float() * self.config.hidden_size**0.5
 
     @staticmethod
+    def _attend(q, k, v) -> torch.Tensor:
+        """Bidirectional attention with scale 1 over one image's patches: q [nh, n, hd], k/v [nkv, n, hd] →
+        [n, nh·hd] md.
+
+        torch's SDPA without a mask (every patch sees every patch), as transformers' SDPA pass runs it: the
+        softmax in fp32 inside the kernel and the output rounded to md once; a fused kernel never builds the
+        [nh, n, n] scores. Equal to the eager ``attend`` of the text model up to rounding (within 1e-4 in fp32:
+        tests/test_vision_parity.py, tests/test_image_batch.py)."""
+        nh, n, hd = q.shape
+        # a batch of one: torch's fused kernels take only 4-D inputs (3-D ones fall back to the math kernel)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0, enable_gqa=k.shape[0] != nh)
+        return out[0].transpose(0, 1).reshape(n, nh * hd)  # [nh, n, hd] → [n, nh·hd]
+
+    @staticmethod
     def _attend_masked(q, k, v, keys: torch.Tensor) -> torch.Tensor:
         """Bidirectional attention with scale 1 per image of a padded tile: q [n, nh, P, hd], k/v [n, nkv, P, hd],
         keys [n, P] bool (True: a real patch) → [n·P, nh·hd] md.
 
         torch's SDPA with a boolean key-padding mask (broadcast [n, 1, 1, P], never materialised per head), as
         transformers' SDPA pass runs it: the softmax in fp32 inside the kernel and the output rounded to md once, so
-        it equals ``attend`` (scores in md, softmax in fp32 then md) up to rounding: within 1e-4 in fp32
+        it equals ``_attend`` (each image alone, unpadded) up to rounding: within 1e-4 in fp32
         (tests/test_image_batch.py). Every query row sees its image's real patches, so no row is all masked."""
         n, nh, P, hd = q.shape
         out = F.scaled_dot_product_attention(
