@@ -407,11 +407,14 @@ def test_a_client_going_away_cancels_every_choice(server, url):
     from service_helpers import wait_until
 
     eng = server.engine
+    # the shared server: earlier tests' cancelled streams may still be leaving it (they would take the queue places
+    # the three choices need)
+    wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=30)
     body = {"prompt": "long", "stream": True, "max_tokens": 16 * 200, "ignore_eos": True, "n": 3, **KNOBS}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", url + "/v1/completions", json=body) as r:
-            assert next(line for line in r.iter_lines() if line.startswith("data: "))
-            assert eng.num_running + eng.num_waiting == 3
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert eng.num_running + eng.num_waiting == 3, first
     wait_until(lambda: eng.num_running == 0 and eng.num_waiting == 0, timeout=5)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
