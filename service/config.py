@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.scheduler import check_image_token_cost
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.model.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.ops.native_check
@@ -113,9 +114,7 @@ class ServiceConfig:
             raise ValueError(
                 f"media_fetch_timeout must be a number of seconds in (0, {MAX_MEDIA_FETCH_SECONDS:g}], got {v!r}"
             )
-        c = self.image_token_cost
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 1000):
-            raise ValueError(f"image_token_cost must be a number in [1, 1000], got {c!r}")
+        check_image_token_cost(self.image_token_cost)
         for name in ("drain_timeout", "stall_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

@@ -75,9 +75,13 @@ class SchedulerConfig:
         q = self.max_queue_len
         if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
             raise ValueError(f"max_queue_len must be an integer >= 0 or None, got {q!r}")
-        c = self.image_token_cost
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 1000):
-            raise ValueError(f"image_token_cost must be a number in [1, 1000] or None, got {c!r}")
+        check_image_token_cost(self.image_token_cost)
+
+
+def check_image_token_cost(c: object) -> None:
+    """ValueError unless ``c`` is None (the device's default) or a number in [1, 1000] (``image_token_cost``)."""
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 1000):
+        raise ValueError(f"image_token_cost must be a number in [1, 1000] or None, got {c!r}")
 
 
 @dataclass
