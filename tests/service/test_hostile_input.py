@@ -202,7 +202,11 @@ def test_big_bodies_do_not_stall_small_calls(server, channel, stub, http):
       the loop gets the GIL back every few ms).
     * gRPC: grpc parses each message on the event loop, so a small call may wait for the parses of the bodies
       in flight, at most all of them back to back (measured: 0.1-1.25x the time parsing them all takes); the
-      bound is 3x that, for a stall of the loop well past grpc's own parsing."""
+      bound is 3x that, for a stall of the loop well past grpc's own parsing.
+
+    A stall built into the server shows in every attempt; a machine busy with something else for a second (one
+    attempt in a full CI run on 2 cores once measured 7x on gRPC) rarely is twice running. So the test makes up to
+    three attempts and passes on the first that keeps both bounds."""
     grpc_bodies, http_bodies = _grpc_bodies() * 2, _http_bodies() * 2
 
     def small() -> float:
@@ -211,27 +215,36 @@ def test_big_bodies_do_not_stall_small_calls(server, channel, stub, http):
         http.get("/v1/models")
         return time.perf_counter() - t0
 
-    outcomes: list[object] = []
+    def attempt() -> dict[str, float]:
+        outcomes: list[object] = []
 
-    def send_grpc(data):
-        outcomes.append(raw_generate(channel, data))
+        def send_grpc(data):
+            outcomes.append(raw_generate(channel, data))
 
-    def send_http(path, body):
-        with httpx.Client(base_url=str(http.base_url), timeout=60) as c:
-            outcomes.append(post(c, path, body).status_code)
+        def send_http(path, body):
+            with httpx.Client(base_url=str(http.base_url), timeout=60) as c:
+                outcomes.append(post(c, path, body).status_code)
 
-    decode_before, parse_before = _reference_seconds(grpc_bodies, http_bodies)
-    worst_http = _worst_small_call_while(send_http, http_bodies, small)
-    worst_grpc = _worst_small_call_while(send_grpc, grpc_bodies, small)
-    decode_after, parse_after = _reference_seconds(grpc_bodies, http_bodies)
-    assert len(outcomes) == len(grpc_bodies) + len(http_bodies)
-    assert all(
-        o == 400 or (isinstance(o, grpc.RpcError) and o.code() == grpc.StatusCode.INVALID_ARGUMENT) for o in outcomes
-    )
-    # the load may change during the test: the bounds take the slower of the two measurements
-    decode, parse = max(decode_before, decode_after), max(parse_before, parse_after)
-    assert worst_http < decode, (worst_http, decode)
-    assert worst_grpc < 3 * parse, (worst_grpc, parse)
+        decode_before, parse_before = _reference_seconds(grpc_bodies, http_bodies)
+        worst_http = _worst_small_call_while(send_http, http_bodies, small)
+        worst_grpc = _worst_small_call_while(send_grpc, grpc_bodies, small)
+        decode_after, parse_after = _reference_seconds(grpc_bodies, http_bodies)
+        assert len(outcomes) == len(grpc_bodies) + len(http_bodies)
+        assert all(
+            o == 400 or (isinstance(o, grpc.RpcError) and o.code() == grpc.StatusCode.INVALID_ARGUMENT)
+            for o in outcomes
+        )
+        # the load may change during the attempt: the bounds take the slower of the two measurements
+        decode, parse = max(decode_before, decode_after), max(parse_before, parse_after)
+        return {"worst_http": worst_http, "decode": decode, "worst_grpc": worst_grpc, "parse": parse}
+
+    attempts = []
+    for _ in range(3):
+        attempts.append(attempt())
+        a = attempts[-1]
+        if a["worst_http"] < a["decode"] and a["worst_grpc"] < 3 * a["parse"]:
+            return
+    pytest.fail(f"a small call waited past the bounds in every attempt (seconds): {attempts}")
 
 
 def test_tokenizer_refuses_lone_surrogates_naming_the_field(model_dir):
