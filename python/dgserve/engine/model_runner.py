@@ -113,9 +113,10 @@ class ModelRunner:
         if self.image_workspace:
             budget = max(0, budget - self.image_workspace)
             soft = model.vision.config.max_soft_tokens if model.vision is not None else 0
+            n = model.image_tile
             said += (
                 f", after {self.image_workspace / 2**20:.1f} MiB set aside for the vision tower (a tile of "
-                f"{model.image_tile} images of {soft} soft tokens)"
+                f"{n} image{'' if n == 1 else 's'} of {soft} soft tokens)"
             )
         if said:  # one line: what bounded the budget and what came out of it
             log.info("kv cache budget: %d MiB%s", budget >> 20, said)
