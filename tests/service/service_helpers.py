@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -141,6 +143,31 @@ def bad_request_field(err) -> str:
             d.Unpack(msg)
             return msg.field_violations[0].field
     return ""
+
+
+def http_status(port: int, path: str, timeout: float = 10) -> int:
+    """The status of a GET of ``path`` on the HTTP door at ``port`` of 127.0.0.1 (an error status too)."""
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def scrape_metrics(port: int) -> list:
+    """Every sample (prometheus_client's ``Sample``: name, labels, value) of /metrics on the HTTP door at
+    ``port`` of 127.0.0.1, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(body) for s in family.samples]
+
+
+def metric_value(samples: list, name: str, **labels: str) -> float:
+    """The value of the first sample named ``name`` whose labels include ``labels`` (0 when there is none)."""
+    for s in samples:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return 0.0
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 import storm
-from service_helpers import long_params
+from service_helpers import http_status, long_params, scrape_metrics
 
 from dgserve.v1 import text_generation_pb2 as pb
 
@@ -31,13 +30,7 @@ def server_process(model_dir):
 
 def scrape(port: int) -> dict[str, float]:
     """Every unlabelled sample of the server's /metrics."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return {s.name: s.value for s in scrape_metrics(port) if not s.labels}
 
 
 def poll(port: int, condition, timeout: float = 20.0) -> dict[str, float]:
@@ -62,10 +55,6 @@ def busy(m: dict[str, float]) -> bool:
         and len({m[n] for n in KV}) == 1
         and m[KV[0]] > 0
     )
-
-
-def http_status(port: int, path: str) -> int:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).status
 
 
 def test_picker_gauges_follow_running_and_waiting_requests(server_process):

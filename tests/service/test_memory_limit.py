@@ -12,13 +12,13 @@ import contextlib
 import os
 import random
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 import storm
+from service_helpers import scrape_metrics
 
 from dgserve.engine.memory_room import own_cgroup
 from dgserve.model.default_model import SHIPPED
@@ -86,15 +86,6 @@ def anon_mib(pid: int) -> float:
     raise AssertionError(f"no RssAnon in /proc/{pid}/status")
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        name: float(value)
-        for name, _, value in (line.rpartition(" ") for line in body.splitlines() if line and line[0] != "#")
-        if name.startswith("dgserve_prefix_cache")
-    }
-
-
 @pytest.mark.slow
 def test_long_prompts_in_a_memory_limited_cgroup():
     if not (SHIPPED / "config.json").is_file():
@@ -120,7 +111,7 @@ def test_long_prompts_in_a_memory_limited_cgroup():
             with ThreadPoolExecutor(CLIENTS) as pool:
                 reasons = list(pool.map(one, range(PROMPTS)))
             seconds = time.monotonic() - t0
-            m = scrape(srv.http_port)
+            m = {s.name: s.value for s in scrape_metrics(srv.http_port) if s.name.startswith("dgserve_prefix_cache")}
             peak = peak_usage(cg, version)
             print(
                 f"\nlimit {LIMIT // MIB} MiB; {budget.split('INFO dgserve [] ')[-1].strip()}\n"

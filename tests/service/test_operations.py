@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_helpers import ServerThread, base_config, long_params, make_certs, params, wait_until
+from service_helpers import ServerThread, base_config, http_status, long_params, make_certs, params, wait_until
 
 from dgserve.service.logs import setup_logging
 from dgserve.service.server import load_engine
@@ -28,13 +28,6 @@ READY = "dgserve.v1.TextGeneration"
 def health(channel, service: str) -> str:
     r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-
-
-def http_status(port: int, path: str) -> int:
-    try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def test_not_ready_during_model_load(model_dir):

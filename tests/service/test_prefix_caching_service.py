@@ -13,7 +13,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from service_helpers import ServerThread, auth_config, base_config, running
+from service_helpers import ServerThread, auth_config, base_config, metric_value, running, scrape_metrics
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.cache_config import CacheConfig
@@ -66,11 +66,7 @@ def _shared(s: ServerThread, a: list[dict], b: list[dict]) -> int:
 
 
 def _metric(s: ServerThread, name: str) -> float:
-    body = urllib.request.urlopen(s.http_url + "/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    return metric_value(scrape_metrics(s.server.http_port), name)
 
 
 def test_second_turn_reuses_the_first_and_says_so(servers):

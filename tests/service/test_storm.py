@@ -5,11 +5,10 @@ gives the same seeded tokens, its RSS grew little, and the metrics counted every
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 import storm
+from service_helpers import metric_value, scrape_metrics
 
 from dgserve.client import Client
 
@@ -23,13 +22,7 @@ def server_process(model_dir):
 
 def _metric(port: int, name: str, **labels) -> float:
     """A sample's value from the server's /metrics (0 when absent)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        key, _, value = line.rpartition(" ")
-        metric, _, rest = key.partition("{")
-        if metric == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            return float(value)
-    return 0.0
+    return metric_value(scrape_metrics(port), name, **labels)
 
 
 def test_storm_of_ended_streams(server_process):
