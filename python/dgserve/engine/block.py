@@ -14,6 +14,11 @@ from dgserve.sampling_params import to_signed64
 BLANK = -1  # a draft position without a token: it starts from the seeded noise
 
 
+def canvases(max_new_tokens: int, canvas_length: int) -> int:
+    """How many canvases (blocks) a request of ``max_new_tokens`` may generate: the ceiling of tokens / C."""
+    return -(-max_new_tokens // canvas_length)
+
+
 @dataclass(frozen=True)
 class CanvasDraft:
     """A request's starting canvas (docs/edit-in-place.md): draft token ids laid over its canvases in order from the

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dgserve.engine.block import BLANK, CanvasDraft
+from dgserve.engine.block import BLANK, CanvasDraft, canvases
 from dgserve.sampling_params import SamplingParams
 from dgserve.text.token_bounds import PromptTooLongError
 
@@ -66,7 +66,7 @@ def _draft_ids(initial_canvas: str | Sequence[int] | torch.Tensor, max_new_token
     """The draft's token ids, checked against the vocabulary and the request's canvases (ValueError naming
     initial_canvas)."""
     C = rules.canvas_length
-    room = -(-max_new_tokens // C) * C  # the request's canvases
+    room = canvases(max_new_tokens, C) * C  # the request's canvases
     where = f"the request's {room // C} canvases of {C} tokens (max_new_tokens {max_new_tokens})"
     if isinstance(initial_canvas, str):
         if rules.tokenizer is None:

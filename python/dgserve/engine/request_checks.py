@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dgserve.engine import block
 from dgserve.engine.image_batch import image_runs, placeholder_id
 from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt
 from dgserve.model import DiffusionGemma
@@ -103,8 +104,8 @@ def _encode(
 
 
 def canvases(limits: RequestLimits, max_new_tokens: int) -> int:
-    """How many canvases (blocks) a request of ``max_new_tokens`` may generate: the ceiling of tokens / C."""
-    return -(-max_new_tokens // limits.canvas_length)
+    """How many canvases (blocks) a request of ``max_new_tokens`` may generate (``block.canvases``)."""
+    return block.canvases(max_new_tokens, limits.canvas_length)
 
 
 def check_context(limits: RequestLimits, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> int:
