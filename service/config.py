@@ -104,16 +104,8 @@ class ServiceConfig:
         # grpc takes milliseconds: below 1 ms would round to its "no timeout" 0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 86400:
             raise ValueError(f"request_timeout must be a number of seconds in [0.001, 86400], got {v!r}")
-        v = self.max_request_seconds
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_REQUEST_SECONDS:
-            raise ValueError(
-                f"max_request_seconds must be a number of seconds in (0, {MAX_REQUEST_SECONDS}], got {v!r}"
-            )
-        v = self.media_fetch_timeout
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_MEDIA_FETCH_SECONDS:
-            raise ValueError(
-                f"media_fetch_timeout must be a number of seconds in (0, {MAX_MEDIA_FETCH_SECONDS:g}], got {v!r}"
-            )
+        _seconds("max_request_seconds", self.max_request_seconds, MAX_REQUEST_SECONDS)
+        _seconds("media_fetch_timeout", self.media_fetch_timeout, MAX_MEDIA_FETCH_SECONDS)
         check_image_token_cost(self.image_token_cost)
         for name in ("drain_timeout", "stall_timeout"):
             v = getattr(self, name)
@@ -147,3 +139,8 @@ class ServiceConfig:
 def _int(name: str, v, lo: int, hi: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def _seconds(name: str, v, hi: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+        raise ValueError(f"{name} must be a number of seconds in (0, {hi:g}], got {v!r}")

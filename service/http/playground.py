@@ -115,7 +115,7 @@ async def token_pieces(gate: Gate, request: Request) -> dict:
     tok = engine.tokenizer
     if tok is None:
         raise ValueError("ids: this model has no tokenizer")
-    return {"pieces": await asyncio.to_thread(lambda: [tok.decode([t]) for t in ids])}
+    return {"pieces": await _pieces(tok, ids)}
 
 
 async def draft_tokens(gate: Gate, request: Request) -> dict:
@@ -138,4 +138,9 @@ async def draft_tokens(gate: Gate, request: Request) -> dict:
         raise ValueError(f"text: at least {e.at_least} tokens, more than the context window of {limit}") from e
     if not ids:
         raise ValueError("text: the draft is empty")
-    return {"ids": ids, "pieces": await asyncio.to_thread(lambda: [tok.decode([t]) for t in ids])}
+    return {"ids": ids, "pieces": await _pieces(tok, ids)}
+
+
+async def _pieces(tok, ids: list[int]) -> list[str]:
+    """Each id's own text (the tokenizer's decode of that id alone), decoded off the event loop."""
+    return await asyncio.to_thread(lambda: [tok.decode([t]) for t in ids])

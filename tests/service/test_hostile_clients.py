@@ -11,7 +11,16 @@ import time
 
 import grpc
 import pytest
-from service_helpers import ServerThread, bad_request_field, base_config, long_params, make_certs, params, wait_until
+from service_helpers import (
+    ServerThread,
+    auth_config,
+    bad_request_field,
+    base_config,
+    long_params,
+    make_certs,
+    params,
+    wait_until,
+)
 
 from dgserve.service.logs import JsonFormatter, TextFormatter
 from dgserve.v1 import text_generation_pb2 as pb
@@ -114,9 +123,7 @@ def test_logs_escape_what_they_print():
 
 @pytest.fixture(scope="module")
 def auth_server(model_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("token-a\ntoken-b\n")
-    s = ServerThread(base_config(model_dir, auth_token_file=str(tokens)))
+    s = ServerThread(auth_config(model_dir, tmp_path_factory.mktemp("auth"), ("token-a", "token-b")))
     ch = grpc.insecure_channel(s.target)
     yield s, pb_grpc.TextGenerationStub(ch)
     ch.close()
