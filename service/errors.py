@@ -49,6 +49,10 @@ class DrainingError(Exception):
     """The server is shutting down and takes no new requests."""
 
 
+class DeadlineExceededError(Exception):
+    """The call's deadline passed before its request's end was sent (the engine ended it at its backstop)."""
+
+
 # most specific first: DuplicateRequestError is a ValueError
 TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
@@ -60,6 +64,7 @@ TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE, "NOT_READY"),
     (DrainingError, grpc.StatusCode.UNAVAILABLE, "DRAINING"),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE"),
     (StreamStalledError, grpc.StatusCode.UNAVAILABLE, "STREAM_STALLED"),
     (EngineFaultError, grpc.StatusCode.INTERNAL, "ENGINE_FAULT"),

@@ -31,6 +31,10 @@ EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OUR_PREFIX = "/dgserve.v1."
 REQUEST_ID_HEADER = "x-request-id"
 DEADLINE_SLACK_S = 0.25  # a cancel this close to the deadline is the deadline (CallInfo.expired)
+# how long after a call's deadline the engine ends its request itself (CallInfo.engine_timeout): grpc cancels the
+# call at the deadline (DEADLINE_EXCEEDED, the abort counted as "deadline"); the engine's end is the backstop should
+# that cancel not reach the request, and comes late enough not to race it
+DEADLINE_GRACE_S = 1.0
 
 
 def load_tokens(path: str) -> list[str]:
@@ -97,8 +101,19 @@ class CallInfo:
         earlier) and its RST_STREAM reaches us as a plain cancel up to a network delay before ours."""
         return self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
+    def past_deadline(self) -> bool:
+        """The deadline has passed (no slack): whatever the request sends now, the call's answer is
+        DEADLINE_EXCEEDED."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def engine_timeout(self) -> float | None:
+        """The seconds the engine gives this call's request: its time remaining plus ``DEADLINE_GRACE_S`` (None
+        without a deadline)."""
+        left = self.time_remaining()
+        return None if left is None else left + DEADLINE_GRACE_S
 
 
 _call_var: contextvars.ContextVar[CallInfo | None] = contextvars.ContextVar("dgserve_call", default=None)

@@ -13,8 +13,15 @@ from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
 from . import convert, events
-from .errors import DrainingError, ModelNotFoundError, NotReadyError, RequestNotFoundError, clip
-from .events import ErrorEvent
+from .errors import (
+    DeadlineExceededError,
+    DrainingError,
+    ModelNotFoundError,
+    NotReadyError,
+    RequestNotFoundError,
+    clip,
+)
+from .events import ErrorEvent, FinishEvent
 from .images import ImageReader, read_images, with_images
 from .in_flight import InFlight
 from .interceptors import CallInfo, current_call
@@ -63,12 +70,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         request_id = request.request_id or (call.request_id if call.assigned else None)
         sub = convert.submission(request, info, engine.default_params(), call.owner, request_id)
         sub = await with_images(sub, self.state.images)
-        feed = await events.open_events(engine, sub, timeout_s=call.time_remaining())
+        feed = await events.open_events(engine, sub, timeout_s=call.engine_timeout())
         self.state.streams.enter()
         try:
             async for event in feed:
                 if isinstance(event, ErrorEvent):
                     raise event.error  # the call interceptor maps it to a status
+                if isinstance(event, FinishEvent) and call.past_deadline():
+                    # ended after the deadline (grpc's own cancel did not reach it first): still the deadline's answer
+                    raise DeadlineExceededError("the call's deadline passed before the request ended")
                 yield convert.response(feed.request_id, event)
         finally:  # the call may be over here: use what was read at its start, never the context
             feed.cancel("deadline" if call.expired() else "client_cancelled")

@@ -121,6 +121,39 @@ def test_deadline_mid_stream(stub, idle):
     wait_until(lambda: m.value("dgserve_request_aborted_total", {"reason": "deadline"}) == before + 1)
 
 
+class _DeadlineContext:
+    """The one thing the servicer reads of a grpc context when no interceptor ran: the time remaining."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def time_remaining(self) -> float:
+        return self.seconds
+
+
+def test_a_request_the_engine_ends_after_the_deadline_answers_deadline_exceeded(idle, monkeypatch):
+    """docs/architecture.md, "Service behaviours", row 13, when grpc's own cancel at the deadline does not reach the
+    request first (a loaded machine): the engine ends it at its backstop, and the finish it then sends is not an OK
+    but DEADLINE_EXCEEDED. With no grace, the engine's end comes right at the deadline: the servicer (here without
+    grpc, so nothing else ends the call) must still answer the deadline's way."""
+    from service import interceptors
+    from service.errors import DeadlineExceededError, classify
+    from service.servicer import TextGenerationServicer
+
+    server, _ = idle
+    monkeypatch.setattr(interceptors, "DEADLINE_GRACE_S", 0.0)
+    servicer = TextGenerationServicer(server.server.state)
+    request = pb.GenerateRequest(prompt="slow", params=long_params())
+
+    async def run():
+        return [r async for r in servicer.Generate(request, _DeadlineContext(0.3))]
+
+    with pytest.raises(DeadlineExceededError) as e:
+        server.call(run, timeout=30)
+    assert classify(e.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: server.engine.num_running == 0, timeout=5)
+
+
 def test_deadline_shorter_than_queue_wait(stub, idle):
     """docs/architecture.md, "Service behaviours", row 14: DEADLINE_EXCEEDED; the request leaves the queue without ever
     starting."""
