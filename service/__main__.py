@@ -68,6 +68,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         str,
         "accepted bearer tokens, one a line (health and reflection stay open)",
     ),
+    (
+        "--caller-header",
+        "DGSERVE_CALLER_HEADER",
+        "caller_header",
+        str.lower,
+        (
+            "behind a trusted gateway: the request header (gRPC metadata key) whose value names the caller for fair "
+            "shares of the running slots (default: each auth token is a caller)"
+        ),
+    ),
     ("--tls-cert", "DGSERVE_TLS_CERT", "tls_cert", str, "server certificate chain (PEM)"),
     ("--tls-key", "DGSERVE_TLS_KEY", "tls_key", str, "server private key (PEM)"),
     ("--tls-client-ca", "DGSERVE_TLS_CLIENT_CA", "tls_client_ca", str, "CA for client certificates: enables mTLS"),
@@ -183,6 +193,23 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "bytes of JSON those kept responses may take in all (default 64 MiB)",
     ),
     (
+        "--responses-store-max-entries-per-caller",
+        "DGSERVE_RESPONSES_STORE_MAX_ENTRIES_PER_CALLER",
+        "responses_store_max_entries_per_caller",
+        int,
+        (
+            "Responses API responses one caller (bearer token) may keep, its own least recently used dropped first; "
+            "beyond the global caps the caller holding the most gives way (default: --responses-store-max-entries)"
+        ),
+    ),
+    (
+        "--responses-store-max-bytes-per-caller",
+        "DGSERVE_RESPONSES_STORE_MAX_BYTES_PER_CALLER",
+        "responses_store_max_bytes_per_caller",
+        int,
+        "bytes of JSON one caller's kept responses may take (default: --responses-store-max-bytes)",
+    ),
+    (
         "--max-images-per-request",
         "DGSERVE_MAX_IMAGES_PER_REQUEST",
         "max_images_per_request",
@@ -226,6 +253,40 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "media_fetch_max_redirects",
         int,
         "redirects one remote image's fetch follows; more is a 400 naming the part (default 3)",
+    ),
+    (
+        "--image-workers",
+        "DGSERVE_IMAGE_WORKERS",
+        "image_workers",
+        int,
+        "threads that decode and preprocess images, apart from tokenization (default: one per core, at most 4)",
+    ),
+    (
+        "--image-fetch-workers",
+        "DGSERVE_IMAGE_FETCH_WORKERS",
+        "image_fetch_workers",
+        int,
+        "threads that fetch remote images (I/O only: a slow host never holds a decode thread) (default 16)",
+    ),
+    (
+        "--image-queue-len",
+        "DGSERVE_IMAGE_QUEUE_LEN",
+        "image_queue_len",
+        int,
+        (
+            "images that may wait for an image thread beyond those being read; a request whose images would pass it "
+            "gets RESOURCE_EXHAUSTED / 429 with a retry delay (default 64)"
+        ),
+    ),
+    (
+        "--image-decode-pixels",
+        "DGSERVE_IMAGE_DECODE_PIXELS",
+        "image_decode_pixels",
+        int,
+        (
+            "pixels (width x height, as declared) decoded at once across all requests: it bounds the memory images "
+            "take, whatever the number of callers; at least --max-image-pixels (default: twice it)"
+        ),
     ),
     (
         "--image-token-cost",

@@ -16,6 +16,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LABELS = r"[a-z0-9_-]+(\.[a-z0-9_-]+)*"
 HOST_PATTERN = re.compile(rf"\*|(\*\.)?{_LABELS}\.?", re.I)  # a name, a *.domain pattern, or * (any)
 ORIGIN_PATTERN = re.compile(rf"\*|https?://({_LABELS}|\[[0-9a-f:.]+\])(:[0-9]{{1,5}})?/?", re.I)
+CALLER_HEADER_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 MAX_REQUEST_SECONDS = 7 * 86400  # the largest --max-request-seconds: a week
 MAX_MEDIA_FETCH_SECONDS = 600.0  # the largest --media-fetch-timeout
 MAX_MEDIA_REDIRECTS = 20  # the largest --media-fetch-max-redirects
@@ -59,11 +60,18 @@ class ServiceConfig:
     trust_request_chat_template: bool = False  # chat requests may send their own chat_template (docs/generation.md)
     responses_store_max_entries: int = 1024  # Responses API responses kept in memory (docs/responses-api.md)
     responses_store_max_bytes: int = 64 << 20  # their JSON bytes in all
+    # what one caller (bearer token) may keep of them; None = the global cap. Beyond the global cap the caller
+    # holding the most gives way (docs/responses-api.md, "The store")
+    responses_store_max_entries_per_caller: int | None = None
+    responses_store_max_bytes_per_caller: int | None = None
     # HTTP Host names served besides localhost, IP literals, the bound address and the machine's names; ("*",): any
     allowed_hosts: tuple[str, ...] = ()
     # origins (scheme://host[:port]) whose browser requests are served besides same-origin ones; ("*",): any
     allowed_origins: tuple[str, ...] = ()
     playground: bool = True  # serve the playground and dashboard pages on the HTTP port (docs/playground.md)
+    # a trusted gateway's header naming the caller, for fair shares of the running slots (docs/architecture.md,
+    # "Fair shares between callers"); None: callers are tokens (auth on) or there is one caller
+    caller_header: str | None = None
     # image caps, checked before any pixel is decoded (docs/images.md, "Limits")
     max_images_per_request: int = 8
     max_image_bytes: int = 20 << 20  # encoded bytes of one image
@@ -72,6 +80,13 @@ class ServiceConfig:
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 10.0  # seconds one remote image's whole fetch may take (every hop, the body)
     media_fetch_max_redirects: int = 3  # redirects one remote image's fetch follows
+    # the image stage (docs/images.md, "Admission"): decode threads (None: one per core, at most 4), fetch threads,
+    # images queued beyond the decode threads (then RESOURCE_EXHAUSTED / 429), and pixels decoded at once across all
+    # requests (None: twice max_image_pixels; at least max_image_pixels)
+    image_workers: int | None = None
+    image_fetch_workers: int = 16
+    image_queue_len: int = 64
+    image_decode_pixels: int | None = None
     # what one image soft token counts in the per-iteration prefill budget (docs/images.md, "Bounded like text");
     # None = the device's default
     image_token_cost: float | None = None
@@ -92,12 +107,36 @@ class ServiceConfig:
             ("max_image_bytes", 1, 1 << 31),
             ("max_image_pixels", 1, 1 << 40),
             ("media_fetch_max_redirects", 0, MAX_MEDIA_REDIRECTS),
+            ("image_fetch_workers", 1, 1024),
+            ("image_queue_len", 0, 1 << 20),
         ):
             _int(name, getattr(self, name), lo, hi)
+        if self.image_workers is not None:
+            _int("image_workers", self.image_workers, 1, 1024)
+        if self.image_decode_pixels is not None:
+            _int("image_decode_pixels", self.image_decode_pixels, 1, 1 << 42)
+            if self.image_decode_pixels < self.max_image_pixels:
+                raise ValueError(
+                    f"image_decode_pixels must be at least max_image_pixels ({self.max_image_pixels}): an image under "
+                    f"the per-image cap must fit the budget, got {self.image_decode_pixels}"
+                )
+        if self.caller_header is not None and not CALLER_HEADER_PATTERN.fullmatch(self.caller_header):
+            raise ValueError(
+                "caller_header must be a lowercase header name (letters, digits and '-', at most 64 characters), "
+                f"got {self.caller_header!r}"
+            )
+        if self.caller_header in ("authorization", "x-api-key", "cookie"):
+            raise ValueError(f"caller_header must not be a credential header, got {self.caller_header!r}")
         if self.http_port is not None:
             _int("http_port", self.http_port, 0, 65535)
         if self.max_model_len is not None:
             _int("max_model_len", self.max_model_len, 1, 1 << 30)
+        for name, hi in (
+            ("responses_store_max_entries_per_caller", 1 << 24),
+            ("responses_store_max_bytes_per_caller", 1 << 40),
+        ):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0, hi)
         if self.max_connections is not None:
             _int("max_connections", self.max_connections, 2, 1 << 24)  # at least one per port
         v = self.request_timeout

@@ -38,6 +38,8 @@ from dgserve.sampling_params import MAX_DENOISING_STEPS_LIMIT, SamplingParams
 from dgserve.structured.chat_output import ChatDelta, ChatOutputParser
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
+from . import callers
+
 # a chat output that ended (EOS) after the tool calls it made
 FINISH_TOOL_CALLS = "tool_calls"
 # the reasons a request finishes with; a door's table maps each to its own name (an enum, an OpenAI string)
@@ -302,7 +304,11 @@ class Transcript:
 
 
 async def open_events(engine: AsyncEngine, sub: Submission, timeout_s: float | None = None) -> Events:
-    """Submit a door's request and read it as events (``AsyncEngine.submit`` raises what it raises)."""
+    """Submit a door's request and read it as events (``AsyncEngine.submit`` raises what it raises). The call's
+    caller from a trusted gateway's header (``callers``), when there is one, takes the request's fair share."""
+    caller = callers.current()
+    if caller is not None and sub.caller is None:
+        sub = dataclasses.replace(sub, caller=caller)
     return Events(await engine.submit(sub, timeout_s=timeout_s), sub.prompt)
 
 

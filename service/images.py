@@ -6,13 +6,16 @@ Public contract:
     part = anthropic_image(block, where)      # Messages API image block → a neutral part
     part = image_bytes(data, where)           # gRPC ContentPart.image → a neutral part
     prompt = await read_images(prompt, reader)  # ChatPrompt with neutral parts → {"type": "image"} parts + images
+    call = await with_images(call, reader)      # a door's call (its prompt and its max_new_tokens) with its images
 
 A door maps its own shape to the neutral part (``{"type": "image", "source": ImageSource}``) while it validates
-the request, with no decoding; ``read_images`` then checks the model and the caps and decodes each image in a
-worker thread (decoding and preprocessing are CPU work, never on the event loop). Every error is an ImageError (a
-ValueError, a 400 / INVALID_ARGUMENT) naming the part, e.g. ``messages[1].content[0]``. Remote ``http(s)`` URLs
-are fetched (in the worker thread) only from the domains the operator allows (``media_fetch``), else refused
-("send a data URL"); ``file://`` and every other scheme always.
+the request, with no decoding; ``read_images`` then checks the model and the caps, admits the images into the
+image stage (``image_work``: its own pools, a bounded queue, a pixel budget), reads each header, refuses a request
+whose text and images cannot fit the context (the header gives each image's exact soft tokens), and only then
+decodes (docs/images.md, "Admission"). Every error is an ImageError (a ValueError, a 400 / INVALID_ARGUMENT) naming
+the part, e.g. ``messages[1].content[0]``, or the engine's own context refusal. Remote ``http(s)`` URLs are fetched
+(on the fetch pool) only from the domains the operator allows (``media_fetch``), else refused ("send a data URL");
+``file://`` and every other scheme always.
 """
 
 from __future__ import annotations
@@ -22,10 +25,15 @@ import base64
 import binascii
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from dgserve.engine.prompt import ChatPrompt
-from dgserve.media.images import ImageCaps, ImageError, ImageInput, load_image, preprocess
+from dgserve.media.images import ImageCaps, ImageError, ImageInput, decode_image, open_image, preprocess, soft_tokens
+from dgserve.media.processor import ImageProcessorConfig
 
+from .image_work import ImageWork, fallback_work
 from .media_fetch import FetchPolicy, fetch
 
 NO_FETCH = FetchPolicy()  # no domain: remote images are refused
@@ -56,6 +64,10 @@ class ImageReader:
     remote: FetchPolicy = NO_FETCH  # where remote images may be fetched from (none: every URL is refused)
     max_tokens: int | None = None  # soft tokens one image may take (a prompt chunk: an image is encoded in one pass)
     max_grid: int | None = None  # patches per side the tower's position table holds (position_embedding_size)
+    work: ImageWork | None = None  # the image stage (pools, queue, pixel budget, length check); None: a default
+    # the checkpoint's image processor (media/processor.py: resample, rescale, normalize, RGB conversion, the
+    # soft-token budgets a request may ask for); None: transformers' defaults
+    processor: ImageProcessorConfig | None = None
 
     @classmethod
     def for_model(
@@ -76,7 +88,39 @@ class ImageReader:
             remote,
             max_tokens,
             vc.position_embedding_size,
+            processor=vc.processor,
         )
+
+    def with_soft_tokens(self, n: int | None, field: str = "mm_processor_kwargs.max_soft_tokens") -> ImageReader:
+        """This reader with images of at most ``n`` soft tokens (None: unchanged): one of the budgets the
+        checkpoint's processor supports, up to its own (``ImageProcessorConfig.allowed_soft_tokens``); else
+        ImageError (a 400) naming ``field`` and the allowed values."""
+        if n is None:
+            return self
+        allowed = (self.processor or ImageProcessorConfig(max_soft_tokens=self.max_soft_tokens)).allowed_soft_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n not in allowed:
+            raise ImageError(f"{field} must be one of {', '.join(map(str, allowed))} for this model (got {n!r})")
+        return dataclasses.replace(self, max_soft_tokens=n)
+
+
+MM_KWARGS = "mm_processor_kwargs"  # vLLM's per-request processor settings (a JSON door's body field)
+
+
+def request_reader(reader: ImageReader | None, kwargs, field: str = MM_KWARGS) -> ImageReader | None:
+    """The reader of one request: ``reader`` with the request's ``mm_processor_kwargs`` applied (vLLM's field;
+    ``{"max_soft_tokens": n}`` is the one setting; None or {}: ``reader`` as it is). ImageError (a 400) naming the
+    field: not an object, another key, a value the model does not allow (docs/images.md, "Per request")."""
+    if kwargs is None:
+        return reader
+    if not isinstance(kwargs, dict):
+        raise ImageError(f'{field} must be an object, e.g. {{"max_soft_tokens": 70}}')
+    for key in kwargs:
+        if key != "max_soft_tokens":
+            raise ImageError(f"{field}.{str(key)[:64]}: not supported (supported: max_soft_tokens)")
+    n = kwargs.get("max_soft_tokens")
+    if reader is None:  # the model is not loaded: images are refused anyway (read_images)
+        return None
+    return reader.with_soft_tokens(n, f"{field}.max_soft_tokens")
 
 
 def neutral(data: bytes | str, where: str) -> dict:
@@ -180,11 +224,15 @@ def sources(prompt: ChatPrompt) -> list[ImageSource]:
     return out
 
 
-async def read_images(prompt, reader: ImageReader | None):
+async def read_images(prompt, reader: ImageReader | None, max_new_tokens: int | None = None, fill_context=False):
     """A prompt whose chat has neutral image parts → the same chat with ``{"type": "image"}`` parts and its
     ``images`` (any other prompt is returned as is). Checks, in order and before any pixel is decoded: the model
-    takes images, the number of images, each image's bytes and declared pixels; then decodes and preprocesses
-    each image in a worker thread. ImageError naming the part."""
+    takes images, the number of images, room in the image queue (QueueFullError), each image's bytes and declared
+    pixels (its header), and that the prompt, its images' soft tokens and ``max_new_tokens``' canvases fit the
+    context (None: the prompt alone fits; ``fill_context``: one canvas, as the engine's ``make_request``) — for
+    remote images, first with the fewest soft tokens an image can take, before fetching, then exactly; then decodes
+    and preprocesses each image within the pixel budget. ImageError naming the part (or the engine's context
+    refusal, a ValueError)."""
     if not isinstance(prompt, ChatPrompt):
         return prompt
     found = sources(prompt)
@@ -203,25 +251,87 @@ async def read_images(prompt, reader: ImageReader | None):
                 f"{s.where}: remote images are not fetched: send a data URL (data:image/png;base64,...); the "
                 "operator can allow domains with --allowed-media-domains"
             )
-    images = [await asyncio.to_thread(_decode, s, reader) for s in found]
     messages = tuple(_placed(m) for m in prompt.messages)
+    work = reader.work or fallback_work()
+    length = work.length
+
+    async def fits(heads: list[_Head | None]) -> None:
+        if length is not None:  # the engine's context check, on its tokenization pool (not the image pools)
+            sized = dataclasses.replace(prompt, messages=messages, images=prompt.images + _stand_ins(heads))
+            await length(sized, max_new_tokens, fill_context=fill_context, at_least=None in heads)
+
+    async with work.admit(len(found)):
+        heads: list[_Head | None] = [
+            None if s.url is not None else await work.cpu(_head, s.data, s.where, reader) for s in found
+        ]
+        await fits(heads)  # before any fetch (a lower bound for remote images) and before any pixel is decoded
+        remote = [k for k, s in enumerate(found) if s.url is not None]
+        if remote:
+            fetched = await asyncio.gather(*(work.io(_fetch, found[k], reader) for k in remote))
+            for k, data in zip(remote, fetched, strict=True):
+                heads[k] = await work.cpu(_head, data, found[k].where, reader)
+            await fits(heads)  # exact now
+        images = []
+        for head in heads:
+            assert head is not None
+            w, h = head.img.size
+            async with work.pixels.hold(w * h):  # decoded and preprocessed within the pixel budget
+                images.append(await work.cpu(_decode, head, reader))
     return dataclasses.replace(prompt, messages=messages, images=prompt.images + tuple(images))
 
 
-def _decode(source: ImageSource, reader: ImageReader) -> ImageInput:
-    data = source.data
+@dataclass(frozen=True)
+class _Head:
+    """An image with its header read and checked (no pixel decoded) and the soft tokens it will take."""
+
+    img: Any  # a PIL image opened lazily (``open_image``)
+    tokens: int
+    where: str
+
+
+def _head(data: bytes | str, where: str, reader: ImageReader) -> _Head:
+    """The checks an image's bytes and header allow, before decoding: its bytes, its declared pixels, its soft
+    tokens (exact: ``soft_tokens``), its patch grid, and that it fits a prompt chunk."""
     if isinstance(data, str):
-        data = decode_base64(data, source.where, reader.caps.max_bytes)
-    if source.url is not None:
-        data = fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
-    img = load_image(data, source.where, reader.caps)
-    image = preprocess(img, reader.patch_size, reader.pooling, reader.max_soft_tokens, source.where, reader.max_grid)
-    if reader.max_tokens is not None and image.tokens > reader.max_tokens:
+        data = decode_base64(data, where, reader.caps.max_bytes)
+    img = open_image(data, where, reader.caps)
+    w, h = img.size
+    tokens = soft_tokens(w, h, reader.patch_size, reader.pooling, reader.max_soft_tokens, where, reader.max_grid)
+    if reader.max_tokens is not None and tokens > reader.max_tokens:
         raise ImageError(
-            f"{source.where}: the image takes {image.tokens} tokens, more than a prompt chunk ({reader.max_tokens}; "
-            "--prefill-chunk)"
+            f"{where}: the image takes {tokens} tokens, more than a prompt chunk ({reader.max_tokens}; --prefill-chunk)"
         )
-    return image
+    return _Head(img, tokens, where)
+
+
+def _fetch(source: ImageSource, reader: ImageReader) -> bytes:
+    assert source.url is not None
+    return fetch(source.url, reader.remote, reader.caps.max_bytes, source.where)
+
+
+def _decode(head: _Head, reader: ImageReader) -> ImageInput:
+    """The pixels of an image ``_head`` checked, preprocessed for the model."""
+    img = decode_image(head.img, head.where)
+    return preprocess(
+        img, reader.patch_size, reader.pooling, reader.max_soft_tokens, head.where, reader.max_grid, reader.processor
+    )
+
+
+MIN_SOFT_TOKENS = 1  # the fewest soft tokens any image takes (one pooled cell: ``target_size`` never gives less)
+
+
+def _stand_ins(heads: list[_Head | None]) -> tuple[ImageInput, ...]:
+    """Images with no pixels that take the soft tokens of ``heads`` (MIN_SOFT_TOKENS for one not yet fetched): the
+    tokenizer places their runs, so the engine counts the prompt as the decoded images will make it."""
+    return tuple(
+        ImageInput(
+            torch.empty(0, 0),
+            torch.empty(0, 2, dtype=torch.int64),
+            MIN_SOFT_TOKENS if h is None else h.tokens,
+            b"",
+        )
+        for h in heads
+    )
 
 
 def _placed(message: dict) -> dict:
@@ -236,9 +346,12 @@ def _placed(message: dict) -> dict:
 
 
 async def with_images(call, reader: ImageReader | None):
-    """``call`` (a ``Submission`` or a door's call: a dataclass with a ``prompt``) with its images read
-    (``read_images``)."""
-    prompt = await read_images(call.prompt, reader)
+    """``call`` (a ``Submission`` or a door's call: a dataclass with a ``prompt``, and ``params`` and
+    ``fill_context`` when it generates) with its images read (``read_images``, its images counted against the
+    context with the output the call asks for)."""
+    params = getattr(call, "params", None)
+    max_new = params.max_new_tokens if params is not None else None
+    prompt = await read_images(call.prompt, reader, max_new, bool(getattr(call, "fill_context", False)))
     return call if prompt is call.prompt else dataclasses.replace(call, prompt=prompt)
 
 

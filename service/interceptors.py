@@ -23,7 +23,7 @@ import grpc
 
 from dgserve.engine.request_checks import check_request_id
 
-from . import errors
+from . import callers, errors
 from .logs import request_id_var
 
 log = logging.getLogger("dgserve.access")
@@ -130,13 +130,22 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     (``on_rpc(method, code_name, seconds)`` of the metrics object) — for denied calls too.
 
     ``peer_owner``: without ``auth``, use the client certificate's identity (mTLS) as the caller's identity.
+    ``caller_header``: a trusted gateway's metadata key whose value names the caller (service/callers.py).
     Health and reflection are not wrapped (and need no token).
     """
 
-    def __init__(self, metrics=None, *, auth: BearerAuth | None = None, peer_owner: bool = False):
+    def __init__(
+        self,
+        metrics=None,
+        *,
+        auth: BearerAuth | None = None,
+        peer_owner: bool = False,
+        caller_header: str | None = None,
+    ):
         self.metrics = metrics
         self.auth = auth
         self.peer_owner = peer_owner
+        self.caller_header = caller_header  # a trusted gateway's metadata key naming the caller (service/callers.py)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -205,6 +214,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             call.owner = self.auth.owner(metadata)
         elif self.peer_owner:
             call.owner = _peer_identity(context)
+        if self.caller_header is not None:
+            callers.note(call.owner, metadata.get(self.caller_header))
         _check_decoded(request)
         header = metadata.get(REQUEST_ID_HEADER, "")
         header = header.decode("latin-1") if isinstance(header, bytes) else header

@@ -6,8 +6,9 @@ Public contract:
 
 ``fetch`` is blocking (callers run it in a worker thread). Every hop (the URL, then each redirect, at most
 ``max_redirects``, the server's ``--media-fetch-max-redirects``) must be http(s) to an allowed host; the host's
-addresses are resolved once and must all be global (no loopback, private, link-local, ...) unless the host is
-named literally in the policy (a pattern or ``*`` never allows them); the connection goes to the address that was
+addresses are resolved once and must all be global (no loopback, private, link-local, ...; an IPv6 address
+that carries an IPv4 one, NAT64, 6to4, IPv4-mapped and the like, judged by that IPv4 too) unless the host is named
+literally in the policy (a pattern or ``*`` never allows them); the connection goes to the address that was
 checked (no second lookup to rebind). The whole fetch has one deadline (``timeout_s``, ``--media-fetch-timeout``):
 at it the connection is shut, so a server that stalls or trickles its headers or body cannot hold the worker past
 it. The body has a byte cap. Every failure is an ImageError naming ``where``.
@@ -95,6 +96,42 @@ def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
     raise ImageError(f"{where}: more than {policy.max_redirects} redirects")
 
 
+# IPv6 blocks that carry an IPv4 address, where a packet sent to them ends up (``embedded_ipv4``)
+_V6 = ipaddress.IPv6Network
+_NAT64 = _V6("64:ff9b::/96")  # RFC 6052's well-known prefix: the IPv4 in the last 32 bits
+_NAT64_LOCAL = _V6("64:ff9b:1::/48")  # RFC 8215's local-use prefixes: the layout is the site's (never public)
+_COMPATIBLE = _V6("::/96")  # IPv4-compatible (deprecated): the IPv4 in the last 32 bits
+_SIX_TO_FOUR = _V6("2002::/16")  # 6to4: the IPv4 in bits 16-47
+_TEREDO = _V6("2001::/32")  # Teredo: the server's IPv4 in bits 32-63, the client's inverted in the last 32
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries (IPv4-mapped, IPv4-compatible, NAT64, 6to4, Teredo); [] for none."""
+    n, v4 = int(ip), ipaddress.IPv4Address
+    if ip.ipv4_mapped is not None:
+        return [ip.ipv4_mapped]
+    if ip in _NAT64 or ip in _COMPATIBLE:
+        return [v4(n & 0xFFFFFFFF)]
+    if ip in _SIX_TO_FOUR:
+        return [v4((n >> 80) & 0xFFFFFFFF)]
+    if ip in _TEREDO:
+        return [v4((n >> 64) & 0xFFFFFFFF), v4(~n & 0xFFFFFFFF)]
+    return []
+
+
+def public_address(address: str) -> bool:
+    """Whether ``address`` (an IP literal, an IPv6 zone allowed) is public: global, and so is every IPv4 address it
+    carries (an IPv6 address that translates or tunnels to 127.0.0.1 or 10.0.0.1 reaches them). The local-use
+    NAT64 prefixes (64:ff9b:1::/48) are never public: their layout is the site's, not readable from the address."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return False
+        if not all(inner.is_global for inner in embedded_ipv4(ip)):
+            return False
+    return ip.is_global
+
+
 def _address(host: str, port: int, named: bool, where: str) -> str:
     """The address to connect to: every address of ``host`` must be global unless ``named``."""
     try:
@@ -104,7 +141,7 @@ def _address(host: str, port: int, named: bool, where: str) -> str:
     addresses = [str(info[4][0]) for info in infos]
     if not named:
         for a in addresses:
-            if not ipaddress.ip_address(a.split("%")[0]).is_global:
+            if not public_address(a):
                 raise ImageError(
                     f"{where}: {host!r} resolves to a non-public address ({a}): not fetched unless the host is named "
                     "in --allowed-media-domains"

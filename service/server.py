@@ -23,6 +23,7 @@ restarts the process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
 from .http.response_store import ResponseStore
 from .http.site import HostPolicy, OriginPolicy
+from .image_work import image_work
 from .images import ImageReader
 from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .media_fetch import FetchPolicy
@@ -153,7 +155,11 @@ class Server:
         auth = BearerAuth(_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
-        interceptors = [CallInterceptor(self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None)]
+        interceptors = [
+            CallInterceptor(
+                self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None, caller_header=cfg.caller_header
+            )
+        ]
         self.connection_plan = plan = connections.start_plan(cfg.max_connections, cfg.http_port is not None)
         self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg, plan.grpc))
         try:
@@ -209,7 +215,12 @@ class Server:
                 "with --http-port / env NIM_SERVER_PORT, or 'off')"
             ) from None
         owner = None if auth is None else (lambda value: auth.owner({"authorization": value}))
-        store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes)
+        store = ResponseStore(
+            cfg.responses_store_max_entries,
+            cfg.responses_store_max_bytes,
+            cfg.responses_store_max_entries_per_caller,
+            cfg.responses_store_max_bytes_per_caller,
+        )
         gate = Gate(
             self.state,
             self.metrics,
@@ -218,6 +229,7 @@ class Server:
             max_body_bytes=cfg.max_message_bytes,
             responses=store,
             trust_chat_template=cfg.trust_request_chat_template,
+            caller_header=cfg.caller_header,
         )
         assert self.connection_plan is not None, "start() plans the connections before binding"
         own = (cfg.host, *await asyncio.to_thread(_machine_names))
@@ -250,7 +262,8 @@ class Server:
             caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
             remote = FetchPolicy(cfg.allowed_media_domains, cfg.media_fetch_timeout, cfg.media_fetch_max_redirects)
             chunk = engine.runner.prefill_chunk
-            self.state.images = ImageReader.for_model(engine.model, caps, remote, chunk)
+            reader = ImageReader.for_model(engine.model, caps, remote, chunk)
+            self.state.images = dataclasses.replace(reader, work=image_work(cfg, aengine))
             self.metrics.track_engine(
                 lambda: aengine.num_running,
                 lambda: aengine.num_waiting,
@@ -316,6 +329,8 @@ class Server:
             self._load_task.cancel()
         if self.state.engine is not None:
             await self.state.engine.stop()
+        if self.state.images is not None and self.state.images.work is not None:
+            self.state.images.work.close()
         if self._http is not None:
             await self._http.stop()
         self.connection_events.close()

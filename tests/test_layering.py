@@ -106,6 +106,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.structured.schema_check",
                 "dgserve.media",
                 "dgserve.media.images",  # image limits, decoding and preprocessing (docs/images.md)
+                "dgserve.media.processor",  # the checkpoint's image processor settings (docs/images.md)
             ),
             (
                 "dgserve.text",
@@ -144,6 +145,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.cache_config",
                 "dgserve.engine.prefix_cache",
                 "dgserve.engine.memory_room",
+                "dgserve.engine.fair_share",  # callers' shares of the running slots (docs/architecture.md)
             ),
             ("dgserve.engine.request",),  # the one per-request record
             (
@@ -177,6 +179,8 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.errors",
                 "dgserve.service.vllm_metrics",
                 "dgserve.service.media_fetch",  # remote images from allowed domains (docs/images.md)
+                "dgserve.service.image_work",  # the bounded pools and pixel budget images are read in
+                "dgserve.service.callers",  # a trusted gateway's caller header, per call
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream

@@ -144,6 +144,21 @@ def test_float_knobs_must_be_finite(value):
                 SamplingParams(**{name: value})
 
 
+@pytest.mark.parametrize("value", [10**310, -(10**310), 10**5000], ids=["1e310", "-1e310", "1e5000"])
+def test_integers_beyond_the_double_range_are_a_value_error(value):
+    """An integer no double holds (a JSON number of 310 digits) is a ValueError naming the knob, never the
+    OverflowError ``math.isfinite`` raises on it, and the message does not print its digits."""
+    from dgserve.sampling_params import with_temperature
+
+    for name, k in KNOBS.items():
+        if k.numeric:
+            with pytest.raises(KnobError, match=rf"^{name} must be ") as e:
+                SamplingParams(**{name: value})
+            assert len(str(e.value)) < 200
+    with pytest.raises(KnobError, match=r"^temperature must be a number in \[0, 2\], got an integer of \d+ bits"):
+        with_temperature(SamplingParams(), value)
+
+
 def test_floats_are_stored_as_float_and_stop_as_a_tuple():
     p = SamplingParams(t_min=0, t_max=1, entropy_bound=1, confidence_threshold=2, stop="end")
     assert all(type(getattr(p, n)) is float for n in ("t_min", "t_max", "entropy_bound", "confidence_threshold"))

@@ -25,6 +25,8 @@ TINY_VARIANTS: dict[str, dict] = {
     # images (docs/images.md): image token ids inside the vocabulary, a 2-layer tower with GQA and a non-square
     # head layout; "vis_wide" has a window longer than an image's placeholder run
     "vis": dict(vision=True),
+    # a tower that cuts 8-pixel patches and pools 2x2 (tests/test_image_processor.py: a processor unlike the defaults)
+    "vis_proc": dict(vision=True, tower=dict(patch_size=8, pooling_kernel_size=2)),
     "vis_wide": dict(
         vision=True, sliding_window=24, layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2
     ),
@@ -33,7 +35,7 @@ TINY_VARIANTS: dict[str, dict] = {
 BOI, IMAGE, EOI = 296, 297, 298
 
 
-def tiny_config(canvas_length: int = 16, vision: bool = False, **overrides):
+def tiny_config(canvas_length: int = 16, vision: bool = False, tower: dict | None = None, **overrides):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
     text_kw = dict(
@@ -82,6 +84,7 @@ def tiny_config(canvas_length: int = 16, vision: bool = False, **overrides):
         num_key_value_heads=2,
         head_dim=8,
         position_embedding_size=64,
+        **(tower or {}),  # (tests/test_image_processor.py: another patch size and pooling)
     )
     return DiffusionGemmaConfig(
         text_config=text,
@@ -115,3 +118,46 @@ def make_tiny_hf_model(variant: str = "base", seed: int = 0):
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
     return model
+
+
+# tests/test_image_processor.py: an image processor unlike transformers' defaults in every setting it reads (the
+# tower's patch size and pooling are "vis_proc"'s); do_resize is not among them: only true is supported
+ODD_PROCESSOR = {
+    "image_processor_type": "Gemma4ImageProcessor",
+    "patch_size": 8,
+    "pooling_kernel_size": 2,
+    "max_soft_tokens": 140,
+    "resample": 1,  # lanczos
+    "do_rescale": False,
+    "rescale_factor": 0.5,  # (not applied: do_rescale is false, as in transformers)
+    "do_normalize": True,
+    "image_mean": [120.0, 128.5, 136.0],
+    "image_std": [60.0, 64.0, 68.25],
+    "do_convert_rgb": False,
+}
+
+
+def make_processor_checkpoint(path) -> None:
+    """The "vis_proc" model in ``path`` with ODD_PROCESSOR as its processor_config.json's image_processor section
+    (a preprocessor_config.json saying otherwise loses to it, as config.json's 70 soft tokens do), a tokenizer
+    whose image tokens are BOI, IMAGE, EOI and the shipped model's chat template (it writes ``<|image|>``)."""
+    import json
+    import pathlib
+
+    from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
+
+    path = pathlib.Path(path)
+    make_tiny_hf_model("vis_proc").save_pretrained(path)
+    tok = train_tokenizer(BOI)
+    tok.add_special_tokens(["<|image>", "<|image|>", "<image|>"])  # ids BOI, IMAGE, EOI
+    tok.save(str(path / "tokenizer.json"))
+    small = pathlib.Path(__file__).parents[1] / "python/dgserve/models/small/tokenizer_config.json"
+    config = {
+        **TOKENIZER_CONFIG,
+        "chat_template": json.loads(small.read_text())["chat_template"],
+        "extra_special_tokens": {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    processor = {"image_processor": ODD_PROCESSOR, "processor_class": "Gemma4Processor", "image_seq_length": 280}
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    (path / "preprocessor_config.json").write_text(json.dumps({**ODD_PROCESSOR, "max_soft_tokens": 70}))

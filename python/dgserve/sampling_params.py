@@ -19,7 +19,7 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 from dgserve.config import ConfigError, read_generation_config
 from dgserve.structured.response_format import ResponseFormat
@@ -370,13 +370,32 @@ def _checked(name: str, k: Knob, value: Any) -> Any:
     if k.kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise KnobError(name, f"must be an integer, got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise KnobError(name, f"must be a finite number, got {value!r}")
+    elif not _finite_number(value):
+        raise KnobError(name, f"must be a finite number, got {_shown(value)}")
     else:
         value = float(value)
     if not k.in_range(value):
-        raise KnobError(name, f"must be {k.range_text()}, got {value}")
+        raise KnobError(name, f"must be {k.range_text()}, got {_shown(value)}")
     return value
+
+
+def _finite_number(value: Any) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or float that is a finite double: an integer beyond the double range (a JSON
+    number of 310 digits) is not one (``math.isfinite`` would raise OverflowError converting it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: an integer too large for a double by its size, not its hundreds of digits
+    (which Python would not even print past 4,300)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1024:
+        return f"an integer of {value.bit_length()} bits, beyond the range of a double"
+    return repr(value)
 
 
 def _token_ids(name: str, value: Any) -> tuple[int, ...]:
@@ -463,8 +482,8 @@ def with_temperature(params: SamplingParams, temperature: object, explicit: Coll
 
     ValueError naming ``temperature`` outside [0, 2] or for a non-number.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
-        raise KnobError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
+    if not _finite_number(temperature):
+        raise KnobError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {_shown(temperature)}")
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise KnobError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if temperature == 0:

@@ -3,30 +3,31 @@
 A request's id: the ``X-Request-Id`` header when given (≤ 256 printable ASCII characters; anything else is a 400
 naming the header), else a new one. It becomes the engine request id and the response ``id``, is echoed in
 ``X-Request-Id`` and logged on the access line. Probes and /metrics are counted but not logged.
+
+The counter's ``route`` label is the route the request was for, by its path template (``/v1/messages``,
+``/v1/models/{model_id}``, ``/playground/static/{name}``): the route the app matched, or for a request refused
+before routing (the Host check, a bad request id) the route its path and method match; ``other`` for a path no
+route has (a bounded set of labels whatever paths clients send).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
+from collections.abc import Sequence
 
 from prometheus_client import Counter
+from starlette.routing import BaseRoute, Match
 
 from ..logs import request_id_var
-from .errors import HttpError, error_response
+from .errors import HttpError, error_response_for
 
 log = logging.getLogger("dgserve.access")
 MAX_REQUEST_ID = 256
-ROUTES = (
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/models",
-    "/v1/health/live",
-    "/v1/health/ready",
-    "/metrics",
-    "/v1/metrics",
-)
+OTHER = "other"  # the route label of a path no route has
+_CONVERTOR = re.compile(r"\{(\w+):\w+\}")  # {model_id:path} → {model_id}
 
 
 def _valid_request_id(value: str) -> bool:
@@ -36,8 +37,9 @@ def _valid_request_id(value: str) -> bool:
 class AccessLog:
     """The middleware (see the module docstring) around the app, counting into ``counter``."""
 
-    def __init__(self, app, counter: Counter):
-        self.app, self.counter = app, counter
+    def __init__(self, app, counter: Counter, routes: Sequence[BaseRoute] = ()):
+        # routes: the app's (its router's list, filled as routes are added), for the route label
+        self.app, self.counter, self.routes = app, counter, routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -57,12 +59,13 @@ class AccessLog:
 
         try:
             if given and rid != given:
-                return await error_response(
+                return await error_response_for(  # the route's own error shape (Anthropic's on the Messages routes)
+                    scope["path"],
                     HttpError(
                         "INVALID_ARGUMENT",
                         f"X-Request-Id: must be 1 to {MAX_REQUEST_ID} printable ASCII characters",
                         param="X-Request-Id",
-                    )
+                    ),
                 )(scope, receive, send_with_id)
             await self.app(scope, receive, send_with_id)
         finally:
@@ -70,7 +73,7 @@ class AccessLog:
 
     def _record(self, scope, status: int, seconds: float) -> None:
         path = scope["path"]
-        self.counter.labels(_route(path), str(status)).inc()
+        self.counter.labels(self._route(scope), str(status)).inc()
         if path.startswith(("/v1/health/", "/metrics", "/v1/metrics")):
             return
         dt = seconds * 1e3
@@ -90,6 +93,18 @@ class AccessLog:
             },
         )
 
-
-def _route(path: str) -> str:
-    return path if path in ROUTES else "other"
+    def _route(self, scope) -> str:
+        """The route label of a request (module doc)."""
+        route = scope.get("route")  # set by the router when it matched (a method it lacks: a partial match)
+        if route is None:
+            partial = None
+            for candidate in self.routes:
+                match, _ = candidate.matches(scope)
+                if match == Match.FULL:
+                    route = candidate
+                    break
+                if match == Match.PARTIAL and partial is None:
+                    partial = candidate
+            route = route or partial
+        path = getattr(route, "path", None)
+        return _CONVERTOR.sub(r"{\1}", path) if isinstance(path, str) and path else OTHER

@@ -60,7 +60,8 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool 
         registry=gate.metrics.registry,
     )
     app.add_middleware(SiteGuard, hosts=hosts, origins=origins)
-    app.add_middleware(AccessLog, counter=counter)  # (the last added is the outermost)
+    # (the last added is the outermost); the router's routes give the counter its route label
+    app.add_middleware(AccessLog, counter=counter, routes=app.router.routes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

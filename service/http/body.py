@@ -3,7 +3,10 @@
 ``read_json`` reads at most the body limit (``REQUEST_TOO_LARGE`` past it) and decodes it with the one reader of a
 client's JSON (``dgserve.text.client_json``): at most MAX_VALUES values, MAX_DEPTH levels, and only valid Unicode,
 each a ValueError naming ``body`` or the field. Checking the request is then O(fields): a list is refused by its
-length (token ids, messages) before its items are looked at.
+length (token ids, messages) before its items are looked at, and linear in the body's size after that.
+
+Nothing body-sized runs on the event loop: a body over INLINE_BODY_BYTES is decoded, and then
+converted (``off_loop``: its messages checked and joined into the engine's prompt), in the one body thread.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -23,6 +28,8 @@ from .errors import HttpError
 
 JSON_TYPE = "application/json"
 INLINE_BODY_BYTES = 64 << 10  # decoded on the event loop: at most ~1 ms of json.loads, less than a thread hop
+BODY_BYTES = "body_bytes"  # the request state's size of the body read_json read (off_loop's choice)
+T = TypeVar("T")
 
 
 async def read_json(request: Request, limit: int):
@@ -32,10 +39,26 @@ async def read_json(request: Request, limit: int):
     16 MB bodies at once would only take turns at the GIL away from the event loop; one at a time, the loop gets
     it back between bodies."""
     check_content_type(request.headers.get("content-type"))
-    raw = await _read_body(request, limit)
-    if len(raw) <= INLINE_BODY_BYTES:
-        return decode_body(raw)
-    return await asyncio.get_running_loop().run_in_executor(_body_thread(), decode_body, raw)
+    chunks, size = await _read_body(request, limit)
+    setattr(request.state, BODY_BYTES, size)
+    if size <= INLINE_BODY_BYTES:
+        return decode_body(b"".join(chunks))
+    return await in_body_thread(_join_and_decode, chunks)  # (even joining 16 MB is ~10 ms)
+
+
+async def off_loop(request: Request, convert: Callable[..., T], *args) -> T:
+    """``convert(*args)``: the work on a body ``read_json`` decoded (checking it, joining its messages, rendering
+    it), in the body thread when the body was over INLINE_BODY_BYTES, so that a body-sized conversion never holds
+    the event loop; on the loop for a small one (less than a thread hop). ``convert`` must be safe in a worker
+    thread: it reads the body and its arguments, and nothing the loop changes."""
+    if getattr(request.state, BODY_BYTES, 0) <= INLINE_BODY_BYTES:
+        return convert(*args)
+    return await in_body_thread(convert, *args)
+
+
+async def in_body_thread(work: Callable[..., T], *args) -> T:
+    """``work(*args)`` in the one body thread (``read_json``: body-sized work takes turns there, one at a time)."""
+    return await asyncio.get_running_loop().run_in_executor(_body_thread(), work, *args)
 
 
 def check_content_type(value: str | None) -> None:
@@ -62,7 +85,8 @@ def _body_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgserve-body")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> tuple[list[bytes], int]:
+    """The body's chunks as they came, and their size in bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError("REQUEST_TOO_LARGE", f"body: {declared} bytes exceed the limit of {limit} bytes")
@@ -77,7 +101,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if getattr(request.state, TIMED_OUT, False):
             raise HttpError("REQUEST_TIMEOUT", "body: not complete within the request timeout") from None
         raise HttpError("CLIENT_CLOSED", "body: the client closed the connection before sending it all") from None
-    return b"".join(chunks)
+    return chunks, size
+
+
+def _join_and_decode(chunks: list[bytes]):
+    return decode_body(b"".join(chunks))
 
 
 def decode_body(raw: bytes):

@@ -33,7 +33,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..connections import ConnectionEvents
-from .errors import HttpError, error_body
+from .errors import HttpError, error_body_for
 
 DOOR = "http"
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)  # h11 states of a request not yet complete (IDLE: none yet)
@@ -42,10 +42,11 @@ SHED_BURST = 64  # sockets closed at accept() in one call before yielding to the
 TIMED_OUT = "request_timed_out"  # the request state's flag (scope["state"]) when the timer cut its body off
 
 
-def timeout_response(seconds: float) -> bytes:
-    """A whole 408 response with an OpenAI error body, to close a connection with."""
-    status, body, _ = error_body(
-        HttpError("REQUEST_TIMEOUT", f"request: not complete within {seconds:g} s (--request-timeout)")
+def timeout_response(seconds: float, path: str = "") -> bytes:
+    """A whole 408 response, to close a connection with: the error body of the route ``path`` asked for
+    (Anthropic's on the Messages routes), OpenAI's when its request line never came."""
+    status, body, _ = error_body_for(
+        path, HttpError("REQUEST_TIMEOUT", f"request: not complete within {seconds:g} s (--request-timeout)")
     )
     data = json.dumps(body).encode()
     head = f"HTTP/1.1 {status} Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
@@ -182,7 +183,8 @@ class BoundedH11Protocol(H11Protocol):
         if cycle is not None and cycle.response_started:  # the app answered early, and is still answering
             self._close()
             return
-        self.transport.write(timeout_response(self.door.request_timeout))
+        path = cycle.scope.get("path", "") if cycle is not None else ""
+        self.transport.write(timeout_response(self.door.request_timeout, path))
         if cycle is not None:  # the app task is reading the body: it sees a disconnect, and why
             cycle.scope.setdefault("state", {})[TIMED_OUT] = True
             cycle.disconnected = True  # (uvicorn's own flag: its send() drops what the app writes from now on)

@@ -3,7 +3,8 @@ in the engine, read as one stream of (choice index, event) and cancelled togethe
 
 Each choice is a request of its own in the engine (its own id, seed, slot and chat output parser); the door only
 interleaves their events in the order they come. A choice that fails ends the whole request: the others are
-cancelled.
+cancelled. A request with more choices than the engine runs and queues together could never be admitted (a 429
+would have its client retry forever): ``check_admissible`` refuses it as a bad ``n`` before any work starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from dgserve.engine.prompt import Submission
 from .. import events
 
 
+def check_admissible(engine: AsyncEngine, n: int) -> None:
+    """ValueError naming ``n`` when ``n`` choices (each a request) exceed what the engine ever holds at once: its
+    running slots (``max_num_seqs``, after the KV cache budget) plus its queue (``max_queue_len``; None: unbounded).
+    """
+    running, queued = engine.max_num_seqs, engine.max_queue_len
+    if queued is not None and n > running + queued:
+        raise ValueError(
+            f"n: {n} choices can never be admitted: the server runs at most {running} requests and queues "
+            f"{queued} (--max-num-seqs + --max-queue-len); ask for at most {running + queued}"
+        )
+
+
 class Choices:
     """The events of a request's choices (``feeds``, in choice order), merged."""
 
@@ -26,7 +39,9 @@ class Choices:
     @classmethod
     async def open(cls, engine: AsyncEngine, subs: Sequence[Submission]) -> Choices:
         """Submit every choice, before the engine could finish any (so they run in the same steps); when one is
-        refused (the queue is full, a bad field), those already submitted are cancelled and the error raised."""
+        refused (the queue is full, a bad field), those already submitted are cancelled and the error raised.
+        More choices than the engine could ever hold are refused before the first is submitted."""
+        check_admissible(engine, len(subs))
         feeds: list[events.Events] = []
         try:
             for sub in subs:

@@ -91,6 +91,7 @@ ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",  # a request not complete within --request-timeout (bounded.py)
     409: "invalid_request_error",
     413: "request_too_large",
     415: "invalid_request_error",  # a body that is not JSON (the site guard's rule for a browser's simple POST)
@@ -119,9 +120,18 @@ def anthropic_error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is one of the Messages routes (or under them), which answer in Anthropic's shape."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def error_body_for(path: str, exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """``anthropic_error_body`` on the Messages routes, ``error_body`` elsewhere."""
+    return anthropic_error_body(exc) if is_messages_path(path) else error_body(exc)
+
+
 def error_response_for(path: str, exc: BaseException) -> JSONResponse:
-    """The error response of a failure on ``path`` that no route's own handler answered (the site guard, an
-    unknown route or method): Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
-    if path.startswith(MESSAGES_PATH):
-        return anthropic_error_response(exc)
-    return error_response(exc)
+    """The error response of a failure on ``path`` that no route's own handler answered (the site guard, the
+    request id check, an unknown route or method): Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
+    status, body, headers = error_body_for(path, exc)
+    return JSONResponse(body, status_code=status, headers=headers)

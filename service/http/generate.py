@@ -15,10 +15,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import events
-from ..images import with_images
+from ..images import MM_KWARGS, request_reader, with_images
 from . import protocol, responses, sse
-from .body import read_json
-from .choices import Choices
+from .body import off_loop, read_json
+from .choices import Choices, check_admissible
 from .gate import Gate
 
 
@@ -26,9 +26,12 @@ async def generate(gate: Gate, request: Request, chat: bool) -> Response:
     owner = gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    call = _parse(body, engine.default_params(), gate.state.info, chat, gate.trust_chat_template)
+    call = await off_loop(
+        request, _parse, body, engine.default_params(), gate.state.info, chat, gate.trust_chat_template
+    )
     gate.state.check_model(call.model)
-    call = await with_images(call, gate.state.images)
+    check_admissible(engine, call.n)  # before the images' work (Choices.open checks again)
+    call = await with_images(call, request_reader(gate.state.images, body.get(MM_KWARGS)))
     feeds = await Choices.open(engine, call.submissions(request.state.request_id, owner))
     rid, model = feeds.feeds[0].request_id, call.model or gate.state.names[0]
     outs = [responses.Output(rid, model, f.seed, chat, index=i) for i, f in enumerate(feeds.feeds)]

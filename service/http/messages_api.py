@@ -26,9 +26,9 @@ from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
 from .. import events
-from ..images import read_images, with_images
+from ..images import MM_KWARGS, read_images, request_reader, with_images
 from . import sse
-from .body import read_json
+from .body import off_loop, read_json
 from .errors import anthropic_error_body
 from .event_encoder import CALL, REASONING, TEXT, ItemEncoder, timing
 from .gate import Gate
@@ -51,9 +51,9 @@ async def create(gate: Gate, request: Request) -> Response:
     owner = gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    call = messages_request(body, engine.default_params(), gate.state.info.max_model_len)
+    call = await off_loop(request, messages_request, body, engine.default_params(), gate.state.info.max_model_len)
     gate.state.check_model(call.model)
-    call = await with_images(call, gate.state.images)
+    call = await with_images(call, request_reader(gate.state.images, body.get(MM_KWARGS)))
     feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = MessageOutput(call.model or gate.state.names[0], feed.request_id, feed.seed, feed.stream.request.prompt_len)
     headers = {"X-Dgserve-Seed": str(feed.seed)}
@@ -73,9 +73,9 @@ async def count_tokens(gate: Gate, request: Request) -> Response:
     gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    prompt, model = count_request(body, gate.state.info.max_model_len)
+    prompt, model = await off_loop(request, count_request, body, gate.state.info.max_model_len)
     gate.state.check_model(model)
-    prompt = await read_images(prompt, gate.state.images)
+    prompt = await read_images(prompt, request_reader(gate.state.images, body.get(MM_KWARGS)))
     return JSONResponse({"input_tokens": len(await engine.tokenize(prompt))})
 
 

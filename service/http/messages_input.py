@@ -28,7 +28,7 @@ from ..errors import clip
 from ..images import anthropic_image
 from . import protocol
 
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "mm_processor_kwargs"}
 FIELDS = COUNT_FIELDS | {
     "context_management",
     "output_config",
@@ -117,9 +117,17 @@ class Conversation:
     assistant turn just read, which the next user message's tool_result blocks answer (each once)."""
 
     def __init__(self):
-        self.messages: list[dict] = []
+        self.turns: list[dict] = []  # the chat messages after the system message
+        self.system: list[str] = []  # the system texts, joined once by ``messages`` (linear in their size)
         self.tool_uses: set[str] = set()  # every tool_use id of the conversation (they are unique)
         self.pending: set[str] = set()
+
+    @property
+    def messages(self) -> list[dict]:
+        """The chat messages: the one system message (every system text, joined by a blank line), then the turns."""
+        if not self.system:
+            return list(self.turns)
+        return [{"role": "system", "content": "\n\n".join(self.system)}, *self.turns]
 
     def add_system(self, value) -> None:
         """``system``: a string or a list of text blocks (joined by a blank line), the one system message."""
@@ -136,12 +144,8 @@ class Conversation:
             text = "\n\n".join(_text_block(b, f"{field}[{i}]") for i, b in enumerate(value))
         else:
             raise ValueError(f"{field} must be a string or a list of text blocks")
-        if not text:
-            return
-        if self.messages and self.messages[0]["role"] == "system":
-            self.messages[0]["content"] += "\n\n" + text
-        else:
-            self.messages.insert(0, {"role": "system", "content": text})
+        if text:
+            self.system.append(text)  # joined once at the end: joining as they come is quadratic in their size
 
     def add_messages(self, value, max_len: int | None) -> None:
         if not isinstance(value, list) or not value:
@@ -155,7 +159,7 @@ class Conversation:
                 )
         for i, message in enumerate(value):
             self.add(message, f"messages[{i}]")
-        if self.messages[-1]["role"] != "user" and self.messages[-1]["role"] != "tool":
+        if not self.turns or self.turns[-1]["role"] not in ("user", "tool"):
             raise ValueError(
                 f"messages[{len(value) - 1}].role: the last message must be the user's (continuing a final "
                 "assistant message, a prefill, is not supported)"
@@ -199,10 +203,10 @@ class Conversation:
                 continue
             if parts:
                 raise ValueError(f"{at}: tool_result blocks must come before any other content of the message")
-            self.messages.append(self._tool_result(block, at, answered))
+            self.turns.append(self._tool_result(block, at, answered))
         self.pending = set()
         if parts:
-            self.messages.append({"role": "user", "content": parts})
+            self.turns.append({"role": "user", "content": parts})
 
     def _tool_result(self, block: dict, at: str, answered: set[str]) -> dict:
         _known(block, {"type", "tool_use_id", "content", "is_error", "cache_control"}, at)
@@ -243,7 +247,7 @@ class Conversation:
             message["reasoning_content"] = "\n".join(thoughts)
         if calls:
             message["tool_calls"] = calls
-        self.messages.append(message)
+        self.turns.append(message)
         self.pending |= {c["id"] for c in calls}
 
     def _tool_use(self, block: dict, at: str) -> dict:

@@ -60,6 +60,7 @@ COMMON = {
     "cache_salt",
     "stop_token_ids",
     "n",
+    "mm_processor_kwargs",  # vLLM's: {"max_soft_tokens": n} for the request's images (docs/images.md, "Per request")
     *KNOBS,
     *GUIDED,
     *NEUTRAL,

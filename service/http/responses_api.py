@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -24,13 +24,14 @@ from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
 from .. import events
-from ..images import with_images
+from ..images import MM_KWARGS, request_reader, with_images
 from . import sse
-from .body import read_json
+from .body import off_loop, read_json
 from .errors import HttpError, error_body
 from .event_encoder import CALL, TEXT, ItemEncoder, timing
 from .gate import Gate
 from .generate import read_all
+from .response_store import Stored
 from .responses_input import ResponsesCall, responses_request
 
 # the finish reasons that leave a response incomplete, and the reason it gives
@@ -41,12 +42,11 @@ async def create(gate: Gate, request: Request) -> Response:
     owner = gate.authorize(request)
     body = await read_json(request, gate.max_body_bytes)
     engine = gate.state.ready_engine()
-    store = gate.responses
-    rc = responses_request(
-        body, engine.default_params(), gate.state.info.max_model_len, lambda rid: store.get(owner, rid)
-    )
+    # the store is the event loop's: the previous response is looked up here, and the body converted off the loop
+    prior = _previous(gate, owner, body)
+    rc = await off_loop(request, responses_request, body, engine.default_params(), gate.state.info.max_model_len, prior)
     gate.state.check_model(rc.call.model)
-    call = await with_images(rc.call, gate.state.images)
+    call = await with_images(rc.call, request_reader(gate.state.images, body.get(MM_KWARGS)))
     feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
     out = ResponseOutput(rc, rc.call.model or gate.state.names[0], feed.request_id, feed.seed)
     headers = {"X-Dgserve-Seed": str(feed.seed)}
@@ -75,6 +75,14 @@ async def delete(gate: Gate, request: Request) -> Response:
     if not gate.responses.delete(owner, rid):
         raise _not_found(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+def _previous(gate: Gate, owner: str | None, body) -> Callable[[str], Stored | None]:
+    """``responses_request``'s lookup of the previous response: the caller's stored response of the body's
+    ``previous_response_id``, read from the store now (on the event loop, the store's one thread)."""
+    rid = body.get("previous_response_id") if isinstance(body, dict) else None
+    found = gate.responses.get(owner, rid) if isinstance(rid, str) and rid else None
+    return lambda asked: found if asked == rid else None
 
 
 def _not_found(rid: str) -> HttpError:

@@ -45,6 +45,7 @@ FIELDS = {
     "metadata",
     "include",
     "cache_salt",
+    "mm_processor_kwargs",  # {"max_soft_tokens": n} (docs/images.md, "Per request")
     *protocol.EDIT_FIELDS,
     *protocol.KNOBS,
     *protocol.NEUTRAL,  # accepted and ignored, as on chat completions (prompt_cache_key: Codex CLI sends one)
@@ -118,7 +119,12 @@ class Conversation:
     def __init__(self, prior: tuple[dict, ...] = ()):
         self.messages: list[dict] = [dict(m) for m in prior]
         self.calls = {c["id"] for m in prior for c in m.get("tool_calls") or ()}
-        self._reasoning: str | None = None
+        # the reasoning texts the next assistant message takes (joined once: joining as they come is quadratic)
+        self._reasoning: list[str] | None = None
+        # the call ids of the turn a function_call_output answers: the last message that is not a tool output's
+        # (kept as messages are added, so that a run of outputs is checked in linear time)
+        turn = next((m for m in reversed(self.messages) if m["role"] != "tool"), None)
+        self._turn_calls = _call_ids(turn)
 
     def add_input(self, value, max_len: int | None) -> None:
         """The body's ``input``: a string (one user message) or a list of items."""
@@ -144,7 +150,7 @@ class Conversation:
         elif kind == "function_call_output":
             self._function_call_output(item, field)
         elif kind == "reasoning":
-            self._reasoning = (self._reasoning or "") + _reasoning_text(item, field)
+            self._reasoning = [*(self._reasoning or ()), _reasoning_text(item, field)]
         else:
             got = clip(str(kind)) if isinstance(kind, str) else kind
             raise ValueError(f"{field}.type: {got!r} is not supported (supported: {', '.join(ITEM_TYPES)})")
@@ -153,17 +159,21 @@ class Conversation:
         """The prompt's messages: the instructions and the conversation's opening system / developer messages as
         one system message, then the rest."""
         system = [] if instructions is None else [instructions]
-        rest = list(self.messages)
-        while rest and rest[0]["role"] == "system":
-            system.append(_text(rest.pop(0)["content"]))
+        start = 0
+        while start < len(self.messages) and self.messages[start]["role"] == "system":
+            system.append(_text(self.messages[start]["content"]))
+            start += 1
+        rest = self.messages[start:]
         if not rest:
             raise ValueError("input: the conversation has no user or assistant turn")
         return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
     def _append(self, message: dict) -> None:
+        """Add a message that is not a tool output (it opens a turn)."""
         if message["role"] == "assistant" and self._reasoning is not None:
-            message["reasoning_content"], self._reasoning = self._reasoning, None
+            message["reasoning_content"], self._reasoning = "".join(self._reasoning), None
         self.messages.append(message)
+        self._turn_calls = _call_ids(message)
 
     def _message(self, item: dict, field: str) -> None:
         role = item.get("role")
@@ -172,7 +182,8 @@ class Conversation:
         _known(item, {"type", "role", "content", "id", "status"}, field)
         content = _content(item.get("content"), f"{field}.content")
         if role in ("system", "developer"):
-            if any(m["role"] != "system" for m in self.messages):
+            # system messages only open the conversation, so it has begun when its last message is not one
+            if self.messages and self.messages[-1]["role"] != "system":
                 raise ValueError(f"{field}.role: a {role} message is only allowed before the conversation's turns")
             role = "system"
         self._append({"role": role, "content": content})
@@ -191,6 +202,7 @@ class Conversation:
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self._reasoning is None:
             last.setdefault("tool_calls", []).append(call)  # the calls of one turn share its assistant message
+            self._turn_calls.add(call_id)
             return
         self._append({"role": "assistant", "content": None, "tool_calls": [call]})
 
@@ -199,8 +211,7 @@ class Conversation:
         call_id = _string(item.get("call_id"), f"{field}.call_id")
         if call_id not in self.calls:
             raise ValueError(f"{field}.call_id: {clip(call_id)!r} matches no function_call of the conversation")
-        turn = next((m for m in reversed(self.messages) if m["role"] != "tool"), None)
-        if turn is None or call_id not in {c["id"] for c in turn.get("tool_calls") or ()}:
+        if call_id not in self._turn_calls:
             raise ValueError(
                 f"{field}.call_id: a function_call_output must follow the function_call items of its turn (only "
                 "other outputs may stand between them)"
@@ -209,6 +220,10 @@ class Conversation:
         output = output if isinstance(output, str) else _text(_content(output, f"{field}.output"))
         check_unicode(output, f"{field}.output")
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+
+def _call_ids(message: dict | None) -> set[str]:
+    return {c["id"] for c in (message or {}).get("tool_calls") or ()}
 
 
 def _content(value, field: str) -> str | list[dict]:

@@ -21,13 +21,13 @@ from dgserve.engine.prompt import ChatPrompt
 
 from .. import events
 from ..errors import clip
-from ..images import read_images
+from ..images import MM_KWARGS, read_images, request_reader
 from . import protocol
-from .body import read_json
+from .body import off_loop, read_json
 from .gate import Gate
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_FIELDS |= {"chat_template_kwargs"}
+TOKENIZE_FIELDS |= {"chat_template_kwargs", MM_KWARGS}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -44,12 +44,14 @@ async def tokenize(gate: Gate, request: Request) -> dict:
         if special:
             ids = await engine.tokenize(prompt)
         else:
-            ids = await asyncio.to_thread(tok.encode, prompt, False, info.max_model_len)
+            ids = await engine.tokenizing(tok.encode, prompt, False, info.max_model_len)
     else:
-        ids = await engine.tokenize(await read_images(_chat(body, info.max_model_len), gate.state.images))
+        reader = request_reader(gate.state.images, body.get(MM_KWARGS))
+        chat = await off_loop(request, _chat, body, info.max_model_len)
+        ids = await engine.tokenize(await read_images(chat, reader))
     strs = None
     if _flag(body, "return_token_strs", bool, False):  # one decode per token, up to max_model_len: off the loop
-        strs = await asyncio.to_thread(lambda: [tok.decode([t], skip_special_tokens=False) for t in ids])
+        strs = await engine.tokenizing(lambda: [tok.decode([t], skip_special_tokens=False) for t in ids])
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
 
 

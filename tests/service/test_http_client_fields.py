@@ -403,6 +403,38 @@ def test_bad_n_is_400_naming_it(url, n):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/completions", {"prompt": "x", "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    ],
+)
+def test_n_above_what_the_server_ever_holds_is_400_not_a_429_to_retry_forever(server, url, route, body):
+    # the shared server runs 4 requests and queues 4: 9 choices could never be admitted, even idle
+    eng = server.engine
+    assert (eng.max_num_seqs, eng.max_queue_len) == (4, 4)
+    r = _post(url, route, {**body, "max_tokens": 8, "n": 9, **KNOBS})
+    assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["type"] == "invalid_request_error"
+    assert "n: 9 choices can never be admitted" in err["message"]
+    assert "at most 4 requests and queues 4 (--max-num-seqs + --max-queue-len)" in err["message"]
+
+
+def test_the_admission_bound_on_n_reads_the_engines_limits():
+    from types import SimpleNamespace
+
+    from dgserve.service.http.choices import check_admissible
+
+    check_admissible(SimpleNamespace(max_num_seqs=32, max_queue_len=256), 288)  # runs 32, queues 256: fits
+    with pytest.raises(ValueError, match=r"^n: 300 choices can never be admitted: .* at most 32 requests and queues"):
+        check_admissible(SimpleNamespace(max_num_seqs=32, max_queue_len=256), 300)
+    check_admissible(SimpleNamespace(max_num_seqs=1, max_queue_len=None), 16)  # an unbounded queue takes any n
+
+
 def test_a_client_going_away_cancels_every_choice(server, url):
     from service_helpers import wait_until
 

@@ -69,6 +69,8 @@ def test_flags_override_environment_which_overrides_defaults():
         ([], {"DGSERVE_MEDIA_FETCH_TIMEOUT": "soon"}, "media_fetch_timeout"),
         (["--media-fetch-max-redirects", "-1"], {}, "media_fetch_max_redirects"),
         (["--image-token-cost", "0.5"], {}, "image_token_cost"),
+        (["--responses-store-max-bytes-per-caller", "-1"], {}, "responses_store_max_bytes_per_caller"),
+        ([], {"DGSERVE_RESPONSES_STORE_MAX_ENTRIES_PER_CALLER": "x"}, "responses_store_max_entries_per_caller"),
     ],
 )
 def test_bad_configuration_names_field(argv, env, field):
@@ -88,6 +90,17 @@ def test_image_flags_flow_to_the_fetch_policy_and_the_scheduler():
     assert scheduler_config(defaults).image_token_cost is None  # the engine's device default
     with pytest.raises(ValueError, match=r"media_fetch_timeout .* \(set --media-fetch-timeout / env DGSERVE_ME"):
         build_config(["--media-fetch-timeout", "601"], {})
+
+
+def test_the_per_caller_store_caps_default_to_the_global_ones():
+    env = {"DGSERVE_RESPONSES_STORE_MAX_BYTES_PER_CALLER": "1000"}
+    cfg, _ = build_config(["--responses-store-max-entries-per-caller", "5"], env)
+    assert (cfg.responses_store_max_entries_per_caller, cfg.responses_store_max_bytes_per_caller) == (5, 1000)
+    defaults, _ = build_config([], {})
+    assert (defaults.responses_store_max_entries_per_caller, defaults.responses_store_max_bytes_per_caller) == (
+        None,
+        None,
+    )
 
 
 def test_dry_run_prints_resolved_config():

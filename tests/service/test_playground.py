@@ -161,3 +161,52 @@ def _streamed_blocks(http, body: dict) -> list[dict]:
 
 def _streamed_ids(http, body: dict) -> list[int]:
     return [t for b in _streamed_blocks(http, body) for t in b["token_ids"]]
+
+
+# ---------------------------------------------------------------------------------------------- the 64-bit seed
+
+BIG_SEED = 12345678901234567891  # above 2^53: a JS number would round it to 12345678901234567168
+
+
+def _node_json(bodies: list[dict]) -> list[str]:
+    """common.js's ``dg.json`` of each body, run under node (bodies travel in as JSON: a seed given as a string)."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    script = (
+        "const vm = require('vm'), fs = require('fs');"
+        "const dg = vm.runInNewContext(fs.readFileSync(process.argv[1], 'utf8') + ';dg', {});"
+        "const out = JSON.parse(fs.readFileSync(0, 'utf8')).map((b) => dg.json(b));"
+        "process.stdout.write(JSON.stringify(out));"
+    )
+    done = subprocess.run(
+        [node, "-e", script, str(STATIC / "common.js")],
+        input=json.dumps(bodies),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
+def test_the_pages_write_a_seed_above_2_53_with_its_exact_digits():
+    bodies = [
+        {"stream": True, "prompt": "it's", "seed": str(BIG_SEED)},
+        {"seed": "18446744073709551615"},  # 2^64 - 1, the largest seed
+        {"prompt": "x", "seed": "007"},
+        {"prompt": "x", "seed": 11},  # a number (what the seed box's non-digits give) as JSON.stringify writes it
+        {"prompt": "x"},
+    ]
+    texts = _node_json(bodies)
+    assert texts[0].endswith(f',"seed":{BIG_SEED}}}') and json.loads(texts[0]) == {**bodies[0], "seed": BIG_SEED}
+    assert json.loads(texts[1]) == {"seed": 2**64 - 1} and texts[1] == '{"seed":18446744073709551615}'
+    assert json.loads(texts[2])["seed"] == 7 and json.loads(texts[3])["seed"] == 11
+    assert json.loads(texts[4]) == {"prompt": "x"}
+    # the playground sends, copies and replays through it, and never reads the seed as a JS number
+    js = (STATIC / "playground.js").read_text()
+    assert "body: dg.json(b)" in js and "dg.json(b).replace" in js and "JSON.stringify(b)" not in js
+    assert 'Number(r.headers.get("X-Dgserve-Seed"))' not in js and '"seed"]' not in js

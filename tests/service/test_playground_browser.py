@@ -202,6 +202,38 @@ def run_and_read_after(driver, button: str) -> dict:
     }
 
 
+BIG_SEED = "12345678901234567891"  # above 2^53: a JS number would round it to 12345678901234567168
+
+
+def test_a_seed_above_2_53_is_sent_replayed_and_copied_with_its_exact_digits(server, browser):
+    open_playground(browser, server)
+    body = {"prompt": "Once upon a time", "max_tokens": 32, "max_denoising_steps": 6}
+    set_field(browser, "prompt", body["prompt"])
+    for k in ("max_tokens", "max_denoising_steps"):
+        set_field(browser, k, body[k])
+    set_field(browser, "seed", BIG_SEED)
+    page = run_and_read(browser)
+    canvas = browser.find_element("id", "canvas")
+    assert canvas.get_attribute("data-seed") == BIG_SEED  # the X-Dgserve-Seed the server answered: it ran with it
+    curl = browser.find_element("id", "curl").get_attribute("value")
+    assert f'"seed":{BIG_SEED}}}' in curl
+    _, committed = stream(server, {**body, "seed": int(BIG_SEED)})
+    _, rounded = stream(server, {**body, "seed": int(float(BIG_SEED))})
+    assert page["committed"] == committed != rounded  # the rounded seed is another request
+    replay = run_and_read_after(browser, "replay")
+    assert replay["committed"] == committed and canvas.get_attribute("data-seed") == BIG_SEED
+
+    # no seed: the server draws one (64 bits: above 2^53 but for one draw in 2048); Replay and curl carry it
+    browser.find_element("id", "seed").clear()
+    page = run_and_read(browser)
+    drawn = canvas.get_attribute("data-seed")
+    assert drawn.isdigit() and f'"seed":{drawn}}}' in browser.find_element("id", "curl").get_attribute("value")
+    _, committed = stream(server, {**body, "seed": int(drawn)})
+    assert page["committed"] == committed
+    assert run_and_read_after(browser, "replay")["committed"] == committed
+    assert not errors(browser)
+
+
 DRAFT = "The cat sat on the mat. It was a sunny day and"
 DRAFT_REQUEST = {"prompt": "Once upon a time", "max_tokens": 32, "max_denoising_steps": 8, "seed": 7}
 

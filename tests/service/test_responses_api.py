@@ -222,6 +222,49 @@ def test_the_store_is_bounded_by_entries_and_bytes_least_recently_used_first():
     assert store.get("someone", "d") is None and not store.delete("someone", "d")
 
 
+def test_one_callers_puts_never_evict_another_callers_response():
+    store = ResponseStore(max_entries=100, max_bytes=1000)
+    assert store.put("a", {"id": "a1"}, [])
+    for i in range(20):  # b fills the store many times over: b's own oldest go, never a's
+        assert store.put("b", {"id": f"b{i}", "pad": "x" * 200}, [])
+        assert store.held("a")[0] == 1 and store.bytes <= 1000  # (held: a get would refresh a1's use)
+    assert store.held("b")[0] < 20 and store.get("b", "b19") is not None and store.get("b", "b0") is None
+    # a's put now takes from b (over its fair share of 500 bytes), not from a
+    assert store.put("a", {"id": "a2", "pad": "x" * 300}, [])
+    assert store.get("a", "a1") and store.get("a", "a2") and store.bytes <= 1000 and store.held("b")[1] <= 1000 - 300
+
+
+def test_the_caller_holding_the_most_gives_way_and_a_caller_within_its_share_keeps_all():
+    store = ResponseStore(max_entries=6, max_bytes=10_000)
+    for owner, n in (("a", 1), ("b", 2), ("c", 3)):
+        for i in range(n):
+            assert store.put(owner, {"id": f"{owner}{i}"}, [])
+    assert store.put("a", {"id": "a1"}, [])  # 7 entries > 6: c (3, the most) gives its least recently used
+    assert [store.held(o)[0] for o in "abc"] == [2, 2, 2] and store.get("c", "c0") is None
+    assert store.put("d", {"id": "d0"}, [])  # a tie at 2 each: the first of the largest gives way, never d's
+    assert store.held("d")[0] == 1 and len(store) == 6
+
+
+def test_a_response_that_only_fits_by_taking_others_shares_is_not_kept():
+    store = ResponseStore(max_entries=100, max_bytes=300)
+    for owner in "abc":  # three callers, each within its share of 100 bytes
+        assert store.put(owner, {"id": owner, "pad": "x" * 70}, [])
+    assert not store.put("d", {"id": "d", "pad": "x" * 200}, [])  # d would hold the most: it is refused
+    assert store.held("d") == (0, 0) and all(store.get(o, o) for o in "abc")
+
+
+def test_the_per_caller_caps_bound_each_caller_alone():
+    store = ResponseStore(max_entries=100, max_bytes=10_000, max_entries_per_caller=2, max_bytes_per_caller=250)
+    for i in range(3):
+        assert store.put("a", {"id": f"a{i}"}, [])
+    assert store.held("a")[0] == 2 and store.get("a", "a0") is None  # a's own least recently used
+    assert store.put("b", {"id": "b0", "pad": "x" * 150}, []) and store.put("b", {"id": "b1", "pad": "x" * 150}, [])
+    assert store.held("b")[0] == 1 and store.get("b", "b1") and store.held("a")[0] == 2
+    assert not store.put("b", {"id": "big", "pad": "x" * 300}, [])  # larger than one caller's byte cap
+    assert ResponseStore(10, 100, max_bytes_per_caller=1000).caller_bytes == 100  # never above the global cap
+    assert not ResponseStore(10, 100, max_entries_per_caller=0).put("a", {"id": "x"}, [])
+
+
 @pytest.fixture(scope="module")
 def auth_url(model_dir, tmp_path_factory):
     with running(auth_config(model_dir, tmp_path_factory.mktemp("auth"), ("token-a", "token-b"))) as s:
@@ -241,6 +284,24 @@ def test_a_stored_response_is_only_its_callers(auth_url):
     assert err.value.body["param"] == "previous_response_id"
     assert httpx.get(f"{auth_url}/v1/responses/{r.id}").status_code == 401
     assert a.responses.retrieve(r.id).id == r.id  # untouched
+
+
+def test_another_callers_traffic_never_evicts_a_callers_stored_response(model_dir, tmp_path):
+    # a small store: B's responses fill it several times over; before per-caller space B evicted A's response
+    cfg = auth_config(model_dir, tmp_path, ("token-a", "token-b"), responses_store_max_bytes=24_000)
+    with running(cfg) as s:
+        a = openai.OpenAI(base_url=s.http_url + "/v1", api_key="token-a", max_retries=0, timeout=120)
+        b = openai.OpenAI(base_url=s.http_url + "/v1", api_key="token-b", max_retries=0, timeout=120)
+        kept = _create(a, input="mine", max_output_tokens=8)
+        big = "lorem ipsum dolor sit amet " * 200  # ~5 KB of input kept with each of B's responses
+        ids = [_create(b, input=f"{i} {big}", max_output_tokens=8).id for i in range(10)]
+        assert b.responses.retrieve(ids[-1]).id == ids[-1]
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(ids[0])  # B's own oldest went
+        r = httpx.get(f"{s.http_url}/v1/responses/{kept.id}", headers={"Authorization": "Bearer token-a"})
+        assert r.status_code == 200 and r.json()["id"] == kept.id, r.text
+        follow = _create(a, input="and then?", previous_response_id=kept.id, max_output_tokens=8)
+        assert follow.previous_response_id == kept.id
 
 
 def test_the_drain_ends_a_stream_with_response_incomplete(model_dir):

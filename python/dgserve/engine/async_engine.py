@@ -1,9 +1,11 @@
 """The engine for asyncio callers: the step loop on its own thread, one event stream per request.
 
-``AsyncEngine.submit`` validates and admits a request at once (tokenization runs in a worker thread, never on
-the event loop) and returns a ``RequestStream``: ``Started`` when the request leaves the queue, optional
-``DraftOutput`` previews, one ``BlockOutput`` per committed canvas, ``Finished`` last. The engine thread hands
-each step's events to the loop in one ``call_soon_threadsafe`` call.
+``AsyncEngine.submit`` validates and admits a request at once (tokenization runs on the engine's own bounded pool
+of tokenization threads, never on the event loop nor on a pool other work shares: ``tokenize_workers`` threads, at
+most ``tokenize_queue_len`` prompts waiting, beyond which QueueFullError) and returns a ``RequestStream``:
+``Started`` when the request leaves the queue, optional ``DraftOutput`` previews, one ``BlockOutput`` per
+committed canvas, ``Finished`` last. The engine thread hands each step's events to the loop in one
+``call_soon_threadsafe`` call.
 
 Slow readers: committed blocks are buffered without limit and never dropped; drafts are latest-wins (an unread
 draft is replaced, and dropped once its block commits). A reader that takes nothing for ``stall_timeout_s`` while
@@ -26,22 +28,27 @@ finished ids live in the engine, under its one lock. The service talks to this f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dgserve.engine.engine import Engine
 from dgserve.engine.prompt import Prompt, Submission
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, SharedWorkError
 from dgserve.engine.request_checks import check_request_id
+from dgserve.engine.scheduler import QueueFullError
 from dgserve.engine.step_output import DraftOutput, StepOutput
 from dgserve.outputs import FINISH_CANCELLED, FINISH_STOP, BlockOutput
 from dgserve.sampling_params import SamplingParams
+from dgserve.text.token_bounds import PromptTooLongError
 
 log = logging.getLogger("dgserve.engine.engine")
 
@@ -50,6 +57,13 @@ log = logging.getLogger("dgserve.engine.engine")
 _Event = tuple[str, "RequestStream | None", Any]
 
 ABORT_CANCELLED, ABORT_ALREADY_FINISHED = "cancelled", "already_finished"
+T = TypeVar("T")
+MIN_TOKENIZE_QUEUE = 64  # prompts waiting for a tokenization thread, at least (else the scheduler's capacity)
+
+
+def default_tokenize_workers() -> int:
+    """Tokenization threads by default: one per core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 class EngineUnavailableError(Exception):
@@ -208,7 +222,11 @@ class AsyncEngine:
         stall_timeout_s: float = 30.0,
         observer: EngineObserver | None = None,
         on_fault: Callable[[Exception], None] | None = None,
+        tokenize_workers: int | None = None,
+        tokenize_queue_len: int | None = None,
     ):
+        """``tokenize_workers``: tokenization threads (None: one per core, at most 4); ``tokenize_queue_len``:
+        prompts that may wait for one (None: the scheduler's capacity, at least 64)."""
         self.engine = engine
         self.on_fault = on_fault
         self.stall_timeout_s = stall_timeout_s
@@ -218,6 +236,17 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        workers = tokenize_workers if tokenize_workers is not None else default_tokenize_workers()
+        if tokenize_queue_len is None:
+            cfg = engine.scheduler.config
+            tokenize_queue_len = max(MIN_TOKENIZE_QUEUE, cfg.max_num_seqs + (cfg.max_queue_len or 0))
+        if workers < 1 or tokenize_queue_len < 0:
+            raise ValueError(
+                f"tokenize_workers must be >= 1 and tokenize_queue_len >= 0, got {workers}, {tokenize_queue_len}"
+            )
+        self._tokenize_pool = ThreadPoolExecutor(workers, thread_name_prefix="dgserve-tokenize")
+        self._tokenize_limit = workers + tokenize_queue_len
+        self._tokenizing_now = 0  # jobs on the tokenization pool, queued or running (counted on the loop)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -244,6 +273,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         for req in self.engine.in_flight():
             self._abort(req, "shutdown")
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_running(self) -> int:
@@ -297,10 +327,58 @@ class AsyncEngine:
         return self.engine.runtime_info()
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
-        """Validated token ids of a prompt, at most max_model_len (bounded work; in a worker thread)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.engine.prompt_ids, prompt, self.engine.max_model_len
-        )
+        """Validated token ids of a prompt, at most max_model_len (bounded work; on the tokenization pool)."""
+        return await self.tokenizing(self.engine.prompt_ids, prompt, self.engine.max_model_len)
+
+    async def check_length(
+        self, prompt: Prompt, max_new_tokens: int | None = None, *, fill_context: bool = False, at_least: bool = False
+    ) -> int:
+        """The token count of ``prompt``, refused with the engine's own context check (a ValueError naming both
+        numbers) when it cannot fit the window with ``max_new_tokens``' canvases (None: the prompt alone must fit,
+        as for ``tokenize``; ``fill_context``: one canvas, as ``Engine.make_request`` reserves). ``at_least``: the
+        prompt counts fewer tokens than the request will (its remote images at their fewest), and the refusal
+        says so. Bounded work, on the tokenization pool. The image stage calls it with stand-in images of the
+        exact soft-token counts before decoding any (docs/images.md, "Admission")."""
+        return await self.tokenizing(self._length, prompt, max_new_tokens, fill_context, at_least)
+
+    def _length(self, prompt: Prompt, max_new_tokens: int | None, fill_context: bool, at_least: bool) -> int:
+        engine = self.engine
+        if max_new_tokens is None:
+            return len(engine.prompt_ids(prompt, engine.max_model_len))
+        if fill_context:
+            max_new_tokens = engine.model.config.canvas_length
+        if not at_least:
+            return len(engine.request_prompt_ids(prompt, max_new_tokens))
+        room = engine.max_model_len - engine.canvases(max_new_tokens) * engine.model.config.canvas_length
+        try:
+            ids = engine.prompt_ids(prompt, max_tokens=max(room, 0))
+        except PromptTooLongError as e:
+            engine.check_context(e.at_least, max_new_tokens, at_least=True)
+            raise
+        engine.check_context(len(ids), max_new_tokens, at_least=True)
+        return len(ids)
+
+    async def tokenizing(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (tokenizing, rendering, compiling a grammar: a prompt's work) on the tokenization pool;
+        QueueFullError at once when ``tokenize_queue_len`` prompts already wait for it. Cancelled before it
+        starts, it never runs; cancelled while it runs, its slot is held until its thread is done."""
+        if self._tokenizing_now >= self._tokenize_limit:
+            raise QueueFullError(
+                f"server at capacity: {self._tokenizing_now} prompts being tokenized, the limit of the tokenization "
+                "threads and their queue",
+                self.engine.scheduler.retry_after_s(),
+            )
+        self._tokenizing_now += 1
+        job = self._tokenize_pool.submit(fn, *args)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if not job.cancel():  # running: its thread goes on, and holds its place until it ends
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(asyncio.wrap_future(job))
+            raise
+        finally:
+            self._tokenizing_now -= 1
 
     # ---------------------------------------------------------------- requests
 
@@ -323,8 +401,8 @@ class AsyncEngine:
         structured = sub.params is not None and sub.params.response_format is not None
         if isinstance(sub.prompt, (list, tuple)) and not structured:
             req = make()
-        else:  # tokenization and grammar compilation (make_request) run in a worker thread, never on the event loop
-            req = await asyncio.get_running_loop().run_in_executor(None, make)
+        else:  # tokenization and grammar compilation (make_request) run on the tokenization pool, never on the loop
+            req = await self.tokenizing(make)
         stream = req.stream = RequestStream(self, req)
         self.engine.add(req)
         self._wake.set()

@@ -133,6 +133,8 @@ class Engine:
         sched = scheduler_config or SchedulerConfig()
         if sched.image_token_cost is None:  # the device's default (docs/images.md, "Bounded like text")
             sched = dataclasses.replace(sched, image_token_cost=default_image_token_cost(model))
+        if sched.fair_step_canvases is None:  # callers share the compute where it grows with the canvases of a step
+            sched = dataclasses.replace(sched, fair_step_canvases=0 if model.batch_rows else 1)
         self.runner = ModelRunner(
             model, sched.max_num_seqs, self.max_model_len, sched.prefill_chunk, cache_config, prefix_caching
         )
@@ -272,6 +274,7 @@ class Engine:
             deadline=deadline,
             time_limit=self.max_request_seconds,
             owner=owner,
+            caller=sub.caller if sub.caller is not None else owner,
             grammar=grammar,
             drafts=sub.drafts,
             prefix_hashes=hashes,
@@ -356,9 +359,12 @@ class Engine:
                 out.blocks.append((req, timed_out_block(req)))
             for req in (*plan.expired, *plan.timed_out):
                 self._remember_finished(req)
-        # aborted or timed out since the last step: their slots are free before admission
+        # parked for another caller's fair share (their KV set aside), then aborted or timed out since the last
+        # step: their slots are free before admission
+        self._alone("parking", plan.parked, self.runner.park, out)
         shared("slot release", self.runner.release_finished)
         out.admitted = self._alone("admission", plan.admitted, self.runner.admit, out)
+        self._alone("resumption", plan.resumed, self.runner.resume, out)
         # the images of every planned chunk in one tower call; its failure leaves each request to encode its own
         feats = encode_planned(self.model, plan.prefill)
         for (req, start, end), emb in zip(plan.prefill, feats, strict=True):

@@ -189,6 +189,27 @@ class ModelRunner:
         req.slot = s
         self.occupants.append(req)
 
+    def park(self, req: Request) -> None:
+        """Set a running request aside between canvases (``Scheduler`` fair shares): its slot's KV cache is copied,
+        exactly, into a cache of its own (in host memory: it waits off the device) and the slot is freed; ``resume``
+        puts it back. Its tokens are those it would have had running on (docs/architecture.md, "Fair shares
+        between callers")."""
+        assert req.slot is not None and req.block is None, "park() is for a running request between canvases"
+        n = self.cache.lengths[req.slot]
+        host = torch.device("cpu")
+        kept = SlotCache(self.model.config, 1, max(1, n), self.cache.chunk, self.model.dtype, host, zero=False)
+        kept.load(self.cache, req.slot, 0)
+        req.parked = kept
+        self.release(req)
+
+    def resume(self, req: Request) -> None:
+        """A parked request back in a free slot: its knob rows written again (``admit``), its KV cache copied in."""
+        kept, req.parked = req.parked, None
+        assert kept is not None, "resume() of a request that was not parked"
+        self.admit(req)
+        assert req.slot is not None
+        self.cache.load(kept, 0, req.slot)
+
     def match_prefix(self, req: Request) -> int:
         """At admission (``Scheduler.schedule``, before ``admit``): the prompt tokens the prefix cache holds for
         ``req`` (whole chunks), kept on the request for ``admit`` to copy; 0 without prefix caching."""

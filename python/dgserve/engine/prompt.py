@@ -88,7 +88,9 @@ class Submission:
     with the same owner and salt (docs/prefix-caching.md). ``initial_canvas``: the starting canvas (text, tokenized
     as content without BOS, or token ids, -1 for a blank), laid over the request's canvases from the first;
     ``pinned``: True (every draft position) or ``[start, end)`` ranges of draft positions that keep their draft
-    token to the commit (docs/edit-in-place.md). Both are request content, like the prompt."""
+    token to the commit (docs/edit-in-place.md). Both are request content, like the prompt. ``caller``: whose fair
+    share of the running slots the request takes (docs/architecture.md, "Fair shares between callers"); None: the
+    owner's."""
 
     prompt: Prompt
     params: SamplingParams | None = None
@@ -99,6 +101,7 @@ class Submission:
     cache_salt: str | None = None
     initial_canvas: str | Sequence[int] | None = None
     pinned: bool | Sequence[Sequence[int]] | None = None
+    caller: str | None = None
 
 
 def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:

@@ -61,6 +61,8 @@ class Request:
     deadline: float | None = None  # time.monotonic(): a still-waiting request is dropped, a running one ended
     time_limit: float | None = None  # seconds a request may run from its admission into a slot (None: no limit)
     owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
+    # whose share of the running slots it takes (engine/fair_share.py): the owner, or a trusted gateway's caller
+    caller: str | None = None
     grammar: StructuredRow | None = None  # the grammar state across blocks when params.response_format is set
     drafts: DraftSpec | None = None  # previews wanted by the caller
     prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
@@ -74,8 +76,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
     prefix_hit: list[KV] | None = None  # the cached blocks' keys and values to copy into its slot at admission
     admitted_at: float | None = None
+    last_step: int = -1  # the scheduler's iteration that last gave it a denoising step (fair stepping)
     # model runner
     slot: int | None = None  # its KV cache slot while running
+    parked: Any = None  # its KV cache kept aside while it waits for a fair share again (``ModelRunner.park``)
     pending: list[int] | None = None  # committed tokens to encode before the next block
     encode_seconds: float = 0.0  # the encoder pass before the current block
     # the current block: its index, its denoising progress (the runner owns the one decrement) and its tensors

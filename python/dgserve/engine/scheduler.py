@@ -5,16 +5,26 @@ Each ``schedule()`` call plans one engine iteration:
 
 * end running requests whose time is up (``Request.ends_at``: their deadline, or their time limit counted from
   admission), which frees their slots for this iteration's admissions;
-* admit waiting requests FIFO while fewer than ``max_num_seqs`` run; drop waiting requests whose deadline has
-  passed (they never cost model work); at admission, ``cached_prefix`` (when given) says how many leading prompt
-  tokens the prefix cache holds, and prefill starts after them (a multiple of ``prefill_chunk``, so the chunk
-  boundaries stay those of the prompt alone);
+* admit waiting requests while fewer than ``max_num_seqs`` run: FIFO for one caller; between callers
+  (``Request.caller``), each holds at most its fair share of the slots while others wait and the queue is served
+  round-robin by caller, each caller's requests in their order (engine/fair_share.py; docs/architecture.md, "Fair
+  shares between callers"). A caller over its share while another waits under its own gives back slots at its
+  requests' block boundaries: such a request is *parked* (``ScheduleOutput.parked``: the runner keeps its KV cache
+  aside) and waits at the head of its caller's queue; re-admitted, it is *resumed* (``ScheduleOutput.resumed``)
+  where it stopped, with the same tokens it would have had. Drop waiting requests whose deadline has passed (they
+  never cost model work; a parked one ends "length" with what it committed); at admission, ``cached_prefix`` (when
+  given) says how many leading prompt tokens the prefix cache holds, and prefill starts after them (a multiple of
+  ``prefill_chunk``, so the chunk boundaries stay those of the prompt alone);
 * chunked prefill: a running request's prompt is encoded in fixed chunks of ``prefill_chunk`` tokens (the chunk
   boundaries depend on the prompt alone, never on the batch, so a request's numbers do not depend on who else
   runs); at most ``max_prefill_tokens`` prompt tokens are planned per iteration (always at least one chunk), so
   one long prompt cannot stall the running streams; an image's soft tokens count ``image_token_cost`` each, the
   vision tower's work included;
-* every running request whose prompt is fully encoded (after this iteration's chunks) takes one denoising step.
+* every running request whose prompt is fully encoded (after this iteration's chunks) takes one denoising step;
+  with ``fair_step_canvases`` set and more than one caller with canvases ready, each caller's at most that many
+  per iteration, those that waited longest first: where the device's cost grows with the canvases of a step (the
+  CPU), callers then share the compute, not only the slots. A request's tokens do not depend on which iterations
+  step it.
 
 ``add`` rejects at once when ``max_num_seqs + max_queue_len`` requests are in the system (``QueueFullError``
 with a retry delay estimated from recent service times) or when the caller has a request with that id in flight
@@ -30,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dgserve.engine.fair_share import fair_shares, next_caller, over_share, slots_wanted
 from dgserve.engine.request import FINISHED, RUNNING, WAITING, Request, RequestKey
 
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -59,6 +70,10 @@ class SchedulerConfig:
     image_token_cost: what one image soft token counts for in ``max_prefill_tokens`` (its placeholder plus its
     share of the vision tower), in prompt tokens; None: the engine's default for its device (docs/images.md,
     "Bounded like text").
+    fair_step_canvases: when more than one caller has canvases ready, the most canvases of one caller denoised
+    per iteration; 0: every ready canvas, every iteration; None: the engine's default for its device (1 where
+    canvases are denoised one at a time, as on the CPU; else 0) (docs/architecture.md, "Fair shares between
+    callers").
     """
 
     max_num_seqs: int = 256
@@ -66,6 +81,7 @@ class SchedulerConfig:
     prefill_chunk: int = 512
     max_prefill_tokens: int = 512
     image_token_cost: float | None = None
+    fair_step_canvases: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_prefill_tokens"):
@@ -76,6 +92,9 @@ class SchedulerConfig:
         if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
             raise ValueError(f"max_queue_len must be an integer >= 0 or None, got {q!r}")
         check_image_token_cost(self.image_token_cost)
+        f = self.fair_step_canvases
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
+            raise ValueError(f"fair_step_canvases must be an integer >= 0 or None, got {f!r}")
 
 
 def check_image_token_cost(c: object) -> None:
@@ -88,7 +107,9 @@ def check_image_token_cost(c: object) -> None:
 class ScheduleOutput:
     """The plan of one engine iteration."""
 
-    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running now
+    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running now (first time)
+    parked: list[Request] = field(default_factory=list)  # running → waiting, at a block boundary (fair shares)
+    resumed: list[Request] = field(default_factory=list)  # parked → running again
     expired: list[Request] = field(default_factory=list)  # dropped from the queue: deadline passed
     timed_out: list[Request] = field(default_factory=list)  # running past Request.ends_at: ended (marked finished)
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end) prompt slices
@@ -96,7 +117,15 @@ class ScheduleOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.admitted or self.expired or self.timed_out or self.prefill or self.decode)
+        return not (
+            self.admitted
+            or self.parked
+            or self.resumed
+            or self.expired
+            or self.timed_out
+            or self.prefill
+            or self.decode
+        )
 
 
 class Scheduler:
@@ -116,6 +145,9 @@ class Scheduler:
         self._waiting: OrderedDict[RequestKey, Request] = OrderedDict()
         self._running: OrderedDict[RequestKey, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
+        self._turns: dict[object, int] = {}  # caller → the admission count when it was last served (round-robin)
+        self._admissions = 0
+        self._iterations = 0  # schedule() calls: what Request.last_step counts in
 
     # ------------------------------------------------------------------ state
 
@@ -204,14 +236,33 @@ class Scheduler:
         self._time_out(now, out)
         self._admit(now, out)
         self._plan_prefill(out)
-        out.decode = [s for s in self._running.values() if s.prefill_done]
+        out.decode = self._stepped([s for s in self._running.values() if s.prefill_done])
+        self._iterations += 1
         return out
 
+    def _stepped(self, ready: list[Request]) -> list[Request]:
+        """The ready requests that take a denoising step this iteration, in admission order: all of them, or with
+        ``fair_step_canvases`` and several callers, each caller's that waited longest, up to the limit."""
+        limit = self.config.fair_step_canvases
+        if not limit or len({s.caller for s in ready}) < 2:
+            chosen = ready
+        else:
+            by_caller: dict = {}
+            for s in ready:
+                by_caller.setdefault(s.caller, []).append(s)
+            picked = {id(s) for reqs in by_caller.values() for s in sorted(reqs, key=lambda r: r.last_step)[:limit]}
+            chosen = [s for s in ready if id(s) in picked]
+        for s in chosen:
+            s.last_step = self._iterations
+        return chosen
+
     def _expire(self, now: float, out: ScheduleOutput) -> None:
-        for key in [key for key, s in self._waiting.items() if s.deadline is not None and s.deadline <= now]:
+        """Waiting requests whose deadline passed leave the queue: never admitted, "cancelled" (``expired``);
+        parked ones (admitted before) like a running one whose time is up (``timed_out``)."""
+        for key in [key for key, s in self._waiting.items() if (end := _queue_end(s)) is not None and end <= now]:
             req = self._waiting.pop(key)
             req.status = FINISHED
-            out.expired.append(req)
+            (out.timed_out if req.admitted_at is not None else out.expired).append(req)
 
     def _time_out(self, now: float, out: ScheduleOutput) -> None:
         for key in [key for key, s in self._running.items() if (end := s.ends_at) is not None and end <= now]:
@@ -220,13 +271,73 @@ class Scheduler:
             out.timed_out.append(req)
 
     def _admit(self, now: float, out: ScheduleOutput) -> None:
+        """Fill the free slots from the queue: round-robin by caller within fair shares, after parking what callers
+        over their share hold beyond it while others wait (one caller: FIFO, nothing parked)."""
+        if not self._waiting:
+            return
+        waiting, running = self._counts()
+        demand = _demand(waiting, running)
+        turns = self._turns
+        order = sorted(demand, key=lambda c: (-running.get(c, 0), turns.get(c, -1)))  # who keeps the remainder
+        shares = fair_shares(demand, self.config.max_num_seqs, order)
+        # a caller with nothing in the system leaves the rotation (so the table holds present callers only)
+        self._turns = {c: t for c, t in self._turns.items() if c in shares}
+        if len(shares) > 1:
+            self._park(waiting, running, shares, out)
         while self._waiting and len(self._running) < self.config.max_num_seqs:
-            key, seq = self._waiting.popitem(last=False)
-            seq.admitted_at, seq.status = now, RUNNING
+            callers = list(dict.fromkeys(s.caller for s in self._waiting.values()))  # by their oldest waiting
+            caller = next_caller(callers, running, shares, self._turns)
+            key, seq = next((k, s) for k, s in self._waiting.items() if s.caller == caller)
+            del self._waiting[key]
+            self._admissions += 1
+            self._turns[caller], running[caller] = self._admissions, running.get(caller, 0) + 1
+            seq.status = RUNNING
             self._running[key] = seq
+            if seq.admitted_at is not None:  # parked: back where it stopped
+                out.resumed.append(seq)
+                continue
+            seq.admitted_at = now
             if self.cached_prefix is not None:
                 seq.prefilled = seq.cached_tokens = self.cached_prefix(seq)
             out.admitted.append(seq)
+
+    def _counts(self) -> tuple[dict, dict]:
+        """({caller: requests waiting}, {caller: requests running}), each in the order callers first appear."""
+        waiting: dict = {}
+        running: dict = {}
+        for s in self._waiting.values():
+            waiting[s.caller] = waiting.get(s.caller, 0) + 1
+        for s in self._running.values():
+            running[s.caller] = running.get(s.caller, 0) + 1
+        return waiting, running
+
+    def _park(self, waiting: dict, running: dict, shares: dict, out: ScheduleOutput) -> None:
+        """Park running requests of callers over their share, as many as the waiting callers under theirs would
+        take beyond the free slots: each time the newest request of the caller furthest over its share that sits
+        at a block boundary (no canvas in progress: ``Request.block`` None), so no denoising work is lost; it goes
+        to the head of its caller's queue. At most ``max_num_seqs`` requests are parked at once (their KV copies
+        are bounded by the slots' own size)."""
+        free = self.config.max_num_seqs - len(self._running)
+        want = slots_wanted(waiting, running, shares) - free
+        parked = sum(1 for s in self._waiting.values() if s.admitted_at is not None)
+        while want > 0 and parked < self.config.max_num_seqs:
+            seq = self._parkable(running, shares)
+            if seq is None:
+                return  # every over-share request is mid-canvas: try again at the next step
+            del self._running[seq.key]
+            seq.status = WAITING
+            self._waiting[seq.key] = seq
+            self._waiting.move_to_end(seq.key, last=False)  # ahead of its caller's other waiting requests
+            running[seq.caller] -= 1
+            out.parked.append(seq)
+            want, parked = want - 1, parked + 1
+
+    def _parkable(self, running: dict, shares: dict) -> Request | None:
+        for caller in over_share(running, shares):
+            for seq in reversed(self._running.values()):  # the newest first: the older keep their slots
+                if seq.caller == caller and seq.block is None:
+                    return seq
+        return None
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:
         chunk, budget = self.config.prefill_chunk, float(self.config.max_prefill_tokens)
@@ -241,6 +352,19 @@ class Scheduler:
                 out.prefill.append((seq, seq.prefilled, end))
                 budget -= cost
                 seq.prefilled = end
+
+
+def _demand(waiting: dict, running: dict) -> dict:
+    """{caller: requests running or waiting}, callers in the order they appear (running first)."""
+    demand = dict(running)
+    for c, n in waiting.items():
+        demand[c] = demand.get(c, 0) + n
+    return demand
+
+
+def _queue_end(seq: Request) -> float | None:
+    """When a waiting request leaves the queue unserved: its deadline; a parked one also at its time limit."""
+    return seq.ends_at if seq.admitted_at is not None else seq.deadline
 
 
 def chunk_end(seq: Request, chunk: int) -> int:

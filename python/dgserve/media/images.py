@@ -3,13 +3,17 @@
 
 Public contract:
     img = load_image(data: bytes, where="messages[0].content[1]", caps=ImageCaps())   # ImageError (a 400)
+    img = open_image(data, where, caps); n = soft_tokens(*img.size, 16, 3, 280); img = decode_image(img, where)
     inp = preprocess(img, patch_size=16, pooling=3, max_soft_tokens=280, max_grid=10240)   # an ImageInput
+    inp = preprocess(img, 16, 3, 70, where, max_grid, processor=ImageProcessorConfig(...))  # a checkpoint's settings
 
-``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_vision_parity.py): RGB with transparency
-composited onto white, an aspect-preserving resize to multiples of pooling·patch within the patch budget (PIL
-bicubic), ``uint8 → float64 · (1/255) → float32``, then (C, H, W) → patches of ``p·p·3`` values ordered
-(row, column, channel) with (x, y) patch positions. Images are never padded to the budget: the tower runs each
-on its own patches (model/vision.py).
+``preprocess`` reproduces ``Gemma4ImageProcessorPil`` bit for bit (tests/test_vision_parity.py), each step as the
+checkpoint's image processor sets it (``processor``, media/processor.py; transformers' defaults when None): RGB with
+transparency composited onto white (``do_convert_rgb``), an aspect-preserving resize to multiples of pooling·patch
+within the patch budget (``resample``: PIL bicubic by default), ``uint8 → float64 · rescale_factor → float32``
+(``do_rescale``), ``(x − image_mean) / image_std`` in float32 (``do_normalize``), then (C, H, W) → patches of
+``p·p·3`` values ordered (row, column, channel) with (x, y) patch positions. Images are never padded to the budget:
+the tower runs each on its own patches (model/vision.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .processor import ImageProcessorConfig
+
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+DEFAULT_PROCESSOR = ImageProcessorConfig()
 
 
 class ImageError(ValueError):
@@ -51,10 +60,17 @@ class ImageInput:
 
 
 def load_image(data: bytes, where: str, caps: ImageCaps):
-    """Decode ``data`` (PNG, JPEG, WebP, GIF's first frame) to an RGB PIL image.
+    """Decode ``data`` (PNG, JPEG, WebP, GIF's first frame) to a PIL image in its own mode (``preprocess``
+    converts it to RGB as the checkpoint's processor says).
 
     The byte cap and the declared size are checked on the header before decoding; corrupt, truncated or
     non-image data raises ImageError naming ``where``."""
+    return decode_image(open_image(data, where, caps), where)
+
+
+def open_image(data: bytes, where: str, caps: ImageCaps):
+    """``data`` opened as an image with its header read and checked (the byte cap, the declared pixels), no pixel
+    decoded: ``img.size`` is what it declares; ``decode_image`` decodes it. ImageError naming ``where``."""
     from PIL import Image
 
     if len(data) > caps.max_bytes:
@@ -70,10 +86,16 @@ def load_image(data: bytes, where: str, caps: ImageCaps):
     w, h = img.size
     if w <= 0 or h <= 0 or w * h > caps.max_pixels:
         raise ImageError(f"{where}: the image declares {w}x{h} pixels, more than the limit of {caps.max_pixels}")
+    return img
+
+
+def decode_image(img, where: str):
+    """An image ``open_image`` opened, decoded (an animation's first frame), in its own mode (``preprocess``
+    converts it to RGB as the checkpoint's processor says). ImageError naming ``where``."""
     try:
         img.seek(0)  # an animation's first frame
         img.load()
-        return to_rgb(img)
+        return img
     except Exception as e:  # noqa: BLE001  (as above: truncated or corrupt data, whatever the codec raises)
         raise ImageError(f"{where}: the image data is corrupt or truncated ({type(e).__name__})") from None
 
@@ -108,27 +130,74 @@ def target_size(height: int, width: int, patch: int, max_patches: int, pooling: 
     return th, tw
 
 
-def preprocess(
-    img, patch_size: int, pooling: int, max_soft_tokens: int, where: str = "image", max_grid: int | None = None
-) -> ImageInput:
-    """An RGB PIL image → ``ImageInput`` (the module docstring has the steps). ``max_grid``: the vision tower's
-    position table (``position_embedding_size``); a resized image more patches wide or tall is an ImageError
-    naming ``where``, before any pixel is resized (a thin image under a small table)."""
-    from PIL import Image
-
-    max_patches = max_soft_tokens * pooling**2
+def soft_tokens(
+    width: int,
+    height: int,
+    patch_size: int,
+    pooling: int,
+    max_soft_tokens: int,
+    where: str = "image",
+    max_grid: int | None = None,
+) -> int:
+    """The soft tokens ``preprocess`` makes of an image of ``width`` x ``height`` pixels (its header's size: the
+    count is exact before any pixel is decoded), with ``preprocess``'s refusals (too thin, a grid past
+    ``max_grid``): ImageError naming ``where``."""
     try:
-        th, tw = target_size(img.height, img.width, patch_size, max_patches, pooling)
+        th, tw = target_size(height, width, patch_size, max_soft_tokens * pooling**2, pooling)
     except ValueError as e:
         raise ImageError(f"{where}: {e} (the image is too thin)") from None
+    _check_grid(th, tw, patch_size, where, max_grid)
+    return (th // patch_size) * (tw // patch_size) // pooling**2
+
+
+def _check_grid(th: int, tw: int, patch_size: int, where: str, max_grid: int | None) -> None:
     if max_grid is not None and max(th, tw) // patch_size > max_grid:
         raise ImageError(
             f"{where}: the image resizes to {tw // patch_size}x{th // patch_size} patches, more than the vision"
             f" tower's position table of {max_grid} per side (the image is too thin or too wide)"
         )
+
+
+def preprocess(
+    img,
+    patch_size: int,
+    pooling: int,
+    max_soft_tokens: int,
+    where: str = "image",
+    max_grid: int | None = None,
+    processor: ImageProcessorConfig | None = None,
+) -> ImageInput:
+    """A PIL image → ``ImageInput`` (the module docstring has the steps). ``max_grid``: the vision tower's
+    position table (``position_embedding_size``); a resized image more patches wide or tall is an ImageError
+    naming ``where``, before any pixel is resized (a thin image under a small table). ``processor``: the
+    checkpoint's pixel settings (resample, rescale, normalize, RGB conversion; None: transformers' defaults);
+    the patch size, pooling and soft-token budget are the arguments (a request may ask for a smaller budget)."""
+    from PIL import Image
+
+    proc = processor or DEFAULT_PROCESSOR
+    if proc.do_convert_rgb:
+        if img.mode != "RGB" or img.info.get("transparency") is not None:
+            img = to_rgb(img)
+    elif img.mode != "RGB":  # transformers would hand the tower other than 3 channels
+        raise ImageError(
+            f"{where}: the image is {img.mode}, not RGB, and the model's image processor does not convert images"
+            f" (do_convert_rgb false in {proc.source or 'its settings'})"
+        )
+    max_patches = max_soft_tokens * pooling**2
+    try:
+        th, tw = target_size(img.height, img.width, patch_size, max_patches, pooling)
+    except ValueError as e:
+        raise ImageError(f"{where}: {e} (the image is too thin)") from None
+    _check_grid(th, tw, patch_size, where, max_grid)
     if (th, tw) != (img.height, img.width):
-        img = img.resize((tw, th), resample=Image.Resampling.BICUBIC)
-    arr = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, 3]
+        img = img.resize((tw, th), resample=Image.Resampling(proc.resample))
+    arr: np.ndarray = np.asarray(img, dtype=np.uint8)  # [H, W, 3]
+    if proc.do_rescale:  # transformers' rescale: in float64, then float32
+        arr = (arr.astype(np.float64) * proc.rescale_factor).astype(np.float32)
+    if proc.do_normalize:  # transformers' normalize: in float32 (the mean and std rounded to it)
+        arr = arr.astype(np.float32)
+        arr = (arr - np.asarray(proc.image_mean, dtype=np.float32)) / np.asarray(proc.image_std, dtype=np.float32)
+    arr = arr.astype(np.float32, copy=False)
     gh, gw = th // patch_size, tw // patch_size
     # (H, W, C) → (gh, p, gw, p, C) → (gh, gw, p, p, C): patch (row, col) holds its pixels row-major, channel last
     patches = arr.reshape(gh, patch_size, gw, patch_size, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)

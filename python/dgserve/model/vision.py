@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from dgserve import ops
+from dgserve.media.processor import DEFAULT_SOFT_TOKENS, SUPPORTED_SOFT_TOKENS, ImageProcessorConfig
 
 from .layers import apply_rope
 
 TOWER = "model.encoder.vision_tower."
 EMBED = "model.encoder.embed_vision."
-# transformers' Gemma 4 processor default (``image_seq_length``), used when config.json does not say
-DEFAULT_SOFT_TOKENS = 280
-SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+DEFAULT_PROCESSOR = ImageProcessorConfig()  # transformers' Gemma 4 image processor defaults
 
 
 class VisionConfigError(ValueError):
@@ -63,11 +62,15 @@ class VisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
-    max_soft_tokens: int = DEFAULT_SOFT_TOKENS
+    max_soft_tokens: int = DEFAULT_SOFT_TOKENS  # soft tokens per image at most (``processor.max_soft_tokens``)
+    # the checkpoint's image preprocessing (processor_config.json / preprocessor_config.json: docs/images.md)
+    processor: ImageProcessorConfig = DEFAULT_PROCESSOR
 
     @classmethod
-    def from_dict(cls, top: dict[str, Any]) -> VisionConfig | None:
-        """From a top-level config.json dict; None when it has no ``vision_config``."""
+    def from_dict(cls, top: dict[str, Any], processor: ImageProcessorConfig | None = None) -> VisionConfig | None:
+        """From a top-level config.json dict; None when it has no ``vision_config``. ``processor``: the
+        checkpoint's image processor (``from_pretrained`` reads it); None: transformers' defaults with config.json's
+        ``vision_soft_tokens_per_image``."""
         v = top.get("vision_config")
         if not isinstance(v, dict):
             return None
@@ -81,9 +84,13 @@ class VisionConfig:
             raise VisionConfigError("vision_config.attention_bias: true is not supported")
         hidden = int(v.get("hidden_size", 768))
         heads = int(v.get("num_attention_heads", 12))
-        soft = int(top.get("vision_soft_tokens_per_image") or DEFAULT_SOFT_TOKENS)
-        if soft not in SUPPORTED_SOFT_TOKENS:
-            raise VisionConfigError(f"vision_soft_tokens_per_image: {soft} is not one of {SUPPORTED_SOFT_TOKENS}")
+        patch, pooling = int(v.get("patch_size", 16)), int(v.get("pooling_kernel_size", 3))
+        if processor is None:
+            soft = top.get("vision_soft_tokens_per_image")
+            if soft is not None and soft not in SUPPORTED_SOFT_TOKENS:
+                raise VisionConfigError(f"vision_soft_tokens_per_image: {soft} is not one of {SUPPORTED_SOFT_TOKENS}")
+            processor = ImageProcessorConfig.from_dict({}, "", soft, (patch, pooling))
+        processor.check_tower(patch, pooling)
         return cls(
             hidden_size=hidden,
             intermediate_size=int(v.get("intermediate_size", 3072)),
@@ -93,8 +100,8 @@ class VisionConfig:
             head_dim=int(v.get("head_dim") or hidden // heads),
             rms_norm_eps=float(v.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 100.0)),
-            pooling_kernel_size=int(v.get("pooling_kernel_size", 3)),
-            patch_size=int(v.get("patch_size", 16)),
+            pooling_kernel_size=pooling,
+            patch_size=patch,
             position_embedding_size=int(v.get("position_embedding_size", 10240)),
             use_clipped_linears=bool(v.get("use_clipped_linears", False)),
             standardize=bool(v.get("standardize", False)),
@@ -102,12 +109,20 @@ class VisionConfig:
             image_token_id=int(top.get("image_token_id", 258880)),
             boi_token_id=int(top.get("boi_token_id", 255999)),
             eoi_token_id=int(top.get("eoi_token_id", 258882)),
-            max_soft_tokens=soft,
+            max_soft_tokens=processor.max_soft_tokens,
+            processor=processor,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> VisionConfig | None:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        """config.json's vision tower with the checkpoint's image processor files (ValueError naming the file and
+        the key: media/processor.py)."""
+        top = json.loads((Path(path) / "config.json").read_text())
+        v = top.get("vision_config")
+        if not isinstance(v, dict):
+            return None
+        tower = (int(v.get("patch_size", 16)), int(v.get("pooling_kernel_size", 3)))
+        return cls.from_dict(top, ImageProcessorConfig.from_pretrained(path, top, tower))
 
 
 def tile_workspace_bytes(config: VisionConfig, images: int, dtype: torch.dtype) -> int:

@@ -26,6 +26,16 @@ const dg = {
     try { message = (await r.json()).error.message || message; } catch (e) { /* not JSON */ }
     return { status: r.status, message };
   },
+  // The JSON text of a request body. A seed is 64 bits, past the 2^53 a JS number holds exactly, so the pages keep
+  // it as a decimal string and it is written here as that exact integer literal (every other field as
+  // JSON.stringify writes it): Replay and the curl line carry the seed's exact digits.
+  json(b) {
+    if (typeof b.seed !== "string" || !/^[0-9]+$/.test(b.seed)) return JSON.stringify(b);
+    const rest = Object.assign({}, b);
+    delete rest.seed;
+    const json = JSON.stringify(rest);
+    return json.slice(0, -1) + (json === "{}" ? "" : ",") + '"seed":' + b.seed.replace(/^0+(?=[0-9])/, "") + "}";
+  },
   el(id) { return document.getElementById(id); },
   fmt(x, digits) {
     if (x === null || x === undefined || Number.isNaN(x)) return "–";

@@ -48,9 +48,11 @@
     } else {
       b.prompt = text;
     }
-    for (const k of ["max_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound", "seed"]) {
+    for (const k of ["max_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound"]) {
       if (num(k) !== undefined) b[k] = num(k);
     }
+    const seed = $("seed").value.trim();  // digits stay a string: exact past 2^53 (dg.json writes them)
+    if (seed !== "") b.seed = /^[0-9]+$/.test(seed) ? seed : Number(seed);
     const rf = $("response_format").value;
     if (rf === "json_object") b.response_format = { type: "json_object" };
     if (rf === "json_schema") {
@@ -70,7 +72,7 @@
   function route(b) { return b.messages ? "/v1/chat/completions" : "/v1/completions"; }
 
   function curl(b) {
-    const json = JSON.stringify(b).replace(/'/g, "'\\''");
+    const json = dg.json(b).replace(/'/g, "'\\''");
     const auth = dg.token() ? " \\\n  -H \"Authorization: Bearer $DGSERVE_TOKEN\"" : "";
     return "curl -N " + location.origin + route(b) + " \\\n  -H 'Content-Type: application/json'" + auth +
       " \\\n  -d '" + json + "'";
@@ -173,12 +175,13 @@
     S.abort = new AbortController();
     try {
       const r = await fetch(route(b), {
-        method: "POST", headers: dg.headers(true), body: JSON.stringify(b), signal: S.abort.signal,
+        method: "POST", headers: dg.headers(true), body: dg.json(b), signal: S.abort.signal,
       });
       if (r.status === 401) auth.show("the token was not accepted");
       if (!r.ok) throw await dg.error(r);
-      const seed = Number(r.headers.get("X-Dgserve-Seed"));
-      S.last = { b: Object.assign({}, b, { seed }), view };  // replay: the same request with the seed it ran with
+      const seed = r.headers.get("X-Dgserve-Seed") || "";  // its decimal digits, kept a string (dg.json)
+      // replay: the same request with the seed it ran with
+      S.last = { b: Object.assign({}, b, seed ? { seed } : {}), view };
       $("curl").value = curl(S.last.b);
       $("canvas").dataset.seed = seed;
       await read(r.body);
