@@ -21,6 +21,7 @@ REQUIRED = [
     "dgserve/service/__init__.py",
     "dgserve/service/__main__.py",
     "dgserve/service/server.py",
+    "dgserve/service/grpc/servicer.py",
     "dgserve/service/http/app.py",
     "dgserve/v1/__init__.py",
     "dgserve/v1/text_generation_pb2.py",

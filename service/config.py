@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from dgserve.engine.cache_config import CacheConfig
-from dgserve.engine.scheduler import check_image_token_cost
+from dgserve.engine.scheduler import DEFAULT_MAX_NUM_SEQS, check_image_token_cost
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.model.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.ops.native_check
@@ -33,7 +33,7 @@ class ServiceConfig:
     dtype: str = "auto"
     native_ops: str = "auto"  # auto: self-check, failing ops off; off: none; strict: refuse to start
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 32  # running requests
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # running requests (the engine's default too)
     max_queue_len: int = 256  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # prompt tokens per encoder chunk and per engine iteration
     kv_cache_memory: CacheConfig = field(

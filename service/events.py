@@ -1,6 +1,6 @@
 """What both front doors take from an engine stream, decided once: the doors only encode it.
 
-The gRPC door (``servicer`` / ``convert``) and the HTTP door (``http/``) turn the same things into protobuf
+The gRPC door (``grpc/``) and the HTTP door (``http/``) turn the same things into protobuf
 messages, OpenAI JSON or server-sent events; everything they share is here:
 
 - ``open_events``: submit a door's ``Submission`` and read its stream as ``Events``.
@@ -14,7 +14,8 @@ messages, OpenAI JSON or server-sent events; everything they share is here:
   ``content`` / ``reasoning`` / ``call_deltas`` / ``calls`` and never parses; a text or token-id prompt's
   content is its text.
 - ``FINISH_REASONS``: the finish reasons a ``FinishEvent`` carries (each door has one table from these names).
-- ``Transcript``: the whole output of a request, gathered from its events (for the doors that answer at once).
+- ``Transcript``: the whole output of a request, gathered from its events (for the doors that answer at once),
+  and the one rule for it as a chat's assistant message (``assistant_message``).
 - ``Usage``, ``Timing``, ``BlockStats``: the numbers, in milliseconds, with a NaN or infinity reported as 0.
 - ``draft_spec``: the draft options' one set of bounds; ``token_ids``: the one check of a prompt's token ids.
   Their ValueErrors name the request field they were given, so both doors answer "invalid argument: <field> ...".
@@ -298,6 +299,17 @@ class Transcript:
             self.text += e.text
         elif isinstance(e, FinishEvent):
             self.calls, self.finished = e.calls, e
+
+    def assistant_message(self) -> dict:
+        """The output as a chat's assistant message, the one rule for every door that answers with one or keeps
+        it for a later turn: content (null when empty and there are tool calls), reasoning_content (when the
+        output had a thought channel), tool_calls (when it made calls)."""
+        message: dict = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = [c.to_openai() for c in self.calls]
+        return message
 
 
 # ---------------------------------------------------------------------------------------------- the stream

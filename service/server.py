@@ -1,5 +1,6 @@
-"""The server: the grpc.aio server (options, interceptors, health, reflection) and the OpenAI-compatible HTTP front
-door (service/http/, uvicorn on this same event loop) over one AsyncEngine; model loading, signals, graceful drain.
+"""The server: the gRPC door (service/grpc/: the grpc.aio server, its interceptor, health, reflection) and the
+OpenAI-compatible HTTP front door (service/http/, uvicorn on this same event loop) over one AsyncEngine; model
+loading, signals, graceful drain.
 
 Lifecycle: ``start()`` checks the files it was given (auth tokens, TLS, the model directory), binds both ports and
 serves at once — liveness (gRPC health ``liveness`` and /v1/health/live) SERVING, readiness (gRPC health "" and
@@ -31,39 +32,29 @@ import socket
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from dgserve.engine.async_engine import AsyncEngine, fault_summary
 from dgserve.engine.engine import Engine
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.media.images import ImageCaps
-from dgserve.v1 import text_generation_pb2 as pb
-from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-from . import connections, convert
+from . import connections
 from .config import ServiceConfig
+from .grpc import convert, door
+from .grpc.door import LIVENESS_NAME, NOT_SERVING, SERVING
+from .grpc.interceptors import BearerAuth, load_tokens
+from .grpc.servicer import ServingState
 from .http.front_door import HttpFrontDoor, bind, describe_bind_error
 from .http.gate import Gate
-from .http.response_store import ResponseStore
+from .http.responses.store import ResponseStore
 from .http.site import HostPolicy, OriginPolicy
 from .image_work import image_work
 from .images import ImageReader
-from .interceptors import BearerAuth, CallInterceptor, load_tokens
 from .media_fetch import FetchPolicy
 from .metrics import Metrics
-from .servicer import ServingState, TextGenerationServicer
 
 log = logging.getLogger("dgserve.server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "dgserve.v1.TextGeneration"
-MAX_METADATA_BYTES = 16 << 10  # what a client's own request metadata may take (README), counted as HTTP/2 does
-# what the transport's own headers add to it (:path, :authority, user-agent, te, content-type, grpc-timeout ...)
-HEADER_ALLOWANCE_BYTES = 1 << 10
-LIVENESS_NAME = "liveness"  # gRPC health name that is SERVING while the process is live (loading included)
-# a connection with no call for this long gets GOAWAY (clients reconnect on their next call): without it a peer
-# that completed the HTTP/2 handshake and answers pings would hold its descriptor forever
-GRPC_MAX_IDLE_MS = 300_000
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 FLUSH_S = 2.0  # after the drain grace: time the cancelled streams get to send their last event
 
 
@@ -100,31 +91,6 @@ def load_engine(cfg: ServiceConfig) -> Engine:
     )
 
 
-def grpc_options(cfg: ServiceConfig, max_connections: int) -> list[tuple[str, int]]:
-    """grpc core's channel arguments for the server; ``max_connections``: this door's cap."""
-    return [
-        # grpc core closes a connection at once when it holds this many (accept, then close: no accept() loop)
-        ("grpc.max_allowed_incoming_connections", max_connections),
-        # from accept to the client's HTTP/2 SETTINGS: a silent or trickling connection is closed after this
-        ("grpc.server_handshake_timeout_ms", max(1, round(cfg.request_timeout * 1000))),
-        ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_MS),
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ("grpc.max_send_message_length", cfg.max_message_bytes),
-        # request headers (x-request-id, authorization, ...) are small: a client may not make us log megabytes. The
-        # soft limit alone refuses at random between it and twice it (17 KiB passed 12 times in 20); with the hard
-        # limit at the same size, the bound is exact (each entry counts name + value + 32 bytes, HTTP/2's measure)
-        ("grpc.max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
-        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES + HEADER_ALLOWANCE_BYTES),
-        # a block can take seconds with no DATA frames: let clients ping often without GOAWAY too_many_pings
-        ("grpc.keepalive_time_ms", cfg.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", cfg.keepalive_min_ping_ms),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.so_reuseport", 0),
-    ]
-
-
 class Server:
     """One dgserve gRPC server. ``engine_factory`` (default: ``load_engine(config)``) runs on a worker thread."""
 
@@ -155,13 +121,8 @@ class Server:
         auth = BearerAuth(_tokens(cfg.auth_token_file)) if cfg.auth_token_file else None
         creds = _credentials(cfg)
         _check_model_dir(cfg.model)
-        interceptors = [
-            CallInterceptor(
-                self.metrics, auth=auth, peer_owner=cfg.tls_client_ca is not None, caller_header=cfg.caller_header
-            )
-        ]
         self.connection_plan = plan = connections.start_plan(cfg.max_connections, cfg.http_port is not None)
-        self._grpc = server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg, plan.grpc))
+        self._grpc = server = door.new_server(cfg, self.metrics, auth, plan.grpc)
         try:
             await self._start_grpc(server, creds)
             if cfg.http_port is not None:
@@ -175,7 +136,7 @@ class Server:
             None if self._http is None else self._http.open_connections,
         )
         await self.health.set(LIVENESS_NAME, SERVING)
-        await self._set_ready(NOT_SERVING)
+        await door.set_ready(self.health, NOT_SERVING)
         connections.log_plan(plan)
         log.info(
             "listening: gRPC %s:%s%s, HTTP %s",
@@ -188,10 +149,7 @@ class Server:
 
     async def _start_grpc(self, server: grpc.aio.Server, creds: grpc.ServerCredentials | None) -> None:
         cfg = self.config
-        pb_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        door.add_services(server, self.state, self.health, cfg.reflection)
         address = f"{cfg.host}:{cfg.port}"
         fix = "(choose another with --port / env DGSERVE_GRPC_PORT)"
         if cfg.port != 0:  # grpc says only "Failed to bind" (and logs a core error line): probe first
@@ -275,7 +233,7 @@ class Server:
             )
             self.state.engine = aengine
             if not self.state.draining:
-                await self._set_ready(SERVING)
+                await door.set_ready(self.health, SERVING)
             log.info("ready: serving %s (%s)", ", ".join(self.state.names), self.state.info.precision)
         except Exception as e:
             log.debug("model load failed", exc_info=True)
@@ -294,15 +252,7 @@ class Server:
         self.state.engine = None
         # callers see the phase and the type only (fault_summary): never a request's content
         self.state.loading_error = f"engine fault ({fault_summary(error)}); see the server log"
-        asyncio.get_running_loop().create_task(self._set_all(NOT_SERVING))
-
-    async def _set_ready(self, status) -> None:
-        await self.health.set("", status)
-        await self.health.set(SERVICE_NAME, status)
-
-    async def _set_all(self, status) -> None:
-        await self.health.set(LIVENESS_NAME, status)
-        await self._set_ready(status)
+        asyncio.get_running_loop().create_task(door.set_all(self.health, NOT_SERVING))
 
     # ---------------------------------------------------------------- stop
 

@@ -23,7 +23,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as gen
 
 from dgserve.ops import reference
-from dgserve.sampling_params import SamplingParams, to_signed64
+from dgserve.ops.bits import to_signed64
+from dgserve.sampling_params import SamplingParams
 
 # What another implementation may differ by, per decision of a denoising step (the bounds the margins are
 # measured against). Our forward is measured ~1e-6 from transformers' in fp32 (tests/test_model_parity.py):

@@ -796,6 +796,32 @@ def test_deployment_doc_lists_every_variable_and_its_envoy_snippet_holds():
     route_checks(cfg["routes"][0]["route"])
 
 
+def test_deployment_doc_defaults_are_what_the_image_runs_with():
+    """docs/deployment.md's "image default" column: a value (`32`, 16 MiB) given as its flag resolves to what the
+    image runs with (ServiceConfig's default under the runtime stage's ENV); words ("unset", "the model's", "one per
+    core, at most 4") stand for a default of None or () decided at runtime; "off" for a switch that is not set."""
+    from dgserve.service.__main__ import build_config
+
+    image_env = {k: v for k, v in env_of(stage("runtime")).items() if k in KNOWN_ENV}
+    image, _ = build_config([], image_env)
+    fields = {flag: (field, value) for flag, _, field, value, _ in SWITCHES}
+    fields.update({flag: (field, None) for flag, _, field, _, _ in FLAGS})
+    rows = re.findall(r"^\| `[A-Z_]+`[^|]*\| (`--[^|]*)\| ([^|]+) \|", DOC.read_text(), re.M)
+    assert len(rows) >= len(FLAGS), "the variable table of docs/deployment.md was not found"
+    for flags, cell in rows:
+        for flag in re.findall(r"`(--[\w-]+)`", flags):
+            field, switch_value = fields[flag]
+            value = re.match(r"`([^`]+)`|(\d+) MiB$", cell)
+            if switch_value is not None:
+                assert cell == "off" and getattr(image, field) != switch_value, (flag, cell)
+            elif value is None:  # words: a default decided at runtime
+                assert getattr(image, field) in (None, ()), (flag, cell, getattr(image, field))
+            else:
+                given = value.group(1) or str(int(value.group(2)) << 20)
+                resolved, _ = build_config([flag, given], {})
+                assert getattr(resolved, field) == getattr(image, field), (flag, cell, getattr(image, field))
+
+
 def test_manifests_minimal_text_check():
     """What holds even without PyYAML: probe paths, GPU, preStop, non-root, the readiness name for Envoy."""
     dep = (K8S / "deployment.yaml").read_text()

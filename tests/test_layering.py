@@ -66,7 +66,8 @@ def test_service_imports_work_when_installed():
 
 
 def test_http_front_door_speaks_no_grpc():
-    """The OpenAI front door translates JSON to dgserve objects; protobuf and gRPC stay in convert/servicer."""
+    """The OpenAI front door translates JSON to dgserve objects; protobuf and gRPC stay in the gRPC door
+    (service/grpc/)."""
     for p in _py_files(ROOT / "service" / "http"):
         imports = _imports(p)
         assert "grpc" not in imports and "_pb2" not in imports, p
@@ -83,7 +84,13 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     (
         "ops",
         (
-            ("dgserve._C", "dgserve.ops.native", "dgserve.ops.reference", "dgserve.ops.nvfp4_format"),
+            (
+                "dgserve._C",
+                "dgserve.ops.native",
+                "dgserve.ops.reference",
+                "dgserve.ops.nvfp4_format",
+                "dgserve.ops.bits",  # bit patterns in signed ints: the seed's int64, a token mask's int32 words
+            ),
             ("dgserve.ops.*",),  # one module per op
             ("dgserve.ops",),  # the op surface: re-exports
             ("dgserve.ops.native_check",),  # the start-up self-check of every native op
@@ -94,7 +101,11 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
         (
             (
                 "dgserve",  # the package face: imports nothing at import time (PEP 562)
+                "dgserve.config_fields",  # the typed readers of a checkpoint's JSON fields
+                "dgserve.text_config",  # config.json's text_config, resolved as transformers does
+                "dgserve.generation_config",  # generation_config.json
                 "dgserve.config",
+                "dgserve.knob",  # what one request knob accepts, and the check of a value against it
                 "dgserve.v1",
                 "dgserve.v1.*",
                 "dgserve.text.token_bounds",
@@ -103,6 +114,10 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.text.gemma4",  # the Gemma 4 markers and the built-in format's tool pieces
                 "dgserve.text.messages",
                 "dgserve.text.reasoning",
+                "dgserve.text.chat_template",  # chat templates compiled and rendered in the jinja2 sandbox
+                "dgserve.text.gemma4_chat",  # the built-in Gemma 4 chat format
+                "dgserve.text.incremental_decoder",  # text deltas of a token stream
+                "dgserve.text.tokenizer_files",  # tokenizer.json, tokenizer_config.json, chat_template.jinja
                 "dgserve.structured.schema_check",
                 "dgserve.media",
                 "dgserve.media.images",  # image limits, decoding and preprocessing (docs/images.md)
@@ -130,8 +145,13 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     (
         "model",
         (
-            ("dgserve.model.nvfp4", "dgserve.model.cache"),
-            ("dgserve.model.checkpoint", "dgserve.model.layers"),
+            (
+                "dgserve.model.nvfp4",
+                "dgserve.model.cache",
+                "dgserve.model.checkpoint_layout",  # the checkpoint's tensor names and shapes
+                "dgserve.model.vision_config",  # vision_config and the image preprocessing settings
+            ),
+            ("dgserve.model.checkpoint_save", "dgserve.model.checkpoint", "dgserve.model.layers"),
             ("dgserve.model.batched", "dgserve.model.vision"),
             ("dgserve.model.diffusion_gemma", "dgserve.model.quantize", "dgserve.model.runtime", "dgserve.model.tiny"),
             ("dgserve.model", "dgserve.model.default_model"),
@@ -162,7 +182,12 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.loading",  # a checkpoint directory → model, tokenizer, defaults; the runtime info
                 "dgserve.engine.grammar_rows",  # each structured request's grammar state, from one compiled cache
             ),
-            ("dgserve.engine.model_runner",),
+            (
+                "dgserve.engine.admission",  # a submission checked and minted into a Request, before it is queued
+                "dgserve.engine.model_runner",
+                "dgserve.engine.request_stream",  # one request's events for asyncio callers
+                "dgserve.engine.tokenize_pool",  # the async engine's bounded pool of tokenization threads
+            ),
             ("dgserve.engine.engine",),
             ("dgserve.engine.async_engine",),
             ("dgserve.engine",),
@@ -176,7 +201,8 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.connections",
                 "dgserve.service.in_flight",
                 "dgserve.service.config",
-                "dgserve.service.errors",
+                "dgserve.service.errors",  # exceptions and the reason every door names them by
+                "dgserve.service.body_thread",  # the one thread body-sized work of every door runs in
                 "dgserve.service.vllm_metrics",
                 "dgserve.service.media_fetch",  # remote images from allowed domains (docs/images.md)
                 "dgserve.service.image_work",  # the bounded pools and pixel budget images are read in
@@ -186,37 +212,58 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.events",  # what both doors take from an engine stream
                 "dgserve.service.images",  # every door's image parts → the engine's (docs/images.md)
                 "dgserve.service.metrics",
-                "dgserve.service.interceptors",
+                "dgserve.service.grpc.errors",  # reasons → gRPC status codes
+                "dgserve.service.grpc.interceptors",
                 "dgserve.service.http.errors",
-                "dgserve.service.http.response_store",
+                "dgserve.service.http.fields",  # the field readers and the unknown / no-op field rule, once
+                "dgserve.service.http.responses.store",
             ),
             (
-                "dgserve.service.convert",  # the gRPC door's encoder
+                "dgserve.service.grpc.convert",  # the gRPC door's encoder
                 "dgserve.service.http.body",
-                "dgserve.service.http.protocol",
-                "dgserve.service.http.responses",
+                "dgserve.service.http.call",  # a checked request of a JSON door: a Submission and the door's options
+                "dgserve.service.http.knobs",  # the knobs and output constraints as body fields
                 "dgserve.service.http.gate",
                 "dgserve.service.http.access_log",
                 "dgserve.service.http.bounded",
                 "dgserve.service.http.site",
                 "dgserve.service.http.choices",
-            ),
-            (
                 "dgserve.service.http.sse",
-                "dgserve.service.http.responses_input",
-                "dgserve.service.http.messages_input",
-                "dgserve.service.http.event_encoder",  # the output-item state machine of the agent doors
             ),
             (
-                "dgserve.service.servicer",
-                "dgserve.service.http.generate",
-                "dgserve.service.http.tokens",
-                "dgserve.service.http.playground",
+                "dgserve.service.http.door",  # the one route skeleton of the generating APIs
+                "dgserve.service.http.event_encoder",  # the output-item state machine of the agent doors
+                "dgserve.service.http.openai.input",
+                "dgserve.service.http.openai.output",
+                "dgserve.service.http.responses.conversation",
+                "dgserve.service.http.messages.conversation",
             ),
-            ("dgserve.service.http.responses_api", "dgserve.service.http.messages_api"),
+            (
+                "dgserve.service.grpc.servicer",
+                "dgserve.service.http.playground",
+                "dgserve.service.http.openai.stream",
+                "dgserve.service.http.openai.tokens",
+                "dgserve.service.http.responses.input",
+                "dgserve.service.http.messages.input",
+                "dgserve.service.http.messages.output",
+            ),
+            (
+                "dgserve.service.http.openai.api",
+                "dgserve.service.http.responses.output",
+                "dgserve.service.http.messages.api",
+            ),
+            ("dgserve.service.http.responses.api",),
             ("dgserve.service.http.app",),
-            ("dgserve.service.http.front_door", "dgserve.service.http"),
+            (
+                "dgserve.service.http.front_door",
+                "dgserve.service.http",
+                "dgserve.service.http.openai",
+                "dgserve.service.http.responses",
+                "dgserve.service.http.messages",
+            ),
+            ("dgserve.service.grpc.door", "dgserve.service.grpc"),  # the gRPC door's server, built
             ("dgserve.service.server",),
+            ("dgserve.service.flags",),  # every flag, its environment variable and ServiceConfig field
             ("dgserve.service.__main__", "dgserve.service"),
         ),
     ),
@@ -298,6 +345,35 @@ def test_no_module_imports_above_its_own_tier():
     assert not bad, "\n".join(bad)
 
 
+HTTP_APIS = ("openai", "responses", "messages")  # service/http's API folders
+# the shared door layer's modules that import an API folder: the app mounts their routes; the gate holds the
+# Responses store (what the routes need from the server)
+HTTP_SHARED_USES = {"dgserve.service.http.app": HTTP_APIS, "dgserve.service.http.gate": ("responses",)}
+
+
+def _http_api(module: str) -> str | None:
+    """The API folder of a service/http module (None: the shared door layer, or not the HTTP door)."""
+    head = module.removeprefix("dgserve.service.http.").split(".")[0]
+    return head if module.startswith("dgserve.service.http.") and head in HTTP_APIS else None
+
+
+def test_http_apis_import_the_shared_door_never_each_other():
+    """The HTTP door's API folders (service/http/openai, responses, messages) import the shared door layer
+    (service/http/*.py) and the layers below, never each other; the shared layer imports none of them, but for
+    the app (their routes) and the gate (the Responses store)."""
+    bad = []
+    for module, deps in _graph().items():
+        own = _http_api(module)
+        shared = module.startswith("dgserve.service.http") and own is None
+        for dep in deps:
+            api = _http_api(dep)
+            if api is None or api == own:
+                continue
+            if own is not None or (shared and api not in HTTP_SHARED_USES.get(module, ())):
+                bad.append(f"{module} imports {dep}")
+    assert not bad, "\n".join(bad)
+
+
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (or a module importing itself): Tarjan."""
     index: dict[str, int] = {}
@@ -350,6 +426,35 @@ def test_ops_import_only_ops():
         if rank is not None and rank[0] == 0:
             outside = {d for d in deps if (_rank(d) or (-1,))[0] != 0}
             assert not outside, f"{module} imports {outside}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (lazy and type-only imports count)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_grpc_door_imports_nothing_of_the_http_door():
+    """The doors stand side by side on the shared door layer (events, images, errors, the body thread): no module
+    of the gRPC door (service/grpc/) imports the HTTP door (service/http/), directly or through another module."""
+    graph = _graph()
+    door = sorted(m for m in graph if m == "dgserve.service.grpc" or m.startswith("dgserve.service.grpc."))
+    assert "dgserve.service.grpc.servicer" in door, door
+    http = "dgserve.service.http"
+    bad = {m: sorted(d for d in _reachable(graph, m) if d == http or d.startswith(http + ".")) for m in door}
+    assert not any(bad.values()), {m: deps for m, deps in bad.items() if deps}
+
+
+def test_the_door_check_sees_an_indirect_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert _reachable(graph, "a") == {"a", "b", "c"}
+    assert _reachable(graph, "d") == set()
 
 
 def test_the_layer_check_sees_a_back_edge(tmp_path):

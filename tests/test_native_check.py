@@ -131,7 +131,7 @@ def test_model_info_and_metric_show_the_switched_off_op(wrong_step):
 
     from dgserve.engine.async_engine import AsyncEngine
     from dgserve.service.metrics import Metrics
-    from service import convert
+    from service.grpc import convert
 
     engine = Engine(_model())
     nc.run_self_check("cpu", "auto")

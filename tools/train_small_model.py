@@ -54,7 +54,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"]  # ids 0..4
 PAD, EOS, BOS, SOT, EOT = range(5)
 
 # The chat template written into the exported tokenizer_config.json (the shipped model's): Gemma 4's turns, and
-# the built-in format's tool declarations, calls and results (docs/tools.md), as dgserve.text.tokenizer renders
+# the built-in format's tool declarations, calls and results (docs/tools.md), as dgserve.text.gemma4_chat renders
 # them without a template.
 CHAT_TEMPLATE = (
     "{%- macro text(content) -%}\n"

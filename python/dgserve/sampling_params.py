@@ -1,178 +1,72 @@
 """Per-request generation knobs, defined once.
 
-Each knob is a ``SamplingParams`` field whose ``knob`` metadata (a ``Knob``) carries its type, bounds, the dtype that
-holds it on its way to the sampler, its name in generation_config.json and doc. The bounds a value must meet are the
-knob's own narrowed by its dtype's (``Knob.bounds``: a float32 knob is at most float32's largest finite value, and a
-positive one at least its smallest normal), so that a value that passes validation can be written into the engine's
-tensors without overflowing or flushing to zero. Everything else derives from that table: validation at
-construction (``KnobError``, a ValueError whose message starts with the field and states the bound), the
-checkpoint's defaults (``SamplingParams.from_generation_config``), the gRPC and HTTP field lists and GetModelInfo's
-bounds (``service/convert.py``, ``service/http/protocol.py``, through ``KNOBS``). A field without ``knob`` metadata
-is not a knob: it is left to its own validation and to the layers that know it.
+Each knob is a ``SamplingParams`` field whose ``knob`` metadata (a ``Knob``: dgserve.knob, which also checks a
+value against it) carries its type, bounds, the dtype that holds it on its way to the sampler, its name in
+generation_config.json and doc. The bounds a value must meet are the knob's own narrowed by its dtype's
+(``Knob.bounds``: a float32 knob is at most float32's largest finite value, and a positive one at least its
+smallest normal), so that a value that passes validation can be written into the engine's tensors without
+overflowing or flushing to zero. Everything else derives from that table: validation at construction
+(``KnobError``, a ValueError whose message starts with the field and states the bound), the checkpoint's defaults
+(``SamplingParams.from_generation_config``), the gRPC and HTTP field lists and GetModelInfo's bounds
+(``service/grpc/convert.py``, ``service/http/knobs.py``, through ``KNOBS``). A field without ``knob`` metadata is not
+a knob: it is left to its own validation and to the layers that know it. Also here: the seeds of a request's
+choices (``choice_seed``) and OpenAI's temperature on the schedule (``with_temperature``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any
 
 from dgserve.config import ConfigError, read_generation_config
+from dgserve.knob import (
+    KNOB,
+    MAX_STOP_TOKEN_IDS,
+    STORAGE,
+    Bounds,
+    Knob,
+    KnobError,
+    Storage,
+    checked,
+    finite_number,
+    knob,
+    shown,
+    token_ids,
+)
 from dgserve.structured.response_format import ResponseFormat
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_DENOISING_STEPS_LIMIT = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
-MAX_STOP_TOKEN_IDS = 64
 SEED_LIMIT = 1 << 64
 
-KNOB = "knob"  # the dataclass field metadata key
-
-
-@dataclass(frozen=True)
-class Storage:
-    """What a dtype can hold (torch.finfo / torch.iinfo's numbers, without importing torch): lo, hi the most
-    negative and most positive finite values; tiny the smallest positive normal (floats; 0 for integers)."""
-
-    lo: int | float
-    hi: int | float
-    tiny: float = 0.0
-
-
-# the dtypes a knob may name (tests/test_sampling_params.py checks them against torch.finfo / torch.iinfo)
-STORAGE: Mapping[str, Storage] = MappingProxyType(
-    {
-        "float32": Storage(-3.4028234663852886e38, 3.4028234663852886e38, 1.1754943508222875e-38),
-        "float64": Storage(-1.7976931348623157e308, 1.7976931348623157e308, 2.2250738585072014e-308),
-        "int32": Storage(-(1 << 31), (1 << 31) - 1),
-        "int64": Storage(-(1 << 63), (1 << 63) - 1),
-        "uint64": Storage(0, (1 << 64) - 1),  # the seed: held as the int64 with the same bits (to_signed64)
-    }
-)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The values a knob accepts: lo, hi (None: unbounded on that side), excluded when lo_open / hi_open."""
-
-    lo: int | float | None
-    hi: int | float | None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def text(self) -> str:
-        """ "in [1, 1024]", ">= 0", "> 0", "" when unbounded."""
-        if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo!r}, {self.hi!r}{')' if self.hi_open else ']'}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo!r}"
-        if self.hi is not None:
-            return f"{'<' if self.hi_open else '<='} {self.hi!r}"
-        return ""
-
-    def contains(self, v: int | float) -> bool:
-        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
-        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-        return lo_ok and hi_ok
-
-
-@dataclass(frozen=True)
-class Knob:
-    """What one SamplingParams field accepts.
-
-    kind: int, float or bool for a scalar; str for a sequence of strings (a str alone becomes a 1-tuple).
-    lo, hi: the knob's own bounds (None: unbounded on that side), excluded when lo_open / hi_open. Floats must be
-    finite. dtype: the narrowest dtype (a ``STORAGE`` name) that holds the value on its way to the sampler (a knob
-    table of the model runner, or the precision an op computes it in); ``bounds`` narrows lo and hi to it.
-    above: the name of a field this one must exceed (t_max > t_min), checked after every field's own bounds.
-    nullable: None is accepted (seed: None draws one). max_items, max_chars: a string sequence's limits.
-    config_key: the (dotted) key in generation_config.json that sets the checkpoint's default; "" = none.
-    note: a remark for GetModelInfo (a constraint involving more than this field). doc: one line.
-    """
-
-    kind: type
-    lo: int | float | None = None
-    hi: int | float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    dtype: str = ""
-    above: str = ""
-    nullable: bool = False
-    max_items: int | None = None
-    max_chars: int | None = None
-    config_key: str = ""
-    note: str = ""
-    doc: str = ""
-
-    def __post_init__(self) -> None:
-        if self.dtype and self.dtype not in STORAGE:
-            raise ValueError(f"Knob.dtype: {self.dtype!r} is not one of {', '.join(STORAGE)}")
-
-    @property
-    def scalar(self) -> bool:
-        """One value per request (a proto `optional` scalar), as opposed to a sequence."""
-        return self.kind in (int, float, bool)
-
-    @property
-    def numeric(self) -> bool:
-        return self.kind in (int, float)
-
-    def constraint(self, name: str) -> str:
-        """The note, else the cross-field rule of field ``name`` in words ("t_max > t_min"), else ""."""
-        return self.note or (f"{name} > {self.above}" if self.above else "")
-
-    @property
-    def declared(self) -> Bounds:
-        """The knob's own bounds, as the table states them (what the knob means)."""
-        return Bounds(self.lo, self.hi, self.lo_open, self.hi_open)
-
-    @property
-    def bounds(self) -> Bounds:
-        """The values accepted: the knob's own bounds narrowed to what its dtype holds. The largest finite value of
-        the dtype caps the top (a float32 knob above 3.4e38 would overflow when written into its tensor), and a
-        float whose lower bound is open or positive starts at the dtype's smallest normal (a positive value that
-        rounds to zero or to a subnormal is not the positive number it claims to be)."""
-        b = self.declared
-        if not self.dtype:
-            return b
-        st = STORAGE[self.dtype]
-        lo, lo_open, hi, hi_open = b.lo, b.lo_open, b.hi, b.hi_open
-        if hi is None or hi > st.hi:
-            hi, hi_open = st.hi, False
-        if lo is None or lo < st.lo:
-            lo, lo_open = st.lo, False
-        if st.tiny and lo is not None and 0 <= lo < st.tiny and (lo_open or lo > 0):
-            lo, lo_open = st.tiny, False
-        return Bounds(lo, hi, lo_open, hi_open)
-
-    def range_text(self) -> str:
-        """The accepted range: "in [1, 1024]", ">= 0", "> 0", "" when unbounded; where the dtype narrows the
-        knob's own bounds, both: "> 0, a float32 in [1.1754943508222875e-38, 3.4028234663852886e+38]"."""
-        own, held = self.declared, self.bounds
-        if held == own:
-            return own.text()
-        return f"{own.text()}, a {self.dtype} {held.text()}" if own.text() else f"a {self.dtype} {held.text()}"
-
-    def in_range(self, v: int | float) -> bool:
-        return self.bounds.contains(v)
-
-
-class KnobError(ValueError):
-    """A knob value outside its Knob: ``str(e)`` is "<field> <reason>" (the field may be indexed: ``stop[2]``)."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field} {reason}")
-        self.field, self.reason = field, reason
-
-
-def knob(default: Any, kind: type, **kw: Any) -> Any:
-    """A dataclass field with Knob metadata (typed Any so the annotation stays the field's own type)."""
-    return field(default=default, metadata={KNOB: Knob(kind, **kw)})
+# re-exported: what one knob accepts lives in dgserve.knob, and callers import it from here too
+__all__ = [
+    "KNOB",
+    "KNOBS",
+    "MAX_DENOISING_STEPS_LIMIT",
+    "MAX_NEW_TOKENS_LIMIT",
+    "MAX_STOP_LENGTH",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_TEMPERATURE",
+    "SCALAR_KNOBS",
+    "SEED_LIMIT",
+    "STORAGE",
+    "TEMPERATURE_ZERO_SEED",
+    "Bounds",
+    "Knob",
+    "KnobError",
+    "SamplingParams",
+    "Storage",
+    "choice_seed",
+    "with_temperature",
+]
 
 
 @dataclass(frozen=True)
@@ -288,11 +182,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name, k in KNOBS.items():
-            object.__setattr__(self, name, _checked(name, k, getattr(self, name)))
+            object.__setattr__(self, name, checked(name, k, getattr(self, name)))
         for name, k in KNOBS.items():
             if k.above and not getattr(self, name) > getattr(self, k.above):
                 raise KnobError(name, f"must be > {k.above} ({getattr(self, k.above)}), got {getattr(self, name)}")
-        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))
         if self.min_tokens > self.max_new_tokens:
             raise KnobError("min_tokens", f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.response_format is not None:
@@ -357,76 +251,6 @@ def _lookup(d: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def _checked(name: str, k: Knob, value: Any) -> Any:
-    """``value`` validated against ``k`` (and normalised: float for floats, a tuple for strings)."""
-    if value is None and k.nullable:
-        return None
-    if k.kind is str:
-        return _checked_strings(name, k, value)
-    if k.kind is bool:
-        if not isinstance(value, bool):
-            raise KnobError(name, f"must be a bool, got {value!r}")
-        return value
-    if k.kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise KnobError(name, f"must be an integer, got {value!r}")
-    elif not _finite_number(value):
-        raise KnobError(name, f"must be a finite number, got {_shown(value)}")
-    else:
-        value = float(value)
-    if not k.in_range(value):
-        raise KnobError(name, f"must be {k.range_text()}, got {_shown(value)}")
-    return value
-
-
-def _finite_number(value: Any) -> TypeGuard[int | float]:
-    """Whether ``value`` is an int or float that is a finite double: an integer beyond the double range (a JSON
-    number of 310 digits) is not one (``math.isfinite`` would raise OverflowError converting it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _shown(value: Any) -> str:
-    """``value`` for an error message: an integer too large for a double by its size, not its hundreds of digits
-    (which Python would not even print past 4,300)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1024:
-        return f"an integer of {value.bit_length()} bits, beyond the range of a double"
-    return repr(value)
-
-
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    """``value`` as a tuple of at most MAX_STOP_TOKEN_IDS non-negative ints; KnobError naming ``name[i]``."""
-    if not isinstance(value, (list, tuple)):
-        raise KnobError(name, f"must be a list of token ids, got {type(value).__name__}")
-    if len(value) > MAX_STOP_TOKEN_IDS:
-        raise KnobError(name, f"has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
-    for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise KnobError(f"{name}[{i}]", f"must be a non-negative integer token id, got {t!r}")
-    return tuple(value)
-
-
-def _checked_strings(name: str, k: Knob, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        items: tuple[Any, ...] = (value,)
-    elif isinstance(value, (list, tuple)):
-        items = tuple(value)
-    else:
-        raise KnobError(name, f"must be a string or a sequence of strings, got {type(value).__name__}")
-    if k.max_items is not None and len(items) > k.max_items:
-        raise KnobError(name, f"has {len(items)} strings; at most {k.max_items} are allowed")
-    for i, s in enumerate(items):
-        if not isinstance(s, str) or not s:
-            raise KnobError(f"{name}[{i}]", f"must be a non-empty string, got {s!r}")
-        if k.max_chars is not None and len(s) > k.max_chars:
-            raise KnobError(f"{name}[{i}]", f"is {len(s)} characters; at most {k.max_chars} are allowed")
-    return items
-
-
 # name → Knob for every SamplingParams field that declares one, in field order (the single table)
 KNOBS: Mapping[str, Knob] = MappingProxyType(
     {f.name: f.metadata[KNOB] for f in dataclasses.fields(SamplingParams) if KNOB in f.metadata}
@@ -445,11 +269,6 @@ def _describe(name: str, k: Knob) -> str:
 SamplingParams.__doc__ = (
     (SamplingParams.__doc__ or "").rstrip() + "\n\n" + "\n".join(_describe(n, k) for n, k in KNOBS.items())
 )
-
-
-def to_signed64(seed: int) -> int:
-    """A uint64 seed as the int64 with the same bits (torch has no uint64 arithmetic): how the noise ops take it."""
-    return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -482,8 +301,8 @@ def with_temperature(params: SamplingParams, temperature: object, explicit: Coll
 
     ValueError naming ``temperature`` outside [0, 2] or for a non-number.
     """
-    if not _finite_number(temperature):
-        raise KnobError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {_shown(temperature)}")
+    if not finite_number(temperature):
+        raise KnobError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {shown(temperature)}")
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise KnobError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if temperature == 0:

@@ -1,17 +1,18 @@
-"""The FastAPI app: OpenAI-compatible routes, health probes and metrics. Routes only translate (protocol.py) and
-call the shared AsyncEngine (generate.py); errors become OpenAI error JSON in one handler (errors.py).
+"""The FastAPI app: OpenAI-compatible routes, health probes and metrics. Each generating route is the one
+skeleton (door.py) given its API's parser and encoder (openai/, responses/, messages/), over the shared
+AsyncEngine; errors become OpenAI error JSON in one handler (errors.py).
 
     GET  /v1/health/live, /v1/health/ready   200 / 503 (NIM-style probes; no auth)
     GET  /metrics (also /v1/metrics)          Prometheus text (no auth)
     GET  /health                              200 / 503 as readiness (vLLM's route; no auth)
     GET  /version                             {"version": the dgserve version} (no auth)
     GET  /v1/models, /v1/models/{id}          the served name and aliases; one of them (404 for another)
-    POST /tokenize, /detokenize               vLLM's shapes (tokens.py)
+    POST /tokenize, /detokenize               vLLM's shapes (openai/tokens.py)
     POST /v1/completions                      prompt: string or token ids; stream: SSE
     POST /v1/chat/completions                 messages through the checkpoint's chat template; stream: SSE
-    POST /v1/responses                        the Responses API (responses_api.py); stream: its event sequence
+    POST /v1/responses                        the Responses API (responses/); stream: its event sequence
     GET, DELETE /v1/responses/{id}            a stored response of the caller
-    POST /v1/messages                         the Messages API (messages_api.py); stream: its event stream
+    POST /v1/messages                         the Messages API (messages/); stream: its event stream
     POST /v1/messages/count_tokens            the input tokens /v1/messages would submit
     GET  /, /playground, /dashboard           the built-in pages (playground.py; off with --no-playground)
 
@@ -20,7 +21,7 @@ Errors are OpenAI error JSON, except on the Messages routes: Anthropic's error o
 Every request first passes the Host and Origin checks (site.py: 400 / 403), and every POST route reads its body
 only when its Content-Type is JSON (body.py: 415). A request's id is the ``X-Request-Id`` header when given, else
 a new one (access_log.py); the seed in use is returned in ``X-Dgserve-Seed`` and in the body's ``dgserve``
-object (generate.py).
+object (door.py).
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgserve import __version__
 
 from .. import errors
-from . import messages_api, playground, responses_api, tokens
+from . import playground
 from .access_log import AccessLog
 from .errors import HttpError, anthropic_error_response, error_response, error_response_for
 from .gate import Gate
-from .generate import generate
+from .messages import api as messages_api
+from .openai import api as openai_api
+from .openai import tokens
+from .responses import api as responses_api
 from .site import HostPolicy, OriginPolicy, SiteGuard
 
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
@@ -110,50 +114,8 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool 
             raise ValueError("model: give a model id, e.g. GET /v1/models/" + gate.state.names[0])
         return found[0]
 
-    @app.post("/tokenize")
-    @_openai_errors
-    async def tokenize(request: Request):
-        return await tokens.tokenize(gate, request)
-
-    @app.post("/detokenize")
-    @_openai_errors
-    async def detokenize(request: Request):
-        return await tokens.detokenize(gate, request)
-
-    @app.post("/v1/completions")
-    @_openai_errors
-    async def completions(request: Request):
-        return await generate(gate, request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    @_openai_errors
-    async def chat_completions(request: Request):
-        return await generate(gate, request, chat=True)
-
-    @app.post("/v1/responses")
-    @_openai_errors
-    async def create_response(request: Request):
-        return await responses_api.create(gate, request)
-
-    @app.get("/v1/responses/{response_id}")
-    @_openai_errors
-    async def get_response(request: Request):
-        return await responses_api.get(gate, request)
-
-    @app.delete("/v1/responses/{response_id}")
-    @_openai_errors
-    async def delete_response(request: Request):
-        return await responses_api.delete(gate, request)
-
-    @app.post("/v1/messages")
-    @_anthropic_errors
-    async def create_message(request: Request):
-        return await messages_api.create(gate, request)
-
-    @app.post("/v1/messages/count_tokens")
-    @_anthropic_errors
-    async def count_message_tokens(request: Request):
-        return await messages_api.count_tokens(gate, request)
+    for method, path, handler, shape in _api_routes():
+        app.add_api_route(path, shape(_bound(gate, handler)), methods=[method])
 
     if pages:
         playground.add_routes(app, gate, _openai_errors)
@@ -163,30 +125,50 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _openai_errors(route):
-    """Domain exceptions raised by a route → OpenAI error JSON (never a traceback to the client or the log)."""
+def _api_routes():
+    """(method, path, handler, error shape) of every API route, in the order they are matched."""
+    return (
+        ("POST", "/tokenize", tokens.tokenize, _openai_errors),
+        ("POST", "/detokenize", tokens.detokenize, _openai_errors),
+        ("POST", "/v1/completions", openai_api.completions, _openai_errors),
+        ("POST", "/v1/chat/completions", openai_api.chat_completions, _openai_errors),
+        ("POST", "/v1/responses", responses_api.create, _openai_errors),
+        ("GET", "/v1/responses/{response_id}", responses_api.get, _openai_errors),
+        ("DELETE", "/v1/responses/{response_id}", responses_api.delete, _openai_errors),
+        ("POST", "/v1/messages", messages_api.create, _anthropic_errors),
+        ("POST", "/v1/messages/count_tokens", messages_api.count_tokens, _anthropic_errors),
+    )
 
-    @functools.wraps(route)
-    async def wrapper(request: Request):
-        try:
-            return await route(request)
-        except Exception as e:  # noqa: BLE001 - every error gets its OpenAI body; 500s are logged in error_body
-            return error_response(e)
 
-    return wrapper
+def _bound(gate: Gate, handler):
+    """The route of ``handler(gate, request)``."""
+
+    async def route(request: Request):
+        return await handler(gate, request)
+
+    route.__name__ = handler.__name__
+    return route
 
 
-def _anthropic_errors(route):
-    """As ``_openai_errors``, in Anthropic's error shape (the Messages routes)."""
+def _errors(respond):
+    """A wrapper of routes whose domain exceptions become ``respond(e)``: the API's error JSON (never a traceback
+    to the client or the log; 500s are logged in error_body)."""
 
-    @functools.wraps(route)
-    async def wrapper(request: Request):
-        try:
-            return await route(request)
-        except Exception as e:  # noqa: BLE001 - every error gets its Anthropic body; 500s are logged in error_body
-            return anthropic_error_response(e)
+    def wrap(route):
+        @functools.wraps(route)
+        async def wrapper(request: Request):
+            try:
+                return await route(request)
+            except Exception as e:  # noqa: BLE001 - every error gets its API's body
+                return respond(e)
 
-    return wrapper
+        return wrapper
+
+    return wrap
+
+
+_openai_errors = _errors(error_response)  # OpenAI's error JSON
+_anthropic_errors = _errors(anthropic_error_response)  # Anthropic's error objects (the Messages routes)
 
 
 def _model_list(gate: Gate) -> dict:

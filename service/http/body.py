@@ -11,9 +11,6 @@ converted (``off_loop``: its messages checked and joined into the engine's promp
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from dgserve.text import client_json
 
+from ..body_thread import in_body_thread
 from ..errors import clip
 from .bounded import TIMED_OUT
 from .errors import HttpError
@@ -56,11 +54,6 @@ async def off_loop(request: Request, convert: Callable[..., T], *args) -> T:
     return await in_body_thread(convert, *args)
 
 
-async def in_body_thread(work: Callable[..., T], *args) -> T:
-    """``work(*args)`` in the one body thread (``read_json``: body-sized work takes turns there, one at a time)."""
-    return await asyncio.get_running_loop().run_in_executor(_body_thread(), work, *args)
-
-
 def check_content_type(value: str | None) -> None:
     """HttpError UNSUPPORTED_MEDIA_TYPE (415) unless ``value`` is ``application/json``, with parameters at most
     and a charset, if any, of UTF-8. Every route that reads a JSON body checks it, so a page's text/plain, form or
@@ -78,11 +71,6 @@ def check_content_type(value: str | None) -> None:
                 f"Content-Type: JSON is UTF-8, got charset {clip(charset.strip())!r}",
                 "Content-Type",
             )
-
-
-@functools.cache
-def _body_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgserve-body")
 
 
 async def _read_body(request: Request, limit: int) -> tuple[list[bytes], int]:

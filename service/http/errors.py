@@ -1,4 +1,4 @@
-"""Exceptions → OpenAI error bodies and HTTP statuses, in one table keyed by the reason ``service.errors.classify``
+"""Exceptions → OpenAI error bodies and HTTP statuses, in one table keyed by the reason ``service.errors.reason``
 gives every exception (so gRPC and HTTP agree on what an error is; only the code differs).
 
 Body: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``param`` names the field of a 400).
@@ -59,7 +59,7 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     if isinstance(exc, HttpError):
         reason, param = exc.reason, exc.param
     else:
-        reason = errors.classify(exc)[1]
+        reason = errors.reason(exc)
         param = None
     status, kind = STATUS.get(reason, (500, "server_error"))
     message = errors.bounded_message(str(exc)) if status != 500 or isinstance(exc, HttpError) else "internal error"

@@ -9,7 +9,7 @@ from fastapi import Request
 from .. import callers, errors
 from ..in_flight import InFlight
 from .errors import HttpError
-from .response_store import ResponseStore
+from .responses.store import ResponseStore
 
 
 class Gate:

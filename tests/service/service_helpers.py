@@ -170,6 +170,26 @@ def metric_value(samples: list, name: str, **labels: str) -> float:
     return 0.0
 
 
+# A wait that only prevents a hang: what a test asserts is the event it waits for, never how soon it came, so this is
+# generous for a loaded machine.
+HANG_GUARD_S = 60.0
+
+
+def post_then_hang_up(base_url: str, path: str, body: dict, in_flight) -> None:
+    """POST ``body`` (JSON) to ``base_url + path`` and close the connection without reading the answer once
+    ``in_flight()`` holds: a client giving up, at a moment set by an event rather than a read timeout."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base_url)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\ncontent-type: application/json\r\n"
+    with socket.create_connection((u.hostname, u.port), timeout=HANG_GUARD_S) as s:
+        s.sendall(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data)
+        wait_until(in_flight, timeout=HANG_GUARD_S)
+
+
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
     import time
 

@@ -12,7 +12,7 @@ import pytest
 from service_helpers import bad_request_field
 
 from dgserve.sampling_params import KNOBS
-from dgserve.service.http import protocol
+from dgserve.service.http.openai import input as protocol
 from dgserve.v1 import text_generation_pb2 as pb
 
 FLOAT_KNOBS = [n for n in protocol.KNOBS if KNOBS[n].kind is float] + ["temperature"]

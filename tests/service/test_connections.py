@@ -38,11 +38,19 @@ def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
-def seconds_until_closed(sock: socket.socket, limit: float = 10.0, trickle: bytes = b"") -> tuple[float, bytes]:
-    """Read (sending ``trickle`` every 0.1 s meanwhile) until the server closes; (seconds, bytes read)."""
+# Only a guard against a hang: a server that never closes fails the test after this long, however loaded the
+# machine. What the tests assert is the close itself (with its 408 and its count), never how soon it came. Below
+# grpc's default handshake timeout (120 s), so a gRPC door without --request-timeout still fails.
+HANG_GUARD_S = 60.0
+
+
+def seconds_until_closed(sock: socket.socket, trickle: bytes = b"") -> tuple[float, bytes]:
+    """Read (sending ``trickle`` every 0.1 s meanwhile) until the server closes; (seconds, bytes read).
+    AssertionError when it has not closed after HANG_GUARD_S."""
     t0, got = time.monotonic(), b""
     sock.settimeout(0.1)
-    while time.monotonic() - t0 < limit:
+    while True:
+        assert time.monotonic() - t0 < HANG_GUARD_S, f"the server kept the connection {HANG_GUARD_S} s: {got[:200]!r}"
         try:
             if trickle:
                 sock.sendall(trickle)
@@ -99,16 +107,16 @@ def test_http_silent_connection_gets_408_and_is_closed(bounded):
     before = rejected(bounded, "http", "timeout")
     with connect(bounded.server.http_port) as s:
         seconds, got = seconds_until_closed(s)
-    assert TIMEOUT * 0.8 < seconds < TIMEOUT + 2, seconds
-    assert_408(got)
+    assert seconds > TIMEOUT * 0.8, seconds  # not before the timeout (a busy machine only makes it later)
+    assert_408(got)  # closed by the timeout: its 408
     assert rejected(bounded, "http", "timeout") == before + 1
 
 
 def test_http_slow_loris_headers_are_cut_off(bounded):
     with connect(bounded.server.http_port) as s:
         s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: localhost\r\n")
-        seconds, got = seconds_until_closed(s, trickle=b"X-Slow: 1\r\n")  # bytes keep coming, never the end
-    assert seconds < TIMEOUT + 2, seconds
+        # bytes keep coming, never the end: a timer restarted by each byte would never close it (the hang guard)
+        _, got = seconds_until_closed(s, trickle=b"X-Slow: 1\r\n")
     assert got.startswith(b"HTTP/1.1 408 "), got
 
 
@@ -118,8 +126,7 @@ def test_http_slow_body_is_cut_off(bounded):
             b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: 1000\r\n\r\n{"
         )
-        seconds, got = seconds_until_closed(s, trickle=b" ")
-    assert seconds < TIMEOUT + 2, seconds
+        _, got = seconds_until_closed(s, trickle=b" ")  # as above: only the request timer can end it
     assert_408(got)
 
 
@@ -163,9 +170,11 @@ def test_http_keep_alive_pause_then_request_is_served(bounded):
 
 
 def test_grpc_silent_connection_is_closed(bounded):
+    """grpc core closes it at the handshake timeout (not counted by us); without --request-timeout grpc's own
+    default (120 s) would keep it past HANG_GUARD_S, which is what fails then."""
     with connect(bounded.server.port) as s:
         seconds, _ = seconds_until_closed(s)
-    assert TIMEOUT * 0.8 < seconds < TIMEOUT + 2, seconds
+    assert seconds > TIMEOUT * 0.8, seconds  # not before the handshake timeout (load only makes it later)
 
 
 # ------------------------------------------------------------------------------------------- the cap

@@ -171,3 +171,13 @@ def test_abort_unknown_id_is_not_found(stub):
     with pytest.raises(grpc.RpcError) as e:
         stub.Abort(pb.AbortRequest(request_id="never-seen"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_every_reason_has_a_grpc_status_code():
+    """service/errors.py names every exception's reason; service/grpc/errors.py gives each reason its code."""
+    from dgserve.service import errors
+    from dgserve.service.grpc.errors import CODES, classify
+
+    assert {reason for _, reason in errors.REASONS} | {"INTERNAL"} == set(CODES)
+    assert classify(errors.DrainingError("x")) == (grpc.StatusCode.UNAVAILABLE, "DRAINING")
+    assert classify(KeyError("x")) == (grpc.StatusCode.INTERNAL, "INTERNAL")

@@ -13,8 +13,10 @@ from dgserve.engine.async_engine import AsyncEngine, Draft, DraftSpec, Finished,
 from dgserve.engine.prompt import Submission
 from dgserve.engine.step_output import DraftOutput
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, BlockOutput, BlockStats
-from dgserve.service import convert, events
-from dgserve.service.http import protocol, responses
+from dgserve.service import events
+from dgserve.service.grpc import convert
+from dgserve.service.http.openai import input as protocol
+from dgserve.service.http.openai import output as responses
 from dgserve.v1 import text_generation_pb2 as pb
 
 NAN = float("nan")

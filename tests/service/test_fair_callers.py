@@ -48,18 +48,14 @@ def _hold_slots(url: str, token: str | None, stop: threading.Event, headers: dic
     return threads
 
 
-def _short(stub, metadata) -> tuple[float, float]:
-    """A 4-token Generate: (seconds from send to Started, seconds from Started to Finished)."""
-    t0 = time.perf_counter()
-    started = None
+def _short(stub, metadata) -> float:
+    """A 4-token Generate: the seconds from its admission to its finish, as the server timed them (Finished's
+    timing: total less queue), so the client's own delivery and reading are not counted."""
     req = pb.GenerateRequest(prompt="hi", params=params(max_new_tokens=4, max_denoising_steps=8, seed=3))
     for ev in stub.Generate(req, metadata=metadata, timeout=120):
-        kind = ev.WhichOneof("event")
-        if kind == "started":
-            started = time.perf_counter()
-        if kind == "finished":
-            assert started is not None
-            return started - t0, time.perf_counter() - started
+        if ev.WhichOneof("event") == "finished":
+            t = ev.finished.timing
+            return (t.total_ms - t.queue_ms) / 1000
     raise AssertionError("no Finished event")
 
 
@@ -82,8 +78,10 @@ def _starved_caller_is_served(
     server, stub, metadata_b: tuple, holder: str | None, holder_token: str | None, headers: dict | None = None
 ) -> None:
     """The holder fills every slot; the other caller (``metadata_b``) starts within one block of the holder's
-    requests and runs within 3x its time alone (up to three attempts: a loaded machine may slow one)."""
-    alone = min(_short(stub, metadata_b)[1] for _ in range(3))
+    requests and runs within 3x its time alone (up to three attempts: a loaded machine may slow one). Times are
+    the server's own, from admission to finish (the client's delivery is not the scheduler's), best of three each
+    way; on the CPU the fair share of the compute makes it about 2x (one canvas of each caller per iteration)."""
+    alone = min(_short(stub, metadata_b) for _ in range(3))
     for attempt in range(3):
         stop = threading.Event()
         threads = _hold_slots(server.http_url, holder_token, stop, headers)
@@ -96,8 +94,10 @@ def _starved_caller_is_served(
             seen: dict = {}
             watcher = threading.Thread(target=_watch_admission, args=(engine, holders, seen), daemon=True)
             watcher.start()
-            wait_s, run_s = _short(stub, metadata_b)
+            run_s = _short(stub, metadata_b)
             watcher.join(5)
+            # two more while the holder still holds its share: the best of three, as the time alone is
+            run_s = min([run_s, *(_short(stub, metadata_b) for _ in range(2))])
         finally:
             stop.set()
             for t in threads:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from service_helpers import base_config, running
 
 from dgserve.sampling_params import SCALAR_KNOBS
-from dgserve.service.http import protocol
+from dgserve.service.http.openai import input as protocol
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 

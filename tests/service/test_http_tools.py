@@ -129,7 +129,7 @@ def test_reasoning_content_is_split_from_content_in_both_shapes():
     """The door's encoding of a thinking output: message.reasoning_content apart from content, and the same split
     in the streamed deltas, whatever the block boundaries."""
     from dgserve.service import events
-    from dgserve.service.http import responses
+    from dgserve.service.http.openai import output as responses
     from dgserve.structured.chat_output import ChatOutputParser
 
     text = "<|channel>thought\nthe user wants Paris<channel|>It is sunny."

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from dgserve.sampling_params import KNOBS, SCALAR_KNOBS, SamplingParams
-from dgserve.service import convert
-from dgserve.service.http import protocol
+from dgserve.service.grpc import convert
+from dgserve.service.http.openai import input as protocol
 from dgserve.v1 import text_generation_pb2 as pb
 
 _PROTO_KIND = {int: ("uint32", "uint64"), float: ("double",), bool: ("bool",)}

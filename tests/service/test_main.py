@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,60 @@ def test_flags_override_environment_which_overrides_defaults():
     assert cfg.auth_token_file == "/run/tokens"
     defaults, _ = build_config([], {})
     assert (defaults.port, defaults.http_port, defaults.model, defaults.json_logs) == (50051, 8000, None, False)
+
+
+# defaults decided at runtime, said in words in the help ("(default: the model's)"); their field default is None / ()
+RUNTIME_DEFAULTS = {
+    "model": "the shipped small model",
+    "served_model_name": "the model directory's name",
+    "max_model_len": "the model's",
+    "caller_header": "each auth token is a caller",
+    "max_connections": "the open-file limit",
+    "responses_store_max_entries_per_caller": "--responses-store-max-entries",
+    "responses_store_max_bytes_per_caller": "--responses-store-max-bytes",
+    "allowed_media_domains": "none, data URLs only",
+    "image_workers": "one per core, at most 4",
+    "image_decode_pixels": "twice it",
+    "image_token_cost": "the device's",
+    "allowed_origins": "none, same-origin only",
+}
+UNSET_BY_DEFAULT = {"auth_token_file", "tls_cert", "tls_key", "tls_client_ca", "allowed_hosts"}  # off: no default said
+
+
+def test_every_flag_help_states_service_config_default():
+    """Each flag's help, as ``dgserve serve --help`` prints it, names ServiceConfig's default: "(default X)" where X,
+    given as the flag, resolves to that default, or words for a default decided at runtime; a switch changes its
+    field from the default."""
+    from dgserve.service.__main__ import FLAGS, SWITCHES, _parser
+    from dgserve.service.config import ServiceConfig
+
+    helps = {a.option_strings[0]: a.help for a in _parser()._actions if a.option_strings}
+    defaults = ServiceConfig()
+    for flag, _, field, _, _ in FLAGS:
+        text, default = " ".join(helps[flag].split()), getattr(defaults, field)
+        if field in RUNTIME_DEFAULTS:
+            assert default in (None, ()) and f"(default: {RUNTIME_DEFAULTS[field]}" in text, (flag, text, default)
+        elif field in UNSET_BY_DEFAULT:
+            assert default in (None, ()) and "default" not in text, (flag, text, default)
+        else:
+            m = re.search(r"\(default ([^;:)]+)[;:)]", text)
+            assert m, f"{flag}: its help states no default: {text!r}"
+            shown = m.group(1)
+            if shown.endswith(" MiB"):  # byte sizes are shown in MiB; the flag takes bytes
+                shown = str(int(shown.removesuffix(" MiB")) << 20)
+            resolved, _ = build_config([flag, shown], {})
+            assert getattr(resolved, field) == default, (
+                f"{flag}: help says {m.group(1)!r}, ServiceConfig has {default!r}"
+            )
+    for flag, _, field, value, _ in SWITCHES:
+        assert value != getattr(defaults, field), f"{flag} sets {field} to its default {value!r}"
+
+
+def test_the_server_and_the_engine_default_to_the_same_running_slots():
+    from dgserve.engine.scheduler import DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+    from dgserve.service.config import ServiceConfig
+
+    assert ServiceConfig().max_num_seqs == SchedulerConfig().max_num_seqs == DEFAULT_MAX_NUM_SEQS
 
 
 @pytest.mark.parametrize(

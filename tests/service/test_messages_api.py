@@ -87,7 +87,7 @@ def test_the_sdks_stream_helper_builds_the_same_message(anthropic_client):
 
 
 def test_pings_open_the_stream_and_keep_it_alive(url, monkeypatch):
-    from dgserve.service.http import messages_api
+    from dgserve.service.http.messages import output as messages_api
 
     monkeypatch.setattr(messages_api, "PING_INTERVAL_S", 0.005)
     body = {"model": "tiny", "messages": HI, "max_tokens": 32, "stream": True, "seed": 1, **KNOBS}
@@ -366,7 +366,7 @@ def test_thinking_text_and_calls_become_blocks_in_order_with_their_events():
     blocks, each started, written and stopped by its events, the input whole at the end."""
     from dgserve.outputs import FINISH_EOS
     from dgserve.service import events
-    from dgserve.service.http.messages_api import MessageOutput
+    from dgserve.service.http.messages.output import MessageOutput
     from dgserve.structured.chat_output import ChatOutputParser
     from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOOL_CALL_END
 
@@ -410,7 +410,7 @@ def test_a_conversation_becomes_chat_messages():
     """system blocks join in one system message; tool_result blocks become tool messages before the user's text;
     thinking is the assistant message's reasoning_content and tool_use its tool_calls; is_error marks the
     result."""
-    from dgserve.service.http.messages_input import Conversation
+    from dgserve.service.http.messages.conversation import Conversation
 
     convo = Conversation()
     convo.add_system(

@@ -12,7 +12,7 @@ import openai
 import pytest
 from service_helpers import auth_config, base_config, running
 
-from dgserve.service.http.response_store import ResponseStore
+from dgserve.service.http.responses.store import ResponseStore
 
 KNOBS = {"max_denoising_steps": 4}
 WEATHER = {
@@ -326,8 +326,8 @@ def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
     from dgserve import SamplingParams
     from dgserve.outputs import FINISH_EOS
     from dgserve.service import events
-    from dgserve.service.http.responses_api import ResponseOutput
-    from dgserve.service.http.responses_input import responses_request
+    from dgserve.service.http.responses.input import responses_request
+    from dgserve.service.http.responses.output import ResponseOutput
     from dgserve.structured.chat_output import ChatOutputParser
     from dgserve.text.gemma4 import CHANNEL_BEGIN, CHANNEL_END, TOOL_CALL_BEGIN, TOOL_CALL_END
 
@@ -384,7 +384,7 @@ def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
 def test_items_become_chat_messages():
     """Reasoning goes to the next assistant message, a turn's calls share one, outputs become tool messages,
     instructions and a developer item make one system message."""
-    from dgserve.service.http.responses_input import Conversation
+    from dgserve.service.http.responses.conversation import Conversation
 
     convo = Conversation()
     items = [

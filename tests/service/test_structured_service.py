@@ -122,7 +122,7 @@ def test_http_bad_format_is_400_naming_response_format(url, openai_client, fmt, 
 
 
 def test_openai_response_format_parsing():
-    from dgserve.service.http.protocol import response_format
+    from dgserve.service.http.knobs import response_format
 
     assert response_format(None) is None and response_format({"type": "text"}) is None
     assert response_format({"type": "json_object"}).type == "json_object"

@@ -1,15 +1,14 @@
 """The engine for asyncio callers: the step loop on its own thread, one event stream per request.
 
-``AsyncEngine.submit`` validates and admits a request at once (tokenization runs on the engine's own bounded pool
-of tokenization threads, never on the event loop nor on a pool other work shares: ``tokenize_workers`` threads, at
-most ``tokenize_queue_len`` prompts waiting, beyond which QueueFullError) and returns a ``RequestStream``:
-``Started`` when the request leaves the queue, optional ``DraftOutput`` previews, one ``BlockOutput`` per
-committed canvas, ``Finished`` last. The engine thread hands each step's events to the loop in one
-``call_soon_threadsafe`` call.
+``AsyncEngine.submit`` validates and admits a request at once (the engine's ``Admission``, run on the async
+engine's own bounded pool of tokenization threads, ``TokenizePool``: never on the event loop nor on a pool other
+work shares; ``tokenize_workers`` threads, at most ``tokenize_queue_len`` prompts waiting, beyond which
+QueueFullError) and returns a ``RequestStream`` (dgserve.engine.request_stream): ``Started`` when the request
+leaves the queue, optional ``DraftOutput`` previews, one ``BlockOutput`` per committed canvas, ``Finished`` last.
+The engine thread hands each step's events to the loop in one ``call_soon_threadsafe`` call.
 
-Slow readers: committed blocks are buffered without limit and never dropped; drafts are latest-wins (an unread
-draft is replaced, and dropped once its block commits). A reader that takes nothing for ``stall_timeout_s`` while
-blocks wait is aborted, and its stream raises ``StreamStalledError`` after the buffered events.
+Slow readers: a reader that takes nothing for ``stall_timeout_s`` while blocks wait is aborted, and its stream
+raises ``StreamStalledError`` after the buffered events (``RequestStream``).
 Cancellation: ``RequestStream.cancel`` / ``AsyncEngine.abort`` free the slot before the engine's next step.
 Ownership: a request submitted with an ``owner`` (the caller's identity, e.g. a digest of its token) can only be
 aborted by the same owner; to anyone else it looks exactly like an id never seen.
@@ -19,7 +18,7 @@ the step itself (``SharedWorkError``: work shared by every request) is an engine
 stream with ``EngineFaultError`` and stops the engine. Neither message carries another request's content: the
 fault is named by its type only (the server log has the phase and the rest).
 
-The request is the engine's ``Request`` (dgserve.engine.request), minted once by ``Engine.make_request``; the
+The request is the engine's ``Request`` (dgserve.engine.request), minted once by ``Admission.mint``; the
 stream hangs on it (``Request.stream``) and is all this layer keeps. Ids, owners, duplicates and the recently
 finished ids live in the engine, under its one lock. The service talks to this facade only (``model_info``,
 ``tokenize``, ``default_params``, ``max_num_seqs``), never to the engine behind it.
@@ -28,27 +27,39 @@ finished ids live in the engine, under its one lock. The service talks to this f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dgserve.engine.engine import Engine
 from dgserve.engine.prompt import Prompt, Submission
 from dgserve.engine.request import DraftSpec, Request, RequestFailedError, SharedWorkError
 from dgserve.engine.request_checks import check_request_id
-from dgserve.engine.scheduler import QueueFullError
-from dgserve.engine.step_output import DraftOutput, StepOutput
-from dgserve.outputs import FINISH_CANCELLED, FINISH_STOP, BlockOutput
+from dgserve.engine.request_stream import Draft, EngineObserver, Finished, RequestStream, Started, StreamStalledError
+from dgserve.engine.step_output import StepOutput
+from dgserve.engine.tokenize_pool import MIN_TOKENIZE_QUEUE, TokenizePool, default_tokenize_workers
+from dgserve.outputs import FINISH_CANCELLED, BlockOutput
 from dgserve.sampling_params import SamplingParams
-from dgserve.text.token_bounds import PromptTooLongError
+
+# the names the service imports from here (the stream's types live in dgserve.engine.request_stream)
+__all__ = [
+    "ABORT_ALREADY_FINISHED",
+    "ABORT_CANCELLED",
+    "AsyncEngine",
+    "Draft",
+    "DraftSpec",
+    "EngineFaultError",
+    "EngineObserver",
+    "EngineUnavailableError",
+    "Finished",
+    "RequestStream",
+    "Started",
+    "StreamStalledError",
+    "fault_summary",
+]
 
 log = logging.getLogger("dgserve.engine.engine")
 
@@ -58,12 +69,6 @@ _Event = tuple[str, "RequestStream | None", Any]
 
 ABORT_CANCELLED, ABORT_ALREADY_FINISHED = "cancelled", "already_finished"
 T = TypeVar("T")
-MIN_TOKENIZE_QUEUE = 64  # prompts waiting for a tokenization thread, at least (else the scheduler's capacity)
-
-
-def default_tokenize_workers() -> int:
-    """Tokenization threads by default: one per core, at most 4."""
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 class EngineUnavailableError(Exception):
@@ -80,136 +85,6 @@ def fault_summary(error: Exception) -> str:
     if isinstance(error, SharedWorkError):
         return str(error)
     return f"an internal error ({type(error).__name__})"
-
-
-class StreamStalledError(Exception):
-    """The reader took nothing for too long while committed blocks waited; the request was aborted."""
-
-
-@dataclass(frozen=True)
-class Started:
-    request_id: str
-    seed: int
-    prompt_tokens: int
-    params: SamplingParams
-    queue_seconds: float
-
-
-@dataclass(frozen=True)
-class Draft:
-    output: DraftOutput
-    text: str = ""
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    blocks: int
-    denoising_steps: int
-    queue_seconds: float
-    first_block_seconds: float  # NaN when no block was committed
-    total_seconds: float
-    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache supplied
-    stop_sequence: str | None = None  # the stop string that ended the output (finish_reason "stop")
-
-
-class EngineObserver:
-    """Hooks for metrics; every method runs on the event loop and must be cheap."""
-
-    def on_started(self, queue_seconds: float) -> None: ...
-    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
-    def on_block(self, block: BlockOutput, first: bool, seconds_since_arrival: float) -> None: ...
-    def on_finished(self, finished: Finished) -> None: ...
-    def on_abort(self, reason: str) -> None: ...
-    def on_draft_dropped(self) -> None: ...
-    def on_step(self, seconds: float) -> None: ...
-
-
-class RequestStream:
-    """The event queue of one request, in order (async iterator); everything else about the request is on its
-    ``Request`` (``request``). Lives on the event loop."""
-
-    def __init__(self, engine: AsyncEngine, request: Request):
-        self.request = request
-        self._engine = engine
-        self._events: deque = deque()
-        self._draft: Draft | None = None
-        self._wake = asyncio.Event()
-        self._error: Exception | None = None
-        self.done = False  # the last event (Finished or an error) has been pushed
-        self.last_read = time.monotonic()
-        self.reading = False  # the reader is awaiting the next event (so it is not stalled)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def params(self) -> SamplingParams:
-        """The request's params, with the seed in use."""
-        return self.request.params
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        while True:
-            if self._events:
-                self.last_read = time.monotonic()
-                return self._events.popleft()
-            if self._draft is not None:
-                draft, self._draft = self._draft, None
-                return draft
-            if self.done:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            self._wake.clear()
-            self.reading = True
-            try:
-                await self._wake.wait()
-            finally:
-                self.reading = False
-                self.last_read = time.monotonic()
-
-    @property
-    def buffered(self) -> int:
-        return len(self._events)
-
-    def cancel(self, reason: str = "client_cancelled") -> None:
-        """Stop the request (client went away): frees its slot before the next step; no more events."""
-        if not self.done:
-            self._engine._abort(self.request, reason, notify=False)
-            self.done = True
-            self._wake.set()
-
-    # ---------------------------------------------------------------- fed by AsyncEngine on the loop
-
-    def _push(self, event) -> None:
-        if self.done:
-            return
-        self._events.append(event)
-        if isinstance(event, BlockOutput):
-            self._draft = None  # a preview of a block that is now committed
-        if isinstance(event, Finished):
-            self.done = True
-        self._wake.set()
-
-    def _push_draft(self, draft: Draft) -> bool:
-        """Latest-wins; returns True when an unread draft was replaced (dropped)."""
-        if self.done:
-            return False
-        dropped = self._draft is not None
-        self._draft = draft
-        self._wake.set()
-        return dropped
-
-    def _fail(self, error: Exception) -> None:
-        if not self.done:
-            self._error, self.done = error, True
-            self._wake.set()
 
 
 class AsyncEngine:
@@ -240,13 +115,7 @@ class AsyncEngine:
         if tokenize_queue_len is None:
             cfg = engine.scheduler.config
             tokenize_queue_len = max(MIN_TOKENIZE_QUEUE, cfg.max_num_seqs + (cfg.max_queue_len or 0))
-        if workers < 1 or tokenize_queue_len < 0:
-            raise ValueError(
-                f"tokenize_workers must be >= 1 and tokenize_queue_len >= 0, got {workers}, {tokenize_queue_len}"
-            )
-        self._tokenize_pool = ThreadPoolExecutor(workers, thread_name_prefix="dgserve-tokenize")
-        self._tokenize_limit = workers + tokenize_queue_len
-        self._tokenizing_now = 0  # jobs on the tokenization pool, queued or running (counted on the loop)
+        self._tokenize_pool = TokenizePool(workers, tokenize_queue_len, engine.scheduler.retry_after_s)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -273,7 +142,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         for req in self.engine.in_flight():
             self._abort(req, "shutdown")
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.shutdown()
 
     @property
     def num_running(self) -> int:
@@ -328,62 +197,29 @@ class AsyncEngine:
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """Validated token ids of a prompt, at most max_model_len (bounded work; on the tokenization pool)."""
-        return await self.tokenizing(self.engine.prompt_ids, prompt, self.engine.max_model_len)
+        return await self.tokenizing(self.engine.admission.prompt_ids, prompt, self.engine.max_model_len)
 
     async def check_length(
         self, prompt: Prompt, max_new_tokens: int | None = None, *, fill_context: bool = False, at_least: bool = False
     ) -> int:
         """The token count of ``prompt``, refused with the engine's own context check (a ValueError naming both
-        numbers) when it cannot fit the window with ``max_new_tokens``' canvases (None: the prompt alone must fit,
-        as for ``tokenize``; ``fill_context``: one canvas, as ``Engine.make_request`` reserves). ``at_least``: the
-        prompt counts fewer tokens than the request will (its remote images at their fewest), and the refusal
-        says so. Bounded work, on the tokenization pool. The image stage calls it with stand-in images of the
-        exact soft-token counts before decoding any (docs/images.md, "Admission")."""
-        return await self.tokenizing(self._length, prompt, max_new_tokens, fill_context, at_least)
-
-    def _length(self, prompt: Prompt, max_new_tokens: int | None, fill_context: bool, at_least: bool) -> int:
-        engine = self.engine
-        if max_new_tokens is None:
-            return len(engine.prompt_ids(prompt, engine.max_model_len))
-        if fill_context:
-            max_new_tokens = engine.model.config.canvas_length
-        if not at_least:
-            return len(engine.request_prompt_ids(prompt, max_new_tokens))
-        room = engine.max_model_len - engine.canvases(max_new_tokens) * engine.model.config.canvas_length
-        try:
-            ids = engine.prompt_ids(prompt, max_tokens=max(room, 0))
-        except PromptTooLongError as e:
-            engine.check_context(e.at_least, max_new_tokens, at_least=True)
-            raise
-        engine.check_context(len(ids), max_new_tokens, at_least=True)
-        return len(ids)
+        numbers) when it cannot fit the window with ``max_new_tokens``' canvases (``Admission.check_length``:
+        None, the prompt alone must fit, as for ``tokenize``; ``fill_context``: one canvas, as ``Admission.mint``
+        reserves). ``at_least``: the prompt counts fewer tokens than the request will (its remote images at their
+        fewest), and the refusal says so. Bounded work, on the tokenization pool. The image stage calls it with
+        stand-in images of the exact soft-token counts before decoding any (docs/images.md, "Admission")."""
+        check = self.engine.admission.check_length
+        return await self.tokenizing(check, prompt, max_new_tokens, fill_context, at_least)
 
     async def tokenizing(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` (tokenizing, rendering, compiling a grammar: a prompt's work) on the tokenization pool;
-        QueueFullError at once when ``tokenize_queue_len`` prompts already wait for it. Cancelled before it
-        starts, it never runs; cancelled while it runs, its slot is held until its thread is done."""
-        if self._tokenizing_now >= self._tokenize_limit:
-            raise QueueFullError(
-                f"server at capacity: {self._tokenizing_now} prompts being tokenized, the limit of the tokenization "
-                "threads and their queue",
-                self.engine.scheduler.retry_after_s(),
-            )
-        self._tokenizing_now += 1
-        job = self._tokenize_pool.submit(fn, *args)
-        try:
-            return await asyncio.wrap_future(job)
-        except asyncio.CancelledError:
-            if not job.cancel():  # running: its thread goes on, and holds its place until it ends
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(asyncio.wrap_future(job))
-            raise
-        finally:
-            self._tokenizing_now -= 1
+        """``fn(*args)`` (tokenizing, rendering, compiling a grammar: a prompt's work) on the tokenization pool
+        (``TokenizePool.run``); QueueFullError at once when ``tokenize_queue_len`` prompts already wait for it."""
+        return await self._tokenize_pool.run(fn, *args)
 
     # ---------------------------------------------------------------- requests
 
     async def submit(self, sub: Submission, *, timeout_s: float | None = None) -> RequestStream:
-        """Validate and admit a submission (``Engine.make_request`` says what its fields mean); raises ValueError
+        """Validate and admit a submission (``Admission.mint`` says what its fields mean); raises ValueError
         (bad input), DuplicateRequestError, QueueFullError, NotImplementedError (unsupported chat part) or
         EngineUnavailableError. ``timeout_s``: a request still queued after this long is dropped without model
         work. Its ``owner`` is who may abort it (see ``abort``)."""
@@ -397,13 +233,14 @@ class AsyncEngine:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-        make = lambda: self.engine.make_request(sub, deadline=deadline)  # noqa: E731
+        # the request id is checked above, once: the rest of the admission mints it
+        mint = functools.partial(self.engine.admission.mint, sub, deadline=deadline)
         structured = sub.params is not None and sub.params.response_format is not None
         if isinstance(sub.prompt, (list, tuple)) and not structured:
-            req = make()
-        else:  # tokenization and grammar compilation (make_request) run on the tokenization pool, never on the loop
-            req = await self.tokenizing(make)
-        stream = req.stream = RequestStream(self, req)
+            req = mint()
+        else:  # tokenization and grammar compilation (the admission) run on the tokenization pool, never on the loop
+            req = await self.tokenizing(mint)
+        stream = req.stream = RequestStream(req, self._abort)
         self.engine.add(req)
         self._wake.set()
         return stream
@@ -438,25 +275,7 @@ class AsyncEngine:
         self.observer.on_abort(reason)
         stream = req.stream
         if notify and stream is not None:
-            stream._push(self._finished(req, FINISH_CANCELLED, 0, 0, 0))
-
-    @staticmethod
-    def _finished(req: Request, reason: str, completion: int, blocks: int, steps: int) -> Finished:
-        now = time.monotonic()
-        admitted = req.admitted_at if req.admitted_at is not None else now
-        first = req.first_block_at - req.arrival if req.first_block_at is not None else float("nan")
-        return Finished(
-            reason,
-            req.prompt_len,
-            completion,
-            blocks,
-            steps,
-            admitted - req.arrival,
-            first,
-            now - req.arrival,
-            req.cached_tokens,
-            req.tracker.stop_sequence if reason == FINISH_STOP else None,
-        )
+            stream._push(Finished.of(req, FINISH_CANCELLED, 0, 0, 0))
 
     # ---------------------------------------------------------------- engine thread
 
@@ -514,16 +333,8 @@ class AsyncEngine:
 
     def _draft_event(self, req: Request) -> _Event | None:
         assert req.drafts is not None
-        draft = self._make_draft(req, req.drafts)
-        return None if draft is None else ("draft", req.stream, draft)
-
-    def _make_draft(self, req: Request, spec: DraftSpec) -> Draft | None:
-        d = self.engine.draft(req)
-        if d is None or d.step % max(1, spec.every_n_steps):
-            return None
-        tok = self.engine.tokenizer
-        text = tok.decode(d.token_ids) if spec.include_text and tok is not None else ""
-        return Draft(d, text)
+        preview = Draft.of(req, req.drafts, self.engine.tokenizer)
+        return None if preview is None else ("draft", req.stream, preview)
 
     # ---------------------------------------------------------------- back on the loop
 
@@ -564,7 +375,7 @@ class AsyncEngine:
             stream._push(block)
             self.observer.on_block(block, first, now - req.arrival)
         if result is not None:
-            fin = self._finished(
+            fin = Finished.of(
                 req, result.finish_reason, len(result.token_ids), len(result.blocks), result.denoising_steps
             )
             stream._push(fin)

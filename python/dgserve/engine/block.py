@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dgserve import ops
-from dgserve.sampling_params import to_signed64
+from dgserve.ops.bits import as_int32, ban_ids, to_signed64
 
 BLANK = -1  # a draft position without a token: it starts from the seeded noise
 
@@ -24,8 +24,8 @@ class CanvasDraft:
     """A request's starting canvas (docs/edit-in-place.md): draft token ids laid over its canvases in order from the
     first (a ``BLANK`` starts from the seeded noise, as every position past the draft does), and the pinned
     ``[start, end)`` ranges of draft positions, which hold their draft token from the first step to the commit.
-    Validated by ``Engine.make_request``: ids in the vocabulary or blank, ranges sorted, disjoint, non-empty, inside
-    the draft and over no blank."""
+    Validated at admission (``canvas_draft.canvas_draft``): ids in the vocabulary or blank, ranges sorted,
+    disjoint, non-empty, inside the draft and over no blank."""
 
     ids: tuple[int, ...]
     pinned: tuple[tuple[int, int], ...] = ()
@@ -107,20 +107,9 @@ def pin_bitmask(
         return None
     words = (vocab_size + 31) // 32
     mask = torch.full((canvas_length, words), -1, dtype=torch.int32)
-    for v in eos_ids:
-        if 0 <= v < vocab_size:
-            mask[:gap, v // 32] &= _bit_cleared(v % 32)
+    ban_ids(mask, gap, [v for v in eos_ids if 0 <= v < vocab_size])
     for p, (t, pinned) in enumerate(zip(ids, pins, strict=True)):
         if pinned:
             mask[p] = 0
-            mask[p, t // 32] = _as_int32(1 << (t % 32))
+            mask[p, t // 32] = as_int32(1 << (t % 32))
     return mask
-
-
-def _as_int32(u: int) -> int:
-    """A uint32 bit pattern as the int32 with the same bits."""
-    return u - (1 << 32) if u >= 1 << 31 else u
-
-
-def _bit_cleared(bit: int) -> int:
-    return _as_int32(0xFFFFFFFF ^ (1 << bit))

@@ -4,7 +4,7 @@ Public contract:
     ok = alone(phase, reqs, work, end)   # work(req) for each unfinished req; its exception → end(req, failure)
     failure = own_failure(req, phase, error)  # the error that ends a request whose own work raised ``error``
     error = grammar_failure(req)         # the error of the request's grammar once it failed, else None
-    n = cached_prefix(match, req)        # match(req), the prefix cache's hit; its exception → 0 (no reuse)
+    hit = cached_prefix(match, req)      # match(req), the prefix cache's hit; its exception → [] (no reuse)
     value = shared(phase, work)          # work(); its exception → SharedWorkError naming the phase
 
 A request's own work (admission into a slot, its prompt chunks, the start of a block, the commit of a block) runs
@@ -85,9 +85,9 @@ def shared(phase: str, work: Callable[[], _T]) -> _T:
         ) from e
 
 
-def cached_prefix(match: Callable[[Request], int], req: Request) -> int:
-    """The prompt tokens the prefix cache holds for ``req`` (``match``: ``ModelRunner.match_prefix``), planned at
-    its admission. A lookup that raises costs that request its reuse only (0: its whole prompt is encoded, with the
+def cached_prefix(match: Callable[[Request], list[_T]], req: Request) -> list[_T]:
+    """The cached blocks that start ``req``'s prompt (``match``: ``ModelRunner.match_prefix``), looked up at its
+    admission. A lookup that raises costs that request its reuse only ([]: its whole prompt is encoded, with the
     same tokens as a hit gives), never the scheduling of the others."""
     try:
         return match(req)
@@ -96,5 +96,4 @@ def cached_prefix(match: Callable[[Request], int], req: Request) -> int:
             "request %s: prefix cache lookup failed (%s); encoding its whole prompt", req.request_id, type(e).__name__
         )
         log.debug("request %s: prefix cache lookup failed", req.request_id, exc_info=e)
-        req.prefix_hit = None
-        return 0
+        return []

@@ -4,6 +4,7 @@ runtime they were placed on (docs/architecture.md, "Configuration").
 Public contract:
     ckpt = load_checkpoint(path, device, dtype, native_ops)  # Checkpoint; ConfigError before the weights load
     info = runtime_info(model, plan, native_ops_mode)          # device, dtype, experts, native ops (on and off)
+    ids = eos_ids(eos_token_ids, config_eos)                   # the engine's EOS ids: the given ones, else config's
 
 The runtime plan (``dgserve.model.runtime``) and the tokenizer are imported when a checkpoint is loaded, not at
 import time.
@@ -12,6 +13,7 @@ import time.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,17 @@ def load_checkpoint(
     model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype)
     tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     return Checkpoint(model, tok, defaults, eos, plan)
+
+
+def eos_ids(eos_token_ids: Sequence[int] | None, config_eos: object) -> frozenset[int]:
+    """The ids that end an output: ``eos_token_ids`` (generation_config.json's), or when empty or None config.json's
+    ``eos_token_id`` (one id, a list of them, or None)."""
+    if eos_token_ids:
+        return frozenset(int(e) for e in eos_token_ids)
+    if config_eos is None:
+        return frozenset()
+    ids = config_eos if isinstance(config_eos, (list, tuple)) else (config_eos,)
+    return frozenset(int(e) for e in ids)
 
 
 def runtime_info(model: DiffusionGemma, plan: RuntimePlan | None, native_ops_mode: str) -> dict[str, Any]:

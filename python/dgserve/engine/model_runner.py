@@ -17,12 +17,13 @@ no allocation proportional to the context; capturing it in CUDA graphs is the GP
 
 Memory: ``CacheConfig`` gives the cache budget (bytes, or a fraction of the memory the process may still take:
 ``free_memory``, which on the CPU heeds the container's cgroup limit); it decides how
-many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does and
-``check_fits`` rejects a request that needs more. The vision tower's working memory for one tile of images is
-set aside first (``DiffusionGemma.image_workspace_bytes``; docs/images.md, "Memory"). What the slots leave of
-the budget holds the prefix cache (engine/prefix_cache.py, docs/prefix-caching.md): each full prompt chunk is
-copied out of the slot once encoded, and a request whose prompt starts with cached chunks gets them copied into
-its slot at admission (``match_prefix`` then ``admit``).
+many slots fit, and when not even one slot of ``max_model_len`` positions fits, the slot holds what does
+(``slot_len``) and admission rejects a request that needs more (``request_checks.check_context``). The vision
+tower's working memory for one tile of images is set aside first (``DiffusionGemma.image_workspace_bytes``;
+docs/images.md, "Memory"). What the slots leave of the budget holds the prefix cache (engine/prefix_cache.py,
+docs/prefix-caching.md): each full prompt chunk is copied out of the slot once encoded, and a request whose prompt
+starts with cached chunks gets them copied into its slot at admission (``match_prefix``, between the scheduler's
+admit and plan, then ``admit``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from dgserve.engine.block import BlockState
 from dgserve.engine.cache_config import CacheConfig
 from dgserve.engine.image_batch import chunk_images
 from dgserve.engine.memory_room import read_memory, room_reader
-from dgserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from dgserve.engine.prefix_cache import KV, PrefixCache, PrefixCacheStats
 from dgserve.engine.request import Request
 from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
-from dgserve.sampling_params import to_signed64
+from dgserve.ops.bits import to_signed64
 
 log = logging.getLogger("dgserve")
 # what the prefix cache leaves free in host memory for the process's own working memory (a pass's activations
@@ -160,18 +161,11 @@ class ModelRunner:
         )
         self.occupants: list[Request] = []  # occupants[s] holds slot s
 
-    def check_fits(self, positions: int) -> None:
-        """ValueError when a request needing ``positions`` cache positions can never fit a slot."""
-        if positions > self.slot_len:
-            raise ValueError(
-                f"prompt: the request needs {positions} KV cache positions, and the KV cache budget holds "
-                f"{self.slot_len} per request (--kv-cache-memory)"
-            )
-
     # ------------------------------------------------------------------ slots
 
-    def admit(self, req: Request) -> None:
-        """Give a request the next free slot and write its constant knob rows (seed, schedule, bounds) from it."""
+    def admit(self, req: Request, hit: list[KV] | None = None) -> None:
+        """Give a request the next free slot and write its constant knob rows (seed, schedule, bounds) from it;
+        ``hit``: the cached prompt chunks ``match_prefix`` found for it, copied into the slot."""
         s = len(self.occupants)
         if s >= self.num_slots:
             raise RuntimeError(f"model runner: no free slot for {req.request_id!r} ({self.num_slots} slots)")
@@ -183,9 +177,8 @@ class ModelRunner:
             p.confidence_threshold,
         )
         self.cache.lengths[s] = 0
-        if req.prefix_hit:  # the cached chunks ``match_prefix`` found, copied into the slot
-            self.cache.copy_in(s, req.prefix_hit, self.prefill_chunk)
-        req.prefix_hit = None
+        if hit:
+            self.cache.copy_in(s, hit, self.prefill_chunk)
         req.slot = s
         self.occupants.append(req)
 
@@ -210,14 +203,13 @@ class ModelRunner:
         assert req.slot is not None
         self.cache.load(kept, 0, req.slot)
 
-    def match_prefix(self, req: Request) -> int:
-        """At admission (``Scheduler.schedule``, before ``admit``): the prompt tokens the prefix cache holds for
-        ``req`` (whole chunks), kept on the request for ``admit`` to copy; 0 without prefix caching."""
+    def match_prefix(self, req: Request) -> list[KV]:
+        """At admission (``Engine.step``, between ``Scheduler.admit`` and ``Scheduler.plan``): the cached blocks
+        that start ``req``'s prompt (each one whole chunk: ``len(hit) * prefill_chunk`` prompt tokens), for
+        ``admit`` to copy into its slot; [] without prefix caching."""
         if self.prefix is None or not req.prefix_hashes:
-            return 0
-        hit = self.prefix.match(req.prefix_hashes, req.prompt_len)
-        req.prefix_hit = hit
-        return len(hit) * self.prefill_chunk
+            return []
+        return self.prefix.match(req.prefix_hashes, req.prompt_len)
 
     def release(self, req: Request) -> None:
         """Free a request's slot; the last occupied slot moves into it (cache with its lengths, knobs: once)."""

@@ -26,7 +26,7 @@ makes a request fail that would fit without it. In host memory it also yields to
 its own, so what it frees goes back to the system (``own_pages``).
 
 Not thread-safe: the engine thread calls it (``ModelRunner``), and the lookup at admission runs under the engine's
-lock inside ``Scheduler.schedule``.
+lock inside ``Engine.step`` (between ``Scheduler.admit`` and ``Scheduler.plan``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class ChatPrompt:
     """Chat messages ({"role", "content"} dicts, see ``Tokenizer.apply_chat_template``) as a prompt.
 
     ``tools`` (docs/tools.md): the request's tools, tool_choice and parallel_tool_calls. The prompt declares the
-    tools (unless tool_choice is "none"), and ``Engine.make_request`` turns them into the request's output
+    tools (unless tool_choice is "none"), and the admission (``Admission.mint``) turns them into the request's output
     constraint (a tool_calls ``ResponseFormat``), so every call the model writes is valid. With tools it may call
     or ``enable_thinking``, the output text keeps special tokens (the markers); ``output_parser`` reads it as
     reasoning, content and tool calls. ``continue_final_message``: the last (assistant) message is left open and
@@ -84,7 +84,7 @@ class Submission:
     ``params``: the knobs (None: the model's defaults). ``request_id``: the caller's id (None: the engine mints
     one). ``drafts``: the previews the caller wants. ``owner``: the caller's identity (ids are scoped by it, and
     only it may abort the request). ``fill_context``: the caller set no token limit and the request may use the
-    room left in the context (``Engine.make_request``). ``cache_salt``: reuse only prefix-cache blocks of requests
+    room left in the context (``Admission.mint``). ``cache_salt``: reuse only prefix-cache blocks of requests
     with the same owner and salt (docs/prefix-caching.md). ``initial_canvas``: the starting canvas (text, tokenized
     as content without BOS, or token ids, -1 for a blank), laid over the request's canvases from the first;
     ``pinned``: True (every draft position) or ``[start, end)`` ranges of draft positions that keep their draft

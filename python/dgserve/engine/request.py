@@ -11,6 +11,7 @@ imports this module and no torch).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +19,13 @@ from dgserve.media.images import ImageInput
 
 if TYPE_CHECKING:
     from dgserve.engine.block import BlockState, CanvasDraft
-    from dgserve.engine.prefix_cache import KV
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 RequestKey = tuple[str | None, str]  # (owner, request_id): request ids are a namespace per caller
+REMEMBER_FINISHED = 10_000  # finished ids kept for Abort's "already finished" answer
 
 
 class RequestFailedError(Exception):
@@ -36,6 +37,24 @@ class SharedWorkError(RuntimeError):
     """An exception in work shared by every running request (scheduling, slot bookkeeping, the batched denoising
     pass): it belongs to no single request, so the engine cannot go on (an engine fault). The message names the
     phase and the cause's type, never a request's content; the cause is chained."""
+
+
+class FinishedKeys:
+    """The keys of the requests that finished or were aborted most recently, at most ``limit`` (the oldest are
+    forgotten first): what Abort's "already finished" answer reads. The engine's, under its lock."""
+
+    def __init__(self, limit: int = REMEMBER_FINISHED):
+        self.limit = limit
+        self._keys: OrderedDict[RequestKey, None] = OrderedDict()
+
+    def add(self, key: RequestKey) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: RequestKey) -> bool:
+        return key in self._keys
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,7 @@ class Request:
     """
 
     request_id: str
-    prompt_ids: list[int]  # validated once, at admission (``Engine.make_request``)
+    prompt_ids: list[int]  # validated once, at admission (``Admission.mint``)
     params: SamplingParams  # params.seed is set: the one seed of the request
     tracker: OutputTracker  # the output rules: tokens and text so far, finish reason
     deadline: float | None = None  # time.monotonic(): a still-waiting request is dropped, a running one ended
@@ -73,8 +92,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING
     prefilled: int = 0  # prompt tokens planned for encoding so far (from cached_tokens on)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
-    prefix_hit: list[KV] | None = None  # the cached blocks' keys and values to copy into its slot at admission
+    # engine, at admission (``ModelRunner.match_prefix``): prompt tokens whose KV comes from the prefix cache
+    cached_tokens: int = 0
     admitted_at: float | None = None
     last_step: int = -1  # the scheduler's iteration that last gave it a denoising step (fair stepping)
     # model runner
@@ -113,7 +132,7 @@ class Request:
     @property
     def seed(self) -> int:
         seed = self.params.seed
-        assert seed is not None, "Engine.make_request sets the seed in use"
+        assert seed is not None, "Admission.mint sets the seed in use"
         return seed
 
     @property

@@ -3,10 +3,9 @@ its id (docs/architecture.md, "Failures"; docs/generation.md, "Limits"). Every r
 field, raised with bounded work before the request holds anything.
 
 Public contract:
-    limits = RequestLimits(canvas_length, vocab_size, max_model_len, slot_len, max_request_steps)
+    limits = RequestLimits(canvas_length, vocab_size, max_model_len, slot_len, max_request_steps, prefill_chunk)
     ids = prompt_ids(prompt, model, tokenizer, chunk, max_tokens)  # text, ids, chat or image prompt → checked ids
-    n = canvases(limits, max_new_tokens)                # the blocks a request generates: ⌈max_new_tokens / C⌉
-    positions = check_context(limits, prompt_tokens, max_new_tokens)  # ValueError past the window; else positions
+    positions = check_context(limits, prompt_tokens, max_new_tokens)  # ValueError past the window or the slot
     tokens = room_left(limits, prompt_tokens, params)   # the most tokens a request may generate (whole canvases)
     check_work(limits, params)                          # ValueError past max_request_steps
     check_stop_token_ids(params, vocab_size)            # ValueError naming stop_token_ids[i]
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dgserve.engine import block
+from dgserve.engine.block import canvases
 from dgserve.engine.image_batch import image_runs, placeholder_id
 from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt
 from dgserve.model import DiffusionGemma
@@ -38,14 +37,16 @@ MAX_REQUEST_ID_LENGTH = 256
 @dataclass(frozen=True)
 class RequestLimits:
     """The engine's bounds on one request: the model's canvas length C and vocabulary size, the context window
-    (max_model_len positions), the positions one KV cache slot holds (slot_len, at most the window), and the most
-    denoising steps a request may ask for (max_request_steps: steps x canvases; None: no limit)."""
+    (max_model_len positions), the positions one KV cache slot holds (slot_len, at most the window), the most
+    denoising steps a request may ask for (max_request_steps: steps x canvases; None: no limit), and the prompt
+    tokens per encoder chunk (prefill_chunk: an image's soft tokens must fit one)."""
 
     canvas_length: int
     vocab_size: int
     max_model_len: int
     slot_len: int
     max_request_steps: int | None
+    prefill_chunk: int
 
 
 def prompt_ids(
@@ -103,23 +104,24 @@ def _encode(
     )
 
 
-def canvases(limits: RequestLimits, max_new_tokens: int) -> int:
-    """How many canvases (blocks) a request of ``max_new_tokens`` may generate (``block.canvases``)."""
-    return block.canvases(max_new_tokens, limits.canvas_length)
-
-
 def check_context(limits: RequestLimits, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> int:
-    """ValueError (with both numbers) when the prompt plus the canvases generated do not fit the context window;
-    else the positions the request needs (the caller checks them against the KV cache slot)."""
+    """ValueError (with both numbers) when the prompt plus the canvases generated do not fit the context window,
+    or a KV cache slot (``slot_len``, when the cache budget holds fewer positions); else the positions needed."""
     C = limits.canvas_length
-    n_blocks = canvases(limits, max_new_tokens)
-    if prompt_tokens + n_blocks * C > limits.max_model_len:
+    n_blocks = canvases(max_new_tokens, C)
+    positions = prompt_tokens + n_blocks * C
+    if positions > limits.max_model_len:
         raise ValueError(
             f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "
             f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
             f"{limits.max_model_len} positions"
         )
-    return prompt_tokens + n_blocks * C
+    if positions > limits.slot_len:
+        raise ValueError(
+            f"prompt: the request needs {positions} KV cache positions, and the KV cache budget holds "
+            f"{limits.slot_len} per request (--kv-cache-memory)"
+        )
+    return positions
 
 
 def room_left(limits: RequestLimits, prompt_tokens: int, params: SamplingParams) -> int:
@@ -135,7 +137,7 @@ def room_left(limits: RequestLimits, prompt_tokens: int, params: SamplingParams)
 def check_work(limits: RequestLimits, params: SamplingParams) -> None:
     """ValueError naming the knobs when a request asks for more denoising steps than ``max_request_steps``."""
     limit, C = limits.max_request_steps, limits.canvas_length
-    n = canvases(limits, params.max_new_tokens)
+    n = canvases(params.max_new_tokens, C)
     work = params.max_denoising_steps * n
     if limit is not None and work > limit:
         raise ValueError(

@@ -18,7 +18,7 @@ import torch
 
 from dgserve import ops
 from dgserve.engine.request import Request
-from dgserve.sampling_params import to_signed64
+from dgserve.ops.bits import ban_ids, to_signed64
 
 
 @dataclass
@@ -107,7 +107,8 @@ def _bitmask(reqs: list[Request], canvas_length: int, vocab_size: int) -> torch.
     bit-for-bit the unmasked results (tests/ops/test_diffusion_step_bitmask.py). A row is constrained by its grammar,
     by its block's pins (a grammar of one token each: docs/edit-in-place.md), or by ``min_tokens`` while its block
     holds positions within the first min_tokens tokens: there its EOS and stop token ids are masked
-    (``min_tokens_ban``, on top of the pins; a request with min_tokens has no grammar)."""
+    (``ops.bits.ban_ids``, docs/generation.md, "Output rules": min_tokens; on top of the pins; a request with
+    min_tokens has no grammar)."""
     rows = [
         i
         for i, r in enumerate(reqs)
@@ -124,16 +125,8 @@ def _bitmask(reqs: list[Request], canvas_length: int, vocab_size: int) -> torch.
         if block is not None and block.pins is not None:
             mask[i] = block.pins
         if tracker.banned_positions():
-            min_tokens_ban(mask[i], tracker.banned_positions(), tracker.banned_ids)
+            ban_ids(mask[i], tracker.banned_positions(), tracker.banned_ids)
     return mask
-
-
-def min_tokens_ban(mask: torch.Tensor, positions: int, ids: frozenset[int]) -> None:
-    """Clear the bits of ``ids`` at the first ``positions`` positions of one row's mask [C, ceil(V/32)] int32, in
-    place: the sampler cannot draw them there (docs/generation.md, "Output rules": min_tokens)."""
-    for t in ids:
-        word = 0xFFFFFFFF ^ (1 << (t % 32))
-        mask[:positions, t // 32] &= word - (1 << 32) if word >= 1 << 31 else word
 
 
 def _verify(r: Request, accepted: torch.Tensor, processed: torch.Tensor) -> None:

@@ -1,7 +1,11 @@
 """Admission, queueing and batch formation for continuous batching (pure Python: no torch, no model).
 
 A request is *waiting* (queued) until a running slot is free, then *running* until it finishes or is aborted.
-Each ``schedule()`` call plans one engine iteration:
+One engine iteration is planned in two halves, ``admit()`` then ``plan(out)`` (``schedule()`` is both, for a caller
+without a prefix cache); between them the engine has the prefix cache's hit of each admitted request written on it
+(``Request.cached_tokens``): the scheduler never calls up into the runner.
+
+``admit()``:
 
 * end running requests whose time is up (``Request.ends_at``: their deadline, or their time limit counted from
   admission), which frees their slots for this iteration's admissions;
@@ -12,9 +16,12 @@ Each ``schedule()`` call plans one engine iteration:
   requests' block boundaries: such a request is *parked* (``ScheduleOutput.parked``: the runner keeps its KV cache
   aside) and waits at the head of its caller's queue; re-admitted, it is *resumed* (``ScheduleOutput.resumed``)
   where it stopped, with the same tokens it would have had. Drop waiting requests whose deadline has passed (they
-  never cost model work; a parked one ends "length" with what it committed); at admission, ``cached_prefix`` (when
-  given) says how many leading prompt tokens the prefix cache holds, and prefill starts after them (a multiple of
-  ``prefill_chunk``, so the chunk boundaries stay those of the prompt alone);
+  never cost model work; a parked one ends "length" with what it committed).
+
+``plan(out)``:
+
+* a request admitted now is prefilled from its ``cached_tokens`` on (the leading prompt tokens the prefix cache
+  holds: a multiple of ``prefill_chunk``, so the chunk boundaries stay those of the prompt alone);
 * chunked prefill: a running request's prompt is encoded in fixed chunks of ``prefill_chunk`` tokens (the chunk
   boundaries depend on the prompt alone, never on the batch, so a request's numbers do not depend on who else
   runs); at most ``max_prefill_tokens`` prompt tokens are planned per iteration (always at least one chunk), so
@@ -44,6 +51,7 @@ from dgserve.engine.fair_share import fair_shares, next_caller, over_share, slot
 from dgserve.engine.request import FINISHED, RUNNING, WAITING, Request, RequestKey
 
 DEFAULT_RETRY_AFTER_S = 1.0
+DEFAULT_MAX_NUM_SEQS = 32  # requests running at once: the engine's default and the server's (--max-num-seqs)
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 
 
@@ -76,7 +84,7 @@ class SchedulerConfig:
     callers").
     """
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_queue_len: int | None = None
     prefill_chunk: int = 512
     max_prefill_tokens: int = 512
@@ -135,19 +143,15 @@ class Scheduler:
         self,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        cached_prefix: Callable[[Request], int] | None = None,
     ):
-        """cached_prefix(req): the prompt tokens already encoded for a request being admitted (the prefix cache's
-        hit, a multiple of ``prefill_chunk``); prefill is planned from there."""
         self.config = config or SchedulerConfig()
         self.clock = clock
-        self.cached_prefix = cached_prefix
         self._waiting: OrderedDict[RequestKey, Request] = OrderedDict()
         self._running: OrderedDict[RequestKey, Request] = OrderedDict()
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
         self._turns: dict[object, int] = {}  # caller → the admission count when it was last served (round-robin)
         self._admissions = 0
-        self._iterations = 0  # schedule() calls: what Request.last_step counts in
+        self._iterations = 0  # plan() calls: what Request.last_step counts in
 
     # ------------------------------------------------------------------ state
 
@@ -212,11 +216,11 @@ class Scheduler:
 
     def finish(self, key: RequestKey) -> None:
         """A running request completed; its slot is free and its service time feeds the retry estimate."""
-        seq = self._running.pop(key, None)
-        if seq is not None:
-            seq.status = FINISHED
-        if seq is not None and seq.admitted_at is not None:
-            dt = self.clock() - seq.admitted_at
+        req = self._running.pop(key, None)
+        if req is not None:
+            req.status = FINISHED
+        if req is not None and req.admitted_at is not None:
+            dt = self.clock() - req.admitted_at
             self._service_ema = dt if self._service_ema is None else 0.8 * self._service_ema + 0.2 * dt
 
     def retry_after_s(self) -> float:
@@ -228,44 +232,58 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one iteration
 
-    def schedule(self) -> ScheduleOutput:
-        """Plan the next engine iteration (mutates: admits, expires, advances planned prefill)."""
+    def admit(self) -> ScheduleOutput:
+        """The first half of an iteration (mutates): end what is over (``expired``, ``timed_out``), park and admit
+        (``parked``, ``resumed``, ``admitted``). Between this and ``plan`` the engine sets each newly admitted
+        request's ``cached_tokens`` (the prefix cache's hit); the scheduler never asks for it."""
         out = ScheduleOutput()
         now = self.clock()
         self._expire(now, out)
         self._time_out(now, out)
         self._admit(now, out)
+        return out
+
+    def plan(self, out: ScheduleOutput) -> ScheduleOutput:
+        """The second half (mutates ``out`` and advances planned prefill): each request admitted now is prefilled
+        from its ``cached_tokens`` on (a multiple of ``prefill_chunk``, so the chunk boundaries stay those of the
+        prompt alone), the prompt chunks within the token budget, then the requests that take a denoising step."""
+        for req in out.admitted:
+            req.prefilled = req.cached_tokens
         self._plan_prefill(out)
-        out.decode = self._stepped([s for s in self._running.values() if s.prefill_done])
+        out.decode = self._stepped([req for req in self._running.values() if req.prefill_done])
         self._iterations += 1
         return out
+
+    def schedule(self) -> ScheduleOutput:
+        """``admit`` then ``plan``, for a caller without a prefix cache: the next engine iteration's plan."""
+        return self.plan(self.admit())
 
     def _stepped(self, ready: list[Request]) -> list[Request]:
         """The ready requests that take a denoising step this iteration, in admission order: all of them, or with
         ``fair_step_canvases`` and several callers, each caller's that waited longest, up to the limit."""
         limit = self.config.fair_step_canvases
-        if not limit or len({s.caller for s in ready}) < 2:
+        if not limit or len({req.caller for req in ready}) < 2:
             chosen = ready
         else:
             by_caller: dict = {}
-            for s in ready:
-                by_caller.setdefault(s.caller, []).append(s)
-            picked = {id(s) for reqs in by_caller.values() for s in sorted(reqs, key=lambda r: r.last_step)[:limit]}
-            chosen = [s for s in ready if id(s) in picked]
-        for s in chosen:
-            s.last_step = self._iterations
+            for req in ready:
+                by_caller.setdefault(req.caller, []).append(req)
+            picked = {id(req) for reqs in by_caller.values() for req in sorted(reqs, key=lambda r: r.last_step)[:limit]}
+            chosen = [req for req in ready if id(req) in picked]
+        for req in chosen:
+            req.last_step = self._iterations
         return chosen
 
     def _expire(self, now: float, out: ScheduleOutput) -> None:
         """Waiting requests whose deadline passed leave the queue: never admitted, "cancelled" (``expired``);
         parked ones (admitted before) like a running one whose time is up (``timed_out``)."""
-        for key in [key for key, s in self._waiting.items() if (end := _queue_end(s)) is not None and end <= now]:
+        for key in [key for key, req in self._waiting.items() if (end := _queue_end(req)) is not None and end <= now]:
             req = self._waiting.pop(key)
             req.status = FINISHED
             (out.timed_out if req.admitted_at is not None else out.expired).append(req)
 
     def _time_out(self, now: float, out: ScheduleOutput) -> None:
-        for key in [key for key, s in self._running.items() if (end := s.ends_at) is not None and end <= now]:
+        for key in [key for key, req in self._running.items() if (end := req.ends_at) is not None and end <= now]:
             req = self._running.pop(key)
             req.status = FINISHED
             out.timed_out.append(req)
@@ -285,30 +303,28 @@ class Scheduler:
         if len(shares) > 1:
             self._park(waiting, running, shares, out)
         while self._waiting and len(self._running) < self.config.max_num_seqs:
-            callers = list(dict.fromkeys(s.caller for s in self._waiting.values()))  # by their oldest waiting
+            callers = list(dict.fromkeys(req.caller for req in self._waiting.values()))  # by their oldest waiting
             caller = next_caller(callers, running, shares, self._turns)
-            key, seq = next((k, s) for k, s in self._waiting.items() if s.caller == caller)
+            key, req = next((k, r) for k, r in self._waiting.items() if r.caller == caller)
             del self._waiting[key]
             self._admissions += 1
             self._turns[caller], running[caller] = self._admissions, running.get(caller, 0) + 1
-            seq.status = RUNNING
-            self._running[key] = seq
-            if seq.admitted_at is not None:  # parked: back where it stopped
-                out.resumed.append(seq)
+            req.status = RUNNING
+            self._running[key] = req
+            if req.admitted_at is not None:  # parked: back where it stopped
+                out.resumed.append(req)
                 continue
-            seq.admitted_at = now
-            if self.cached_prefix is not None:
-                seq.prefilled = seq.cached_tokens = self.cached_prefix(seq)
-            out.admitted.append(seq)
+            req.admitted_at = now
+            out.admitted.append(req)
 
     def _counts(self) -> tuple[dict, dict]:
         """({caller: requests waiting}, {caller: requests running}), each in the order callers first appear."""
         waiting: dict = {}
         running: dict = {}
-        for s in self._waiting.values():
-            waiting[s.caller] = waiting.get(s.caller, 0) + 1
-        for s in self._running.values():
-            running[s.caller] = running.get(s.caller, 0) + 1
+        for req in self._waiting.values():
+            waiting[req.caller] = waiting.get(req.caller, 0) + 1
+        for req in self._running.values():
+            running[req.caller] = running.get(req.caller, 0) + 1
         return waiting, running
 
     def _park(self, waiting: dict, running: dict, shares: dict, out: ScheduleOutput) -> None:
@@ -319,39 +335,39 @@ class Scheduler:
         are bounded by the slots' own size)."""
         free = self.config.max_num_seqs - len(self._running)
         want = slots_wanted(waiting, running, shares) - free
-        parked = sum(1 for s in self._waiting.values() if s.admitted_at is not None)
+        parked = sum(1 for req in self._waiting.values() if req.admitted_at is not None)
         while want > 0 and parked < self.config.max_num_seqs:
-            seq = self._parkable(running, shares)
-            if seq is None:
+            req = self._parkable(running, shares)
+            if req is None:
                 return  # every over-share request is mid-canvas: try again at the next step
-            del self._running[seq.key]
-            seq.status = WAITING
-            self._waiting[seq.key] = seq
-            self._waiting.move_to_end(seq.key, last=False)  # ahead of its caller's other waiting requests
-            running[seq.caller] -= 1
-            out.parked.append(seq)
+            del self._running[req.key]
+            req.status = WAITING
+            self._waiting[req.key] = req
+            self._waiting.move_to_end(req.key, last=False)  # ahead of its caller's other waiting requests
+            running[req.caller] -= 1
+            out.parked.append(req)
             want, parked = want - 1, parked + 1
 
     def _parkable(self, running: dict, shares: dict) -> Request | None:
         for caller in over_share(running, shares):
-            for seq in reversed(self._running.values()):  # the newest first: the older keep their slots
-                if seq.caller == caller and seq.block is None:
-                    return seq
+            for req in reversed(self._running.values()):  # the newest first: the older keep their slots
+                if req.caller == caller and req.block is None:
+                    return req
         return None
 
     def _plan_prefill(self, out: ScheduleOutput) -> None:
         chunk, budget = self.config.prefill_chunk, float(self.config.max_prefill_tokens)
         extra = (self.config.image_token_cost or 1) - 1  # an image's soft tokens beyond their placeholders
-        for seq in self._running.values():
-            while not seq.prefill_done:
-                end = chunk_end(seq, chunk)
-                soft = sum(im.tokens for s, im in seq.images if seq.prefilled <= s < end)
-                cost = end - seq.prefilled + extra * soft
+        for req in self._running.values():
+            while not req.prefill_done:
+                end = chunk_end(req, chunk)
+                soft = sum(im.tokens for s, im in req.images if req.prefilled <= s < end)
+                cost = end - req.prefilled + extra * soft
                 if out.prefill and cost > budget:
                     return
-                out.prefill.append((seq, seq.prefilled, end))
+                out.prefill.append((req, req.prefilled, end))
                 budget -= cost
-                seq.prefilled = end
+                req.prefilled = end
 
 
 def _demand(waiting: dict, running: dict) -> dict:
@@ -362,19 +378,20 @@ def _demand(waiting: dict, running: dict) -> dict:
     return demand
 
 
-def _queue_end(seq: Request) -> float | None:
+def _queue_end(req: Request) -> float | None:
     """When a waiting request leaves the queue unserved: its deadline; a parked one also at its time limit."""
-    return seq.ends_at if seq.admitted_at is not None else seq.deadline
+    return req.ends_at if req.admitted_at is not None else req.deadline
 
 
-def chunk_end(seq: Request, chunk: int) -> int:
-    """Where the prompt chunk starting at ``seq.prefilled`` ends: the next multiple of ``chunk`` (the prefix
+def chunk_end(req: Request, chunk: int) -> int:
+    """Where the prompt chunk starting at ``req.prefilled`` ends: the next multiple of ``chunk`` (the prefix
     cache's blocks), or the prompt's end; never inside an image, whose placeholders attend to each other both ways
     and so are encoded in one pass (docs/images.md): the chunk stops before an image it would split, and a chunk
-    that starts with an image ends after it (an image never has more tokens than a chunk: ``Engine.make_request``)."""
-    start = seq.prefilled
-    end = min(seq.prompt_len, (start // chunk + 1) * chunk)
-    for s, image in seq.images:
+    that starts with an image ends after it (an image never has more tokens than a chunk: admission checks it,
+    ``request_checks.prompt_ids``)."""
+    start = req.prefilled
+    end = min(req.prompt_len, (start // chunk + 1) * chunk)
+    for s, image in req.images:
         e = s + image.tokens
         if s < end < e:
             end = s if s > start else e

@@ -1,15 +1,17 @@
-"""Safetensors checkpoints in Hugging Face DiffusionGemma layout (docs/generation.md, "Checkpoint tensors").
+"""Loading safetensors checkpoints in Hugging Face DiffusionGemma layout (docs/generation.md, "Checkpoint tensors").
 
 Canonical names drop the HF prefix: `embed_tokens.weight`, `norm.weight`, `self_conditioning.*`,
 `layers.{i}.*` (the decoder's copy of every shared weight plus its `layer_scalar`), `layers.{i}.encoder_layer_scalar`
-(the encoder's own, untied buffer) and `lm_head.weight` only when it is stored and differs from the embedding.
-Shared weights may be stored under `model.decoder.` or `model.encoder.language_model.` (decoder preferred);
-vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-expert `experts.{e}.{gate,up,down}_proj`
-with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`; docs/kernels.md, "NVFP4 checkpoints") are either
-dequantized exactly into the fused expert layout at load, or, with ``nvfp4_packed=True`` (the default on CUDA),
-stacked per layer and repacked on the device into the W4A16 kernel layout (`layers.{i}.experts.packed`, an
-``nvfp4.PackedExperts``) that ``ops.nvfp4_moe_experts`` runs on: no dequantized copy is ever made. Either way a
-layer's expert tensors are read with one open per shard, not one per matrix.
+(the encoder's own, untied buffer) and `lm_head.weight` only when it is stored and differs from the embedding
+(the names and shapes: `dgserve.model.checkpoint_layout`; writing: `dgserve.model.checkpoint_save`, both importable
+from here too). Shared weights may be stored under `model.decoder.` or `model.encoder.language_model.` (decoder
+preferred); vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-expert
+`experts.{e}.{gate,up,down}_proj` with `weight` uint8, `weight_scale` E4M3 and `weight_scale_2`; docs/kernels.md,
+"NVFP4 checkpoints") are either dequantized exactly into the fused expert layout at load, or, with
+``nvfp4_packed=True`` (the default on CUDA), stacked per layer and repacked on the device into the W4A16 kernel
+layout (`layers.{i}.experts.packed`, an ``nvfp4.PackedExperts``) that ``ops.nvfp4_moe_experts`` runs on: no
+dequantized copy is ever made. Either way a layer's expert tensors are read with one open per shard, not one per
+matrix.
 """
 
 from __future__ import annotations
@@ -24,96 +26,24 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from dgserve.config import FULL, TINY_VISION_CONFIG, ModelConfig
+from dgserve.config import FULL, ModelConfig
 from dgserve.model import nvfp4
+from dgserve.model.checkpoint_layout import DECODER as DECODER
+from dgserve.model.checkpoint_layout import ENCODER as ENCODER
+from dgserve.model.checkpoint_layout import INDEX_FILE as INDEX_FILE
+from dgserve.model.checkpoint_layout import LM_HEAD as LM_HEAD
+from dgserve.model.checkpoint_layout import SINGLE_FILE as SINGLE_FILE
+from dgserve.model.checkpoint_layout import CheckpointError as CheckpointError
+from dgserve.model.checkpoint_layout import _is_vision as _is_vision
+from dgserve.model.checkpoint_layout import expected_shapes as expected_shapes
+from dgserve.model.checkpoint_layout import hf_names as hf_names
+from dgserve.model.checkpoint_save import save_weights as save_weights
 
-DECODER = "model.decoder."
-ENCODER = "model.encoder.language_model."
-LM_HEAD = "lm_head.weight"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 QUANT_FILE = "hf_quant_config.json"
 SUPPORTED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 
-_ENCODER_SCALAR = ".encoder_layer_scalar"
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint dgserve cannot load; the message names the file or tensor."""
-
-
-# ------------------------------------------------------------------------------------------------------------ names
-
-
-def _layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape for layer i (docs/generation.md, "Checkpoint tensors")."""
-    H, D, E, I = config.hidden_size, config.intermediate_size, config.num_experts, config.moe_intermediate_size
-    nh, hd, nkv = config.num_attention_heads, config.head_dim(i), config.num_kv_heads(i)
-    shapes = {
-        "input_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (nh * hd, H),
-        "self_attn.k_proj.weight": (nkv * hd, H),
-        "self_attn.v_proj.weight": (nkv * hd, H),  # sliding layers only (deleted below for full ones)
-        "self_attn.o_proj.weight": (H, nh * hd),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
-        "post_attention_layernorm.weight": (H,),
-        "pre_feedforward_layernorm.weight": (H,),
-        "mlp.gate_proj.weight": (D, H),
-        "mlp.up_proj.weight": (D, H),
-        "mlp.down_proj.weight": (H, D),
-        "post_feedforward_layernorm_1.weight": (H,),
-        "router.proj.weight": (E, H),
-        "router.scale": (H,),
-        "router.per_expert_scale": (E,),
-        "pre_feedforward_layernorm_2.weight": (H,),
-        "experts.gate_up_proj": (E, 2 * I, H),  # rows [0, I) gate, [I, 2I) up
-        "experts.down_proj": (E, H, I),
-        "post_feedforward_layernorm_2.weight": (H,),
-        "post_feedforward_layernorm.weight": (H,),
-        "layer_scalar": (1,),
-        "encoder_layer_scalar": (1,),
-    }
-    if not config.is_sliding(i):
-        del shapes["self_attn.v_proj.weight"]
-    return {f"layers.{i}.{k}": v for k, v in shapes.items()}
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every tensor the model needs (`lm_head.weight`, optional, is not listed)."""
-    V, H, D = config.vocab_size, config.hidden_size, config.intermediate_size
-    shapes = {
-        "embed_tokens.weight": (V, H),
-        "norm.weight": (H,),
-        "self_conditioning.pre_norm.weight": (H,),
-        "self_conditioning.gate_proj.weight": (D, H),
-        "self_conditioning.up_proj.weight": (D, H),
-        "self_conditioning.down_proj.weight": (H, D),
-    }
-    for i in range(config.num_hidden_layers):
-        shapes.update(_layer_shapes(config, i))
-    return shapes
-
-
-def hf_names(canonical: str) -> tuple[str, ...]:
-    """HF names a canonical tensor may be stored under, preferred first."""
-    if canonical == LM_HEAD:
-        return (LM_HEAD,)
-    if canonical.endswith(_ENCODER_SCALAR):
-        return (ENCODER + canonical[: -len(_ENCODER_SCALAR)] + ".layer_scalar",)
-    if canonical.startswith("self_conditioning.") or canonical.endswith(".layer_scalar"):
-        return (DECODER + canonical,)  # decoder-only: never tied to the encoder
-    return (DECODER + canonical, ENCODER + canonical)
-
-
-def _is_vision(name: str) -> bool:
-    """Vision tower / projector tensors (ignored): outside the language model, with 'vision' in a component."""
-    if name == LM_HEAD or name.startswith((DECODER, ENCODER)):
-        return False
-    return any("vision" in part for part in name.split("."))
 
 
 # ------------------------------------------------------------------------------------------------- reading headers
@@ -420,88 +350,3 @@ def _dequantize_layer(
         gate_up[e, I:] = nvfp4.dequantize(uw[e], us[e], u2[e], H).to(device=device, dtype=dtype)
         down[e] = nvfp4.dequantize(dw[e], ds[e], d2[e], I).to(device=device, dtype=dtype)
     return {f"layers.{layer}.experts.gate_up_proj": gate_up, f"layers.{layer}.experts.down_proj": down}
-
-
-# -------------------------------------------------------------------------------------------------------- saving
-
-
-def _vision_placeholders(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of the tiny vision tower that `config.to_dict()` declares (zeros; dgserve never runs it)."""
-    v = TINY_VISION_CONFIG
-    h, hd, inner = v["hidden_size"], v["head_dim"], v["intermediate_size"]
-    q, kv = v["num_attention_heads"] * hd, v["num_key_value_heads"] * hd
-    tower = "model.encoder.vision_tower."
-    shapes = {
-        tower + "patch_embedder.position_embedding_table": (2, v["position_embedding_size"], h),
-        tower + "patch_embedder.input_proj.weight": (h, 3 * v["patch_size"] ** 2),
-        "model.encoder.embed_vision.embedding_projection.weight": (config.hidden_size, h),
-    }
-    for layer in range(v["num_hidden_layers"]):
-        p = f"{tower}encoder.layers.{layer}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.linear.weight": (q, h),
-                p + "self_attn.k_proj.linear.weight": (kv, h),
-                p + "self_attn.v_proj.linear.weight": (kv, h),
-                p + "self_attn.o_proj.linear.weight": (h, q),
-                p + "self_attn.q_norm.weight": (hd,),
-                p + "self_attn.k_norm.weight": (hd,),
-                p + "mlp.gate_proj.linear.weight": (inner, h),
-                p + "mlp.up_proj.linear.weight": (inner, h),
-                p + "mlp.down_proj.linear.weight": (h, inner),
-            }
-        )
-        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            shapes[f"{p}{norm}_layernorm.weight"] = (h,)
-    return shapes
-
-
-def _check_for_save(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    expected = expected_shapes(config)
-    for name, t in weights.items():
-        shape: tuple[int, ...]
-        if name == LM_HEAD:
-            shape = (config.vocab_size, config.hidden_size)
-        elif name in expected:
-            shape = expected[name]
-        else:
-            raise CheckpointError(f"unexpected tensor {name}: not a canonical DiffusionGemma name for this config")
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"{name}: shape mismatch, expected {list(shape)}, got {list(t.shape)}")
-    missing = [name for name in expected if name not in weights]
-    if missing:
-        raise CheckpointError(
-            f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
-        )
-
-
-def save_weights(
-    path: str | os.PathLike[str],
-    config: ModelConfig,
-    weights: dict[str, torch.Tensor],
-    dtype: torch.dtype = torch.float32,
-) -> None:
-    """Write `path/config.json` (`config.to_dict()` plus `dtype`) and `path/model.safetensors` in HF names:
-    the inverse of `load_weights`, loadable by transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained`
-    with no missing or unexpected keys (zero placeholders for the tiny vision tower are added).
-
-    Shared and decoder weights go under `model.decoder.`, `layers.{i}.encoder_layer_scalar` under
-    `model.encoder.language_model.layers.{i}.layer_scalar`; `lm_head.weight` only when given and different
-    from the embedding. Floating tensors are cast to `dtype`. Meant for small checkpoints: it builds the whole
-    state dict in memory. Raises CheckpointError on a missing, unexpected or misshapen tensor.
-    """
-    _check_for_save(config, weights)
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in weights.items():
-        if name == LM_HEAD and torch.equal(t.to(weights["embed_tokens.weight"]), weights["embed_tokens.weight"]):
-            continue
-        t = t.detach().to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
-        tensors[hf_names(name)[0]] = t.contiguous()
-    for name, shape in _vision_placeholders(config).items():
-        tensors[name] = torch.zeros(shape, dtype=dtype)
-    save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
-    cfg = config.to_dict()
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

@@ -19,7 +19,7 @@ from dgserve.model import nvfp4
 
 @dataclass
 class LayerWeights:
-    """Weights of layer i, canonical names of ``dgserve.model.checkpoint`` without the ``layers.{i}.`` prefix."""
+    """Weights of layer i, canonical names of ``dgserve.model.checkpoint_layout`` without the ``layers.{i}.`` prefix."""
 
     input_layernorm: torch.Tensor
     q_proj: torch.Tensor  # [nh·hd, H]

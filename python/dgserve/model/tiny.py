@@ -101,7 +101,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 def random_weights(
     config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Canonical-name weights (see ``dgserve.model.checkpoint.expected_shapes``) drawn from ``seed``.
+    """Canonical-name weights (see ``dgserve.model.checkpoint_layout.expected_shapes``) drawn from ``seed``.
 
     Each tensor has its own generator seeded by (seed, name), and is drawn directly on ``device``, so one
     tensor can be regenerated alone (``random_tensor``) and no CPU copy of a large model is ever made.

@@ -4,7 +4,7 @@ calls, all at once (``parse_chat_output``) or block by block (``ChatOutputParser
 The text goes through the reasoning splitter first (``dgserve.text.reasoning``, when the prompt enabled thinking)
 and its content through the tool-call parser (``dgserve.structured.tool_parser``, when the request may call
 tools), so reasoning comes first, then content and calls. The parsers need the markers in the text: a request
-that may call tools or thinks decodes its output with special tokens kept (``Engine.make_request`` does this for
+that may call tools or thinks decodes its output with special tokens kept (``Admission.mint`` does this for
 such a ``ChatPrompt``).
 """
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from dgserve.ops import reference
-from dgserve.sampling_params import to_signed64
+from dgserve.ops.bits import to_signed64
 from dgserve.structured.closing import START, Closer, allowed_tokens, scan
 
 if TYPE_CHECKING:

@@ -1,10 +1,12 @@
 """Tokenizer and chat template for DiffusionGemma checkpoints (docs/architecture.md, "Chat template").
 
 `Tokenizer` wraps a Hugging Face `tokenizers` tokenizer read from a checkpoint's `tokenizer.json`, plus the special
-tokens and chat template of `tokenizer_config.json` / `chat_template.jinja`. A checkpoint's own chat template is
-authoritative and is rendered in a sandboxed jinja2 environment, as transformers does; checkpoints without one get
-the built-in Gemma 4 turn format. `IncrementalDecoder` turns committed blocks of token ids into text deltas for
-streaming and stop strings.
+tokens and chat template of `tokenizer_config.json` / `chat_template.jinja` (read by `dgserve.text.tokenizer_files`).
+A checkpoint's own chat template is authoritative and is rendered in a sandboxed jinja2 environment, as
+transformers does (`dgserve.text.chat_template`); checkpoints without one get the built-in Gemma 4 turn format
+(`render_gemma4`, from `dgserve.text.gemma4_chat`). `IncrementalDecoder` (`dgserve.text.incremental_decoder`)
+turns committed blocks of token ids into text deltas for streaming and stop strings. Both are importable from
+here too.
 
 v1 is text-only: a non-text content part (an image, audio, ...) raises NotImplementedError.
 
@@ -15,32 +17,31 @@ a long text that passes is first counted in bounded chunks, stopping as soon as 
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import logging
 import os
 import pathlib
 import re
 from collections.abc import Iterable, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
 
-from dgserve.text import gemma4, inert
-from dgserve.text.messages import IMAGE_MARK, check_unicode, message_text, validate_messages
+from dgserve.text import inert
+from dgserve.text.chat_template import _compile_template, _cut_after, _final_text, _plain_tools, request_template
+from dgserve.text.gemma4_chat import render_gemma4 as render_gemma4
+from dgserve.text.incremental_decoder import IncrementalDecoder as IncrementalDecoder
+from dgserve.text.messages import IMAGE_MARK, check_unicode, validate_messages
 from dgserve.text.token_bounds import COUNT_CHUNK_CHARS, PromptTooLongError, chunks, max_token_bytes
-
-log = logging.getLogger("dgserve")
-
-DEFAULT_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
+from dgserve.text.tokenizer_files import (
+    CONFIG_FILE,
+    DEFAULT_SPECIAL_TOKENS,
+    TOKENIZER_FILE,
+    _read_config,
+    _special_from_config,
+    _template_from_files,
+    _warn_if_files_disagree,
+    adds_token,
+)
 
 
 class Tokenizer:
@@ -120,7 +121,7 @@ class Tokenizer:
                 raise ValueError(f"{root / CONFIG_FILE}: {key} must be a boolean, got {config[key]!r}")
         template, source = _template_from_files(root, config)
         out = cls(tok, **specials, chat_template=template, template_source=source)
-        _warn_if_files_disagree(out, config, root)
+        _warn_if_files_disagree(out.add_bos_token, out.add_eos_token, config, root)
         return out
 
     def _special_id(self, name: str, text: str | None) -> int | None:
@@ -353,356 +354,3 @@ class Tokenizer:
     def _specials(self) -> inert.SpecialTokens:
         """The special tokens and the copy of the tokenizer that reads their texts as text (built on first use)."""
         return inert.SpecialTokens(self._tok)
-
-
-MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
-
-
-@functools.lru_cache(maxsize=16)
-def request_template(source: str) -> jinja2.Template:
-    """A chat template sent with a request, compiled in the sandbox (the last few kept compiled); ValueError
-    naming ``chat_template`` when it is too long or does not compile."""
-    if not isinstance(source, str) or not source:
-        raise ValueError("chat_template must be a non-empty string")
-    if len(source) > MAX_REQUEST_TEMPLATE_CHARS:
-        raise ValueError(f"chat_template: {len(source)} characters; at most {MAX_REQUEST_TEMPLATE_CHARS}")
-    return _compile_template(source, "chat_template")
-
-
-def _final_text(messages: list[dict], add_generation_prompt: bool) -> str:
-    """The text of the last message, which continue_final_message leaves open: an assistant's, with text."""
-    if add_generation_prompt:
-        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
-    if messages[-1]["role"] not in ("assistant", "model"):
-        raise ValueError("continue_final_message: the last message must be an assistant message")
-    content = messages[-1].get("content")
-    if isinstance(content, list):  # the last text part (transformers' rule)
-        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("continue_final_message: the last message has no text to continue")
-    return content
-
-
-def _cut_after(rendered: str, final: str) -> str:
-    """The rendered chat cut right after the final message's text (its last occurrence), as transformers does:
-    with the text's trailing spaces when the template kept them."""
-    at = rendered.rfind(final.strip())
-    if at < 0:
-        raise ValueError("continue_final_message: the chat template does not write the last message's text")
-    if rendered[at : at + len(final.lstrip())] == final.lstrip():
-        return rendered[: at + len(final.lstrip())]
-    return rendered[: at + len(final.strip())]
-
-
-def _plain_tools(tools: Sequence[dict] | None) -> list[dict]:
-    """A plain-JSON copy of `tools`, each checked for the shape templates read (`tools[i].function.name` a str);
-    the full checks of a request's tools are `dgserve.structured.tools`'."""
-    if not tools:
-        return []
-    if not isinstance(tools, (list, tuple)):
-        raise ValueError("tools must be a list of function tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": str, ...}}}}')
-    try:
-        return json.loads(json.dumps(list(tools)))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"tools must hold only JSON data ({e})") from e
-
-
-# ---------------------------------------------------------------------- files
-
-
-def adds_token(tok: tokenizers.Tokenizer, token_id: int | None, first: bool) -> bool:
-    """Whether `tok`'s post-processor puts `token_id` first (`first`) or last in an encoded single sequence."""
-    if token_id is None or tok.post_processor is None:
-        return False
-    ids = tok.encode("a", add_special_tokens=True).ids
-    return bool(ids) and ids[0 if first else -1] == token_id and ids != tok.encode("a", add_special_tokens=False).ids
-
-
-def _warn_if_files_disagree(tok: Tokenizer, config: dict, root: pathlib.Path) -> None:
-    """One warning when tokenizer_config.json's add_bos_token / add_eos_token disagree with what tokenizer.json's
-    post-processor does (transformers 5.23 ignores the config's flags; so does dgserve)."""
-    issues = []
-    for key, does in (("add_bos_token", tok.add_bos_token), ("add_eos_token", tok.add_eos_token)):
-        if key in config and config[key] != does:
-            issues.append(
-                f"{key} is {str(config[key]).lower()} but the post-processor "
-                f"{'adds' if does else 'does not add'} {'BOS' if 'bos' in key else 'EOS'}"
-            )
-    if issues:
-        log.warning(
-            "%s disagrees with %s: %s; following %s, as transformers does",
-            root / CONFIG_FILE,
-            root / TOKENIZER_FILE,
-            "; ".join(issues),
-            TOKENIZER_FILE,
-        )
-
-
-def _read_config(file: pathlib.Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return config
-
-
-def _special_from_config(config: dict, name: str, file: pathlib.Path, tok: tokenizers.Tokenizer) -> str | None:
-    """The text of special token `name`: the config's value (a str or a {"content": str} dict), else the Gemma
-    default when the vocabulary has it, else None."""
-    value = config.get(name)
-    if value is None:
-        default = DEFAULT_SPECIAL_TOKENS[name]
-        return default if tok.token_to_id(default) is not None else None
-    if isinstance(value, dict):
-        value = value.get("content")
-    if not isinstance(value, str):
-        raise ValueError(f'{file}: {name} must be a string or a {{"content": string}} object')
-    if tok.token_to_id(value) is None:
-        raise ValueError(f"{file}: {name} {value!r} is not in the tokenizer's vocabulary")
-    return value
-
-
-def _template_from_files(root: pathlib.Path, config: dict) -> tuple[str | None, str]:
-    """(template, source): `chat_template.jinja` wins over the config's `chat_template`, which may be a str or
-    transformers' list of `{"name", "template"}` (the one named "default" is used)."""
-    jinja_file = root / TEMPLATE_FILE
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{jinja_file}: not UTF-8 text ({e})") from e
-    source = f"{root / CONFIG_FILE}: chat_template"
-    value = config.get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if "default" not in named:
-            raise ValueError(f"{source}: a list of templates needs one named 'default'")
-        value = named["default"]
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{source}: must be a string")
-    return value, source
-
-
-# ---------------------------------------------------------------------- the built-in format
-
-
-def render_gemma4(
-    messages: list[dict],
-    bos_token: str,
-    add_generation_prompt: bool,
-    enable_thinking: bool,
-    tools: list[dict] | None = None,
-) -> str:
-    """The built-in Gemma 4 turn format (docs/architecture.md, "Chat template"), for validated messages.
-
-    `{bos}` then one `<|turn>{role}\\n{text}<turn|>\\n` per message, role "assistant" written "model"; text is
-    used verbatim (not stripped). The generation prompt is `<|turn>model\\n`, followed by an empty thought channel
-    `<|channel>thought\\n<channel|>` unless thinking is enabled. With `enable_thinking`, `<|think|>` opens the
-    system turn, right after `<|turn>system\\n`; when there is no system message, a system turn holding only
-    `<|think|>` is created (as the Gemma 4 templates do), so the model always sees the switch.
-
-    Tools (docs/tools.md): each of `tools` (OpenAI-shaped) is declared at the end of the system turn (created when
-    there is no system message) as `<|tool>declaration:NAME{...}<tool|>`. An assistant message with tool_calls
-    writes its reasoning_content (only in the turn after the last user message) as a thought channel, then each
-    call `<|tool_call>call:NAME{...}<tool_call|>`, then each result of the tool messages that follow it
-    `<|tool_response>response:NAME{"value":...}<tool_response|>`, then its text. After results and no text the
-    model's turn stays open: the next assistant message continues it (no new header), and the generation prompt is
-    empty (the model goes on right after the results). Calls without results end with `<|tool_response>`, where the
-    model stops after calling. Bodies are compact JSON (`dgserve.text.gemma4`).
-    """
-    tools = tools or []
-    parts = [bos_token]
-    has_system = messages[0]["role"] == "system"
-    if enable_thinking or tools or has_system:
-        think = "<|think|>" if enable_thinking else ""
-        system = message_text(messages[0]["content"]) if has_system else ""
-        declared = "".join(gemma4.declaration(t) for t in tools)
-        parts.append(f"<|turn>system\n{think}{system}{declared}<turn|>\n")
-    rest = messages[1:] if has_system else messages
-    last_user = max((i for i, m in enumerate(rest) if m["role"] == "user"), default=-1)
-    open_turn = False  # the model's turn goes on (after tool results, or calls waiting for results)
-    for i, msg in enumerate(rest):
-        if msg["role"] == "tool":
-            continue  # written next to the call it answers
-        if msg["role"] not in ("assistant", "model"):
-            parts.append(f"<|turn>{msg['role']}\n{message_text(msg['content'])}<turn|>\n")
-            open_turn = False
-            continue
-        if not open_turn:
-            parts.append("<|turn>model\n")
-        open_turn = _model_message(msg, rest[i + 1 :], i > last_user, parts)
-    if add_generation_prompt and not open_turn:
-        parts.append("<|turn>model\n")
-        if not enable_thinking:
-            parts.append("<|channel>thought\n<channel|>")
-    return "".join(parts)
-
-
-def _model_message(msg: dict, after: list[dict], current: bool, parts: list[str]) -> bool:
-    """Append an assistant message's body (see `render_gemma4`) to `parts`; True when the model's turn stays open.
-    `after`: the messages after it (its results are the tool messages right after it); `current`: it comes after
-    the last user message (its reasoning is written back)."""
-    calls = msg.get("tool_calls") or []
-    reasoning = msg.get("reasoning_content")
-    if calls and reasoning and current:
-        parts.append(gemma4.thought(reasoning))
-    parts.extend(gemma4.tool_call(c) for c in calls)
-    names = {c["id"]: c["function"]["name"] for c in calls}
-    results = 0
-    for r in after if calls else []:
-        if r["role"] != "tool":
-            break
-        parts.append(gemma4.tool_response(names[r["tool_call_id"]], message_text(r["content"])))
-        results += 1
-    text = message_text(msg.get("content"))
-    parts.append(text)
-    if calls and not results:
-        parts.append(gemma4.TOOL_RESPONSE_BEGIN)
-        return True
-    if results and not text:
-        return True
-    parts.append("<turn|>\n")
-    return False
-
-
-# ---------------------------------------------------------------------- sandboxed jinja
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body unchanged."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares `tags` so (a ClassVar would clash)
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-        return caller()
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja's `namespace()` refusing underscore-prefixed names (transformers' hardening)."""
-
-    def __init__(*args, **kwargs):  # jinja's signature trick, so `namespace(self=...)` works
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} may not start with '_'")
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-    return datetime.datetime.now().strftime(fmt)
-
-
-def _compile_template(source: str, origin: str) -> jinja2.Template:
-    """Compile a chat template in an immutable sandbox with transformers' globals; ValueError naming `origin`
-    on a syntax error."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"{origin}: invalid chat template ({e})") from e
-
-
-# ---------------------------------------------------------------------- streaming
-
-
-class IncrementalDecoder:
-    """Text deltas of a token stream, fed block by block.
-
-    `push(ids)` returns the text that became final; the concatenation of all deltas is `text`. A delta never ends
-    inside a multi-byte UTF-8 character: text whose last character is U+FFFD (an incomplete sequence so far) is
-    held back until later tokens complete it, looking back at most `MAX_HOLD` tokens. `flush()` releases what is
-    held, U+FFFD included when the bytes never complete, so that after it `text == tokenizer.decode(all_ids,
-    skip_special_tokens)`. Each push decodes only a window from the previous block on (vLLM's prefix/read offsets),
-    which also keeps decoders that treat the first token specially consistent. `text_with(ids)` is the full text
-    the stream would have with `ids` appended, from the same window, without pushing them.
-
-    `tokenizer` needs only `decode(ids, skip_special_tokens=...)`.
-    """
-
-    MAX_HOLD = 8  # tokens; a UTF-8 character has at most 4 bytes, each token at least one
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # ids[_prefix:_read] is the context already emitted, re-decoded for continuity
-        self._read = 0  # ids[:_read] are emitted
-        self._seen = ""  # decode(ids[_prefix:_read])
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return self._text
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All ids pushed so far."""
-        return list(self._ids)
-
-    def push(self, ids: Iterable[int]) -> str:
-        """Append `ids`; return the newly final text ("" when nothing is final yet)."""
-        self._ids.extend(int(i) for i in ids)
-        for end in range(len(self._ids), max(self._read, len(self._ids) - self.MAX_HOLD), -1):
-            new = self._decode(self._prefix, end)
-            if len(new) > len(self._seen) and not new.endswith("\ufffd"):
-                return self._emit(new, end)
-        return ""
-
-    def flush(self) -> str:
-        """Emit everything still held (end of stream) and return it."""
-        if self._read == len(self._ids):
-            return ""
-        return self._emit(self._decode(self._prefix, len(self._ids)), len(self._ids))
-
-    def text_with(self, ids: Sequence[int]) -> str:
-        """decode(pushed ids + `ids`), held-back bytes included (U+FFFD where still incomplete); pushes nothing.
-        Costs one decode of the window from the previous emit on, not of the whole stream."""
-        window = self._ids[self._prefix :] + [int(i) for i in ids]
-        decoded = self._tokenizer.decode(window, skip_special_tokens=self._skip)
-        return self._text + decoded[len(self._seen) :]
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
-
-    def _emit(self, window_text: str, end: int) -> str:
-        """Emit decode(ids[_prefix:end]) beyond what was seen; the emitted span becomes the next context."""
-        delta = window_text[len(self._seen) :]
-        self._prefix, self._read = self._read, end
-        self._seen = self._decode(self._prefix, self._read)
-        self._text += delta
-        return delta

@@ -23,8 +23,10 @@ import grpc
 
 from dgserve.engine.request_checks import check_request_id
 
-from . import callers, errors
-from .logs import request_id_var
+from .. import callers
+from ..errors import UnauthenticatedError
+from ..logs import request_id_var
+from . import errors
 
 log = logging.getLogger("dgserve.access")
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -63,7 +65,7 @@ class BearerAuth:
         for d in self._digests:
             ok |= hmac.compare_digest(digest or b"", d)
         if not ok or digest is None:  # no token: never ok (no digest equals b"")
-            raise errors.UnauthenticatedError(_DENIED)
+            raise UnauthenticatedError(_DENIED)
         return digest.hex()
 
 

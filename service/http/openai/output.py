@@ -1,4 +1,5 @@
-"""dgserve events (``service.events``) → OpenAI JSON: the non-streaming body and the SSE chunks.
+"""The chat and completions API's output: dgserve events (``service.events``) → OpenAI's ``chat.completion`` and
+``text_completion`` bodies and their SSE chunks (``stream`` sends them).
 
 ``completion`` / ``chat.completion`` bodies and their ``*.chunk`` twins carry ``usage`` and a ``dgserve``
 extension object (seed, request id, per-block denoising stats, timing); drafts travel in chunks with no choices.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 
-from .. import events
+from ... import events
 
 # the finish reasons (events.FINISH_REASONS) as OpenAI's ("abort": the request was cancelled by the server, e.g. a
 # drain timeout; vLLM's); a reason not in the table is passed through as it is
@@ -165,14 +166,8 @@ def extensions(outs: list[Output]) -> dict:
 
 
 def message(t: events.Transcript) -> dict:
-    """A chat's assistant message: content (null when empty and there are tool calls), reasoning_content (when
-    the output had a thought channel), tool_calls (when it made calls)."""
-    body: dict = {"role": "assistant", "content": t.content if t.content or not t.calls else None}
-    if t.reasoning:
-        body["reasoning_content"] = t.reasoning
-    if t.calls:
-        body["tool_calls"] = [c.to_openai() for c in t.calls]
-    return body
+    """A chat's assistant message (the event layer's one rule: ``Transcript.assistant_message``)."""
+    return t.assistant_message()
 
 
 def chat_delta(e: events.BlockEvent | events.FinishEvent | None) -> dict:

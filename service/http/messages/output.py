@@ -1,6 +1,6 @@
-"""The Messages API door (docs/messages-api.md): ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+"""The Messages API's output (docs/messages-api.md): a request's events → a message object or its stream.
 
-A request becomes the engine's one submission (``messages_input``), and its events (``service.events``: content,
+A request becomes the engine's one submission (``input``), and its events (``service.events``: content,
 reasoning and tool-call pieces, the calls and the final reason) become Anthropic's message object or, with
 ``stream: true``, its event stream: ``message_start``, ``ping``, per content block ``content_block_start``, its
 ``content_block_delta``s (``text_delta``, ``thinking_delta``, ``input_json_delta``) and ``content_block_stop``,
@@ -19,21 +19,13 @@ import json
 import secrets
 from collections.abc import AsyncGenerator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-
 from dgserve.outputs import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
-from .. import events
-from ..images import MM_KWARGS, read_images, request_reader, with_images
-from . import sse
-from .body import off_loop, read_json
-from .errors import anthropic_error_body
-from .event_encoder import CALL, REASONING, TEXT, ItemEncoder, timing
-from .gate import Gate
-from .generate import read_all
-from .messages_input import count_request, messages_request
+from ... import events
+from .. import sse
+from ..errors import anthropic_error_body
+from ..event_encoder import CALL, REASONING, TEXT, ItemEncoder, timing
 
 # the finish reasons (events.FINISH_REASONS) as Anthropic's stop reasons; a server-side cancel (a drain past its
 # grace) ends the message as the token limit would: the output is cut, not complete
@@ -45,38 +37,6 @@ STOP_REASONS = {
     events.FINISH_TOOL_CALLS: "tool_use",
 }
 PING_INTERVAL_S = 10.0  # a ping while no event comes, so proxies and clients see a live stream
-
-
-async def create(gate: Gate, request: Request) -> Response:
-    owner = gate.authorize(request)
-    body = await read_json(request, gate.max_body_bytes)
-    engine = gate.state.ready_engine()
-    call = await off_loop(request, messages_request, body, engine.default_params(), gate.state.info.max_model_len)
-    gate.state.check_model(call.model)
-    call = await with_images(call, request_reader(gate.state.images, body.get(MM_KWARGS)))
-    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
-    out = MessageOutput(call.model or gate.state.names[0], feed.request_id, feed.seed, feed.stream.request.prompt_len)
-    headers = {"X-Dgserve-Seed": str(feed.seed)}
-    gate.calls.enter()
-    if call.stream:
-        return sse.EventStream(_stream(feed, out), feed.cancel, gate.calls.leave, headers)
-    try:
-        if not await read_all(request, feed, out.add):
-            return Response(status_code=499)  # the client went away: nobody reads this
-        return JSONResponse(out.body(), headers=headers)
-    finally:
-        gate.calls.leave()
-
-
-async def count_tokens(gate: Gate, request: Request) -> Response:
-    """``{"input_tokens": n}``: the prompt ``create`` would submit for the same body, tokenized as it would be."""
-    gate.authorize(request)
-    body = await read_json(request, gate.max_body_bytes)
-    engine = gate.state.ready_engine()
-    prompt, model = await off_loop(request, count_request, body, gate.state.info.max_model_len)
-    gate.state.check_model(model)
-    prompt = await read_images(prompt, request_reader(gate.state.images, body.get(MM_KWARGS)))
-    return JSONResponse({"input_tokens": len(await engine.tokenize(prompt))})
 
 
 # ---------------------------------------------------------------------------------------------- the message
@@ -186,7 +146,7 @@ def _delta(index: int, delta: dict) -> tuple[str, dict]:
 # ---------------------------------------------------------------------------------------------- streaming
 
 
-async def _stream(feed: events.Events, out: MessageOutput) -> AsyncGenerator[bytes, None]:
+async def stream(feed: events.Events, out: MessageOutput) -> AsyncGenerator[bytes, None]:
     """The event stream of one message (module doc)."""
     start = out.body()
     yield sse.sse({"type": "message_start", "message": start}, event="message_start")

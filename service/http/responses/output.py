@@ -1,7 +1,6 @@
-"""The Responses API door (docs/responses-api.md): ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``.
+"""The Responses API's output (docs/responses-api.md): a request's events → a response object or its stream.
 
-A request becomes the engine's one submission (``responses_input``), and its events (``service.events``: content,
+A request becomes the engine's one submission (``input``), and its events (``service.events``: content,
 reasoning and tool-call pieces, the calls and the final reason) become a response object or, with ``stream:
 true``, OpenAI's event sequence: ``response.created``, ``response.in_progress``, then per output item
 ``response.output_item.added``, its part / text / arguments events and ``response.output_item.done``, and last
@@ -15,79 +14,20 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from collections.abc import AsyncGenerator
 
 from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH
 from dgserve.structured.tool_parser import ToolCall, ToolCallDelta
 
-from .. import events
-from ..images import MM_KWARGS, request_reader, with_images
-from . import sse
-from .body import off_loop, read_json
-from .errors import HttpError, error_body
-from .event_encoder import CALL, TEXT, ItemEncoder, timing
-from .gate import Gate
-from .generate import read_all
-from .response_store import Stored
-from .responses_input import ResponsesCall, responses_request
+from ... import events
+from .. import sse
+from ..errors import error_body
+from ..event_encoder import CALL, TEXT, ItemEncoder, timing
+from ..gate import Gate
+from .input import ResponsesCall
 
 # the finish reasons that leave a response incomplete, and the reason it gives
 INCOMPLETE = {FINISH_LENGTH: "max_output_tokens", FINISH_CANCELLED: "cancelled"}
-
-
-async def create(gate: Gate, request: Request) -> Response:
-    owner = gate.authorize(request)
-    body = await read_json(request, gate.max_body_bytes)
-    engine = gate.state.ready_engine()
-    # the store is the event loop's: the previous response is looked up here, and the body converted off the loop
-    prior = _previous(gate, owner, body)
-    rc = await off_loop(request, responses_request, body, engine.default_params(), gate.state.info.max_model_len, prior)
-    gate.state.check_model(rc.call.model)
-    call = await with_images(rc.call, request_reader(gate.state.images, body.get(MM_KWARGS)))
-    feed = await events.open_events(engine, call.submission(request.state.request_id, owner))
-    out = ResponseOutput(rc, rc.call.model or gate.state.names[0], feed.request_id, feed.seed)
-    headers = {"X-Dgserve-Seed": str(feed.seed)}
-    gate.calls.enter()
-    if rc.call.stream:
-        return sse.EventStream(_stream(feed, out, gate, owner), feed.cancel, gate.calls.leave, headers)
-    try:
-        if not await read_all(request, feed, out.add):
-            return Response(status_code=499)  # the client went away: nobody reads this
-        return JSONResponse(out.finish(gate, owner), headers=headers)
-    finally:
-        gate.calls.leave()
-
-
-async def get(gate: Gate, request: Request) -> Response:
-    owner = gate.authorize(request)
-    stored = gate.responses.get(owner, request.path_params["response_id"])
-    if stored is None:
-        raise _not_found(request.path_params["response_id"])
-    return JSONResponse(stored.response)
-
-
-async def delete(gate: Gate, request: Request) -> Response:
-    owner = gate.authorize(request)
-    rid = request.path_params["response_id"]
-    if not gate.responses.delete(owner, rid):
-        raise _not_found(rid)
-    return JSONResponse({"id": rid, "object": "response", "deleted": True})
-
-
-def _previous(gate: Gate, owner: str | None, body) -> Callable[[str], Stored | None]:
-    """``responses_request``'s lookup of the previous response: the caller's stored response of the body's
-    ``previous_response_id``, read from the store now (on the event loop, the store's one thread)."""
-    rid = body.get("previous_response_id") if isinstance(body, dict) else None
-    found = gate.responses.get(owner, rid) if isinstance(rid, str) and rid else None
-    return lambda asked: found if asked == rid else None
-
-
-def _not_found(rid: str) -> HttpError:
-    # unknown, dropped and another caller's are the same answer: ids cannot be probed
-    return HttpError("NOT_FOUND", f"response_id: {rid[:80]!r} is not a stored response of this caller")
 
 
 # ---------------------------------------------------------------------------------------------- the response
@@ -192,14 +132,8 @@ class ResponseOutput(ItemEncoder[dict]):
         return body
 
     def assistant_message(self) -> dict:
-        """The output as the chat message a later turn continues from."""
-        t = self.transcript
-        message: dict = {"role": "assistant", "content": t.content if t.content or not t.calls else None}
-        if t.reasoning:
-            message["reasoning_content"] = t.reasoning
-        if t.calls:
-            message["tool_calls"] = [c.to_openai() for c in t.calls]
-        return message
+        """The output as the chat message a later turn continues from (the event layer's one rule)."""
+        return self.transcript.assistant_message()
 
 
 def usage(u: events.Usage) -> dict:
@@ -227,7 +161,7 @@ def _copy(item: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- streaming
 
 
-async def _stream(
+async def stream(
     feed: events.Events, out: ResponseOutput, gate: Gate, owner: str | None
 ) -> AsyncGenerator[bytes, None]:
     """The event sequence of one response (module doc). A request that fails after the headers ends with an

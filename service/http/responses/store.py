@@ -20,7 +20,7 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..images import stored_size
+from ...images import stored_size
 
 
 @dataclass(frozen=True)

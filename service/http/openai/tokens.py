@@ -19,12 +19,12 @@ from fastapi import Request
 
 from dgserve.engine.prompt import ChatPrompt
 
-from .. import events
-from ..errors import clip
-from ..images import MM_KWARGS, read_images, request_reader
-from . import protocol
-from .body import off_loop, read_json
-from .gate import Gate
+from ... import events
+from ...errors import clip
+from ...images import MM_KWARGS, read_images, request_reader
+from ..body import off_loop, read_json
+from ..gate import Gate
+from .input import chat_messages, chat_template_kwargs
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_FIELDS |= {"chat_template_kwargs", MM_KWARGS}
@@ -78,8 +78,8 @@ async def _open(gate: Gate, request: Request, fields: set[str], field: str):
 
 def _chat(body: dict, max_len: int) -> ChatPrompt:
     """The chat as /v1/chat/completions reads it (the same checks), without tools."""
-    messages = protocol.chat_messages(body, max_len)
-    kwargs = protocol.chat_template_kwargs(body)
+    messages = chat_messages(body, max_len)
+    kwargs = chat_template_kwargs(body)
     generation_prompt = _flag(body, "add_generation_prompt", bool, kwargs.get("add_generation_prompt", True))
     return ChatPrompt(messages, generation_prompt, kwargs.get("enable_thinking", False))
 

@@ -29,7 +29,7 @@ from dgserve.structured.response_format import read_schema
 from dgserve.structured.tools import ToolSet
 from dgserve.v1 import text_generation_pb2 as pb
 
-from . import events, images
+from .. import events, images
 
 # the finish reasons (events.FINISH_REASONS) as the proto's enum
 FINISH_REASONS = {
@@ -72,8 +72,8 @@ def submission(
 
 def canvas_draft(request: pb.GenerateRequest, max_len: int) -> dict:
     """GenerateRequest.initial_canvas and pinned (docs/edit-in-place.md) as Submission keyword arguments; repeated
-    fields longer than ``max_len`` (the context window) are refused unread. ``Engine.canvas_draft`` checks the
-    rest, naming the same fields."""
+    fields longer than ``max_len`` (the context window) are refused unread. The admission
+    (``canvas_draft.canvas_draft``) checks the rest, naming the same fields."""
     canvas: str | list[int] | None = None
     if request.HasField("initial_canvas"):
         kind = request.initial_canvas.WhichOneof("draft")

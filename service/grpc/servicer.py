@@ -1,6 +1,6 @@
 """TextGeneration servicer: one short method per RPC — check state, convert, call the engine, convert back.
 
-Errors are raised as domain exceptions and mapped to status codes by the call interceptor (service/errors.py).
+Errors are raised as domain exceptions and mapped to status codes by the call interceptor (service/grpc/errors.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dgserve.engine.async_engine import ABORT_CANCELLED, AsyncEngine
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
-from . import convert, events
-from .errors import (
+from .. import events
+from ..body_thread import in_body_thread
+from ..errors import (
     DeadlineExceededError,
     DrainingError,
     ModelNotFoundError,
@@ -23,10 +24,10 @@ from .errors import (
     RequestNotFoundError,
     clip,
 )
-from .events import ErrorEvent, FinishEvent
-from .http.body import in_body_thread
-from .images import ImageReader, read_images, with_images
-from .in_flight import InFlight
+from ..events import ErrorEvent, FinishEvent
+from ..images import ImageReader, read_images, with_images
+from ..in_flight import InFlight
+from . import convert
 from .interceptors import CallInfo, current_call
 
 T = TypeVar("T")
@@ -116,9 +117,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
 
 async def _off_loop(request: pb.GenerateRequest | pb.TokenizeRequest, convert_fn: Callable[..., T], *args) -> T:
-    """``convert_fn(*args)``: the request's conversion, in the HTTP door's body thread for a chat of more than
-    INLINE_CHAT_MESSAGES messages (its cost is per message: a 16 MB chat of 2,000 takes ~25 ms), on the event loop
-    otherwise (less than a thread hop). grpc has parsed the message on the loop already (~10 ms for 16 MB)."""
+    """``convert_fn(*args)``: the request's conversion, in the body thread (service/body_thread.py) for a chat of
+    more than INLINE_CHAT_MESSAGES messages (its cost is per message: a 16 MB chat of 2,000 takes ~25 ms), on the
+    event loop otherwise (less than a thread hop). grpc has parsed the message on the loop already (~10 ms for
+    16 MB)."""
     if request.WhichOneof("input") == "chat" and len(request.chat.messages) > INLINE_CHAT_MESSAGES:
         return await in_body_thread(convert_fn, *args)
     return convert_fn(*args)
