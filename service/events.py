@@ -16,7 +16,7 @@ messages, OpenAI JSON or server-sent events; everything they share is here:
 - ``FINISH_REASONS``: the finish reasons a ``FinishEvent`` carries (each door has one table from these names).
 - ``Transcript``: the whole output of a request, gathered from its events (for the doors that answer at once),
   and the one rule for it as a chat's assistant message (``assistant_message``).
-- ``Usage``, ``Timing``, ``BlockStats``: the numbers, in milliseconds, with a NaN or infinity reported as 0.
+- ``Usage``, ``Timing``, ``BlockReport``: the numbers, in milliseconds, with a NaN or infinity reported as 0.
 - ``draft_spec``: the draft options' one set of bounds; ``token_ids``: the one check of a prompt's token ids.
   Their ValueErrors name the request field they were given, so both doors answer "invalid argument: <field> ...".
 
@@ -117,7 +117,10 @@ class Timing:
 
 
 @dataclass(frozen=True)
-class BlockStats:
+class BlockReport:
+    """A committed block's numbers as the doors report them, times in milliseconds (the engine's
+    ``dgserve.outputs.BlockStats`` holds seconds)."""
+
     denoising_steps: int
     tokens_per_forward: float
     mean_entropy: float  # finite
@@ -158,7 +161,7 @@ class BlockEvent:
     index: int
     token_ids: list[int]
     text: str  # as decoded (a chat that may call tools or thinks keeps its markers here)
-    stats: BlockStats
+    stats: BlockReport
     delta: ChatDelta | None = None
 
     @property
@@ -228,7 +231,7 @@ def event(e: Started | Draft | BlockOutput | Finished) -> StartEvent | DraftEven
 
 def block(b: BlockOutput) -> BlockEvent:
     s = b.stats
-    stats = BlockStats(
+    stats = BlockReport(
         s.denoising_steps,
         s.tokens_per_forward,
         finite(s.mean_entropy),

@@ -130,3 +130,51 @@ def test_no_citations_outside_the_repository():
             if found:
                 bad.append(f"{p.relative_to(ROOT)}:{i}: {', '.join(found)}: {line.strip()[:100]}")
     assert not bad, f"{len(bad)} lines cite documents outside the repository (cite docs/ instead):\n" + "\n".join(bad)
+
+
+# A section cited after its file: docs/images.md, "Admission" in code; [images.md](images.md), "Admission" in docs.
+SECTION_REF = re.compile(r"(?<![\w./-])docs/([\w./-]+?\.md),\s*\\?\"([^\"\\]+)\\?\"")
+LINK_SECTION_REF = re.compile(r"\]\(([\w./-]+?\.md)\),\s*\"([^\"]+)\"")
+
+
+def _headings(doc: pathlib.Path) -> set[str]:
+    """What a section citation may name in a markdown file: a heading's title (also without its leading number,
+    "11.5 Bounds", or its subtitle, "Limits: what one request can cost"), a bold paragraph lead ("**Bounded like
+    text**") or a list item's label ("- Failures: ..."); backticks dropped."""
+    out: set[str] = set()
+    for line in doc.read_text(errors="replace").replace("`", "").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip()
+            out |= {title, re.sub(r"^[\d.]+\s+", "", title), title.split(":")[0]}
+        out |= {m.strip().rstrip(":.") for m in re.findall(r"\*\*([^*]+)\*\*", line)}
+        label = re.match(r"\s*[-*] ([^:*]{1,60}):", line)
+        if label:
+            out.add(label.group(1).strip())
+    return out
+
+
+def _cited_sections() -> list[tuple[str, str, str]]:
+    """(where, doc name, section) for every section cited with its file, in the code trees, README.md and docs/."""
+    out = []
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    for p in [*_source_files(), ROOT / "README.md", *docs]:
+        text = p.read_text(errors="replace")
+        for rx in (SECTION_REF, LINK_SECTION_REF):
+            for m in rx.finditer(text):
+                where = f"{p.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+                section = " ".join(re.sub(r"\n\s*(#|//|\*)?", " ", m.group(2)).split())  # a title cut by a wrap
+                out.append((where, pathlib.PurePosixPath(m.group(1)).name, section))
+    return out
+
+
+def test_cited_sections_exist():
+    """Every section cited by its title next to its docs file ("docs/images.md, "Admission"") is a heading, a bold
+    paragraph lead or a list label of that file: a renamed or removed section fails here, not in a reader's
+    hands."""
+    assert len(_cited_sections()) > 50  # the patterns find the citations
+    missing = [
+        f"{where}: {doc}, {section!r}"
+        for where, doc, section in _cited_sections()
+        if (ROOT / "docs" / doc).is_file() and section.replace("`", "") not in _headings(ROOT / "docs" / doc)
+    ]
+    assert not missing, "sections cited but not headings of their file:\n" + "\n".join(missing)

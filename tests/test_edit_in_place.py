@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dgserve import Engine, SamplingParams, ops
-from dgserve.engine.block import BlockState, CanvasDraft
+from dgserve.engine.block import BlockState, InitialCanvas
 from dgserve.engine.prompt import Submission
 from dgserve.structured.response_format import ResponseFormat
 
@@ -42,7 +42,7 @@ def _fim(engine, n_blank=6, suffix=" distributing, and installing modules"):
 
 
 def test_block_start_lays_the_draft_over_the_noise():
-    draft = CanvasDraft((5, -1, 7) + (9,) * 14 + (11, -1), ((0, 1), (16, 17)))  # two canvases of 16
+    draft = InitialCanvas((5, -1, 7) + (9,) * 14 + (11, -1), ((0, 1), (16, 17)))  # two canvases of 16
     noise0 = BlockState.start(3, 0, 16, 300, torch.device("cpu")).canvas
     b0 = BlockState.start(3, 0, 16, 300, torch.device("cpu"), draft, frozenset({1}))
     assert b0.canvas.tolist() == [5, noise0[1].item(), 7] + [9] * 13
@@ -112,8 +112,8 @@ def test_text_canvas_is_content(engine):
     text = "<bos>a <|turn> b"
     sub = Submission(PROMPT, _params(max_new_tokens=64), initial_canvas=text, pinned=True)
     req = engine.make_request(sub)
-    assert req.draft is not None and list(req.draft.ids) == tok.encode_content(text)
-    assert tok.bos_token_id not in req.draft.ids  # neither a BOS nor the "<bos>" text as its token
+    assert req.initial_canvas is not None and list(req.initial_canvas.ids) == tok.encode_content(text)
+    assert tok.bos_token_id not in req.initial_canvas.ids  # neither a BOS nor the "<bos>" text as its token
 
 
 def test_eos_pinned_last_ends_the_output_there(engine):
@@ -152,7 +152,7 @@ def test_bad_input_names_the_field(engine, canvas, pinned, params, field):
 
 def test_eos_pinned_anywhere_with_ignore_eos(engine):
     req = engine.make_request(Submission(PROMPT, _params(ignore_eos=True), initial_canvas=[1, 5], pinned=True))
-    assert req.draft is not None and req.draft.pinned == ((0, 2),)
+    assert req.initial_canvas is not None and req.initial_canvas.pinned == ((0, 2),)
 
 
 def test_pinned_request_through_the_prefix_cache_equals_without_it():

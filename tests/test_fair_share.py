@@ -169,7 +169,7 @@ def test_fair_stepping_gives_each_caller_the_same_canvases_per_iteration():
     # 0: every ready canvas steps, whatever the callers
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, fair_step_canvases=0))
     for r in [*a, b]:
-        r.status, r.last_step = "waiting", -1
+        r.status, r.last_iteration = "waiting", -1
         sched.add(r)
     assert len(sched.schedule().decode) == 6
 

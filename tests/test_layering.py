@@ -172,7 +172,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.scheduler",
                 "dgserve.engine.sampler",
                 "dgserve.engine.prompt",
-                "dgserve.engine.canvas_draft",  # a request's starting canvas and pins, checked (docs/edit-in-place.md)
+                "dgserve.engine.initial_canvas",  # a starting canvas and its pins, checked (docs/edit-in-place.md)
                 "dgserve.engine.isolation",  # a request fails alone: the step's two guards
                 "dgserve.engine.step_output",  # what a step reports; the blocks that commit or end a request
             ),

@@ -1,4 +1,5 @@
-// moe_experts on the GPU, bf16 (contract: moe_experts.h; design: docs/kernels.md, "Grouped expert GEMMs", swap-AB).
+// moe_experts on the GPU, bf16 (contract: moe_experts.h; design: docs/kernels.md, "Grouped expert GEMMs (Hopper
+// design)", swap-AB).
 //
 // Both GEMMs are expert-major: grid (row tiles × chunk splits, experts), 4 warps per block, each block reads
 // counts[e] and offsets[e] from device memory and leaves when the expert has no pairs, or none in its chunks

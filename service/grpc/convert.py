@@ -66,14 +66,14 @@ def submission(
         owner=owner,
         fill_context=events.fills_context(request.params.HasField("max_new_tokens"), params, calls_tools),
         cache_salt=request.cache_salt or None,
-        **canvas_draft(request, info.max_model_len),
+        **initial_canvas_fields(request, info.max_model_len),
     )
 
 
-def canvas_draft(request: pb.GenerateRequest, max_len: int) -> dict:
+def initial_canvas_fields(request: pb.GenerateRequest, max_len: int) -> dict:
     """GenerateRequest.initial_canvas and pinned (docs/edit-in-place.md) as Submission keyword arguments; repeated
     fields longer than ``max_len`` (the context window) are refused unread. The admission
-    (``canvas_draft.canvas_draft``) checks the rest, naming the same fields."""
+    (``initial_canvas.read_initial_canvas``) checks the rest, naming the same fields."""
     canvas: str | list[int] | None = None
     if request.HasField("initial_canvas"):
         kind = request.initial_canvas.WhichOneof("draft")

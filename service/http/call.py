@@ -74,7 +74,7 @@ def edit_fields(body: dict, max_len: int | None) -> dict:
     """The body's ``initial_canvas`` and ``pinned`` (docs/edit-in-place.md) as ``Submission`` keyword arguments,
     their shape checked with bounded work: lists longer than ``max_len`` (the context window) are refused unread.
     The engine checks the ids against the vocabulary, the ranges against the draft and both against the request's
-    canvases (``canvas_draft``, engine/canvas_draft.py)."""
+    canvases (``read_initial_canvas``, engine/initial_canvas.py)."""
     canvas, pinned = body.get("initial_canvas"), body.get("pinned")
     if canvas is not None:
         if isinstance(canvas, list):

@@ -119,7 +119,7 @@ async def token_pieces(gate: Gate, request: Request) -> dict:
 
 
 async def draft_tokens(gate: Gate, request: Request) -> dict:
-    """A draft text's token ids and each one's text, tokenized as ``canvas_draft.canvas_draft`` tokenizes an
+    """A draft text's token ids and each one's text, tokenized as ``initial_canvas.read_initial_canvas`` tokenizes an
     ``initial_canvas`` text (``Tokenizer.encode_content``): ValueError naming ``text`` unless the body is
     ``{"text": str}`` with a non-empty text of at most max_model_len tokens (a longer draft could never be used;
     refused with bounded work). Whether the draft fits a request's canvases is the generation route's check."""

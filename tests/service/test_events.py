@@ -76,7 +76,7 @@ def test_each_engine_event_becomes_its_door_neutral_event_in_milliseconds():
     assert got == [
         events.StartEvent(77, 11, params, 500.0),
         events.DraftEvent(0, 2, [1, 2, 3, 4], 0.125, "text"),
-        events.BlockEvent(0, [5, 6, 7], "abc", events.BlockStats(4, 0.75, 0.5, 2.0, 12.5)),
+        events.BlockEvent(0, [5, 6, 7], "abc", events.BlockReport(4, 0.75, 0.5, 2.0, 12.5)),
         events.FinishEvent(FINISH_LENGTH, events.Usage(11, 3, 1, 4), events.Timing(500.0, 250.0, 1500.0)),
     ]
     assert got[-1].usage.total_tokens == 14
@@ -241,7 +241,7 @@ def test_the_finish_rule_drops_what_a_cut_output_left_half_written(reason, conte
     from dgserve.structured.chat_output import ChatOutputParser
 
     chat = events.ChatOutput(ChatOutputParser(True, True, b"k"))
-    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    stats = events.BlockReport(1, 1.0, 0.0, 0.0, 0.0)
     call = '<|tool_call>call:f{"a":1}<tool_call|>'
     tail = "Checking <" if reason == FINISH_EOS else 'Checking <|tool_call>call:f{"a":"x'
     pieces = [chat.block(events.BlockEvent(0, [], call + tail[:5], stats))]

@@ -133,7 +133,7 @@ def test_reasoning_content_is_split_from_content_in_both_shapes():
     from dgserve.structured.chat_output import ChatOutputParser
 
     text = "<|channel>thought\nthe user wants Paris<channel|>It is sunny."
-    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    stats = events.BlockReport(1, 1.0, 0.0, 0.0, 0.0)
     end = events.FinishEvent("eos", events.Usage(1, 1, 1, 1), events.Timing(0.0, 0.0, 0.0))
     for cut in range(len(text) + 1):
         chat, transcript = events.ChatOutput(ChatOutputParser(tools=False, thinking=True)), events.Transcript()

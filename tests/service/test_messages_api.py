@@ -375,7 +375,7 @@ def test_thinking_text_and_calls_become_blocks_in_order_with_their_events():
     )
     cut = text.index("Paris")
     out, chat = MessageOutput("tiny", "r-1", 1, 3), events.ChatOutput(ChatOutputParser(True, True, b"k"))
-    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    stats = events.BlockReport(1, 1.0, 0.0, 0.0, 0.0)
     got = []
     for i, piece in enumerate((text[:cut], text[cut:])):
         got += out.add(chat.block(events.BlockEvent(i, [], piece, stats)))

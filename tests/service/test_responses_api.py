@@ -337,7 +337,7 @@ def test_reasoning_text_and_calls_become_items_in_order_with_their_events():
     cut = text.index("Paris")
     rc = responses_request({"input": "x", "tools": [WEATHER]}, SamplingParams(), None, lambda _: None)
     out, chat = ResponseOutput(rc, "tiny", "r-1", 1), events.ChatOutput(ChatOutputParser(True, True, b"k"))
-    stats = events.BlockStats(1, 1.0, 0.0, 0.0, 0.0)
+    stats = events.BlockReport(1, 1.0, 0.0, 0.0, 0.0)
     got = []
     for i, piece in enumerate((text[:cut], text[cut:])):
         got += out.add(chat.block(events.BlockEvent(i, [], piece, stats)))

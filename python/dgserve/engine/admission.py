@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 from dgserve.engine import request_checks as checks
 from dgserve.engine.block import canvases
-from dgserve.engine.canvas_draft import DraftRules, canvas_draft
 from dgserve.engine.grammar_rows import GrammarRows
 from dgserve.engine.image_batch import image_spans
+from dgserve.engine.initial_canvas import CanvasRules, read_initial_canvas
 from dgserve.engine.prefix_cache import cache_salt, prefix_hashes
 from dgserve.engine.prompt import Prompt, Submission, with_tools
 from dgserve.engine.request import Request
@@ -67,7 +67,7 @@ class Admission:
         self.model, self.tokenizer, self.defaults, self.eos_ids = model, tokenizer, defaults, eos_ids
         self.limits, self.prefix_caching = limits, prefix_caching
         self.time_limit = time_limit
-        self.draft_rules = DraftRules(cfg.canvas_length, cfg.vocab_size, eos_ids, tokenizer)
+        self.canvas_rules = CanvasRules(cfg.canvas_length, cfg.vocab_size, eos_ids, tokenizer)
         self.grammars = GrammarRows(tokenizer, cfg.vocab_size, cfg.canvas_length, eos_ids)
         self._ids = itertools.count()
 
@@ -90,7 +90,7 @@ class Admission:
         for a request without max_tokens: a structured or tool-calling output is then ended by its grammar or EOS,
         not cut short; ``cache_salt``: the request reuses only prefix-cache blocks of requests with the same owner
         and salt (docs/prefix-caching.md); ValueError when empty or longer than 256 characters; ``initial_canvas``
-        and ``pinned``: the starting canvas and its pins (``canvas_draft``, docs/edit-in-place.md)."""
+        and ``pinned``: the starting canvas and its pins (``read_initial_canvas``, docs/edit-in-place.md)."""
         prompt, owner = sub.prompt, sub.owner
         salt = cache_salt(owner, sub.cache_salt)
         params = with_tools(prompt, sub.params or self.defaults)
@@ -105,8 +105,8 @@ class Admission:
         if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
             params = dataclasses.replace(params, seed=secrets.randbits(64))
         checks.check_stop_token_ids(params, self.limits.vocab_size)
-        draft = canvas_draft(sub.initial_canvas, sub.pinned, params, self.draft_rules)
-        tracker = output_rules(params, prompt, draft, self.eos_ids, self.tokenizer)
+        canvas = read_initial_canvas(sub.initial_canvas, sub.pinned, params, self.canvas_rules)
+        tracker = output_rules(params, prompt, canvas, self.eos_ids, self.tokenizer)
         grammar = self.grammars.row(params)
         # prefix-cache keys, salted with the caller's identity and chosen salt: no block is shared across them
         images = image_spans(prompt_ids, prompt, self.model)
@@ -125,7 +125,7 @@ class Admission:
             drafts=sub.drafts,
             prefix_hashes=hashes,
             images=images,
-            draft=draft,
+            initial_canvas=canvas,
         )
 
     def prompt_ids(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:

@@ -1,5 +1,5 @@
 """The tensors of one request's current block: ``BlockState`` (its index, steps and grammar are on the Request), and
-the request's starting canvas with its pins (``CanvasDraft``, docs/edit-in-place.md), which each block starts from."""
+the request's starting canvas with its pins (``InitialCanvas``, docs/edit-in-place.md), which each block starts from."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def canvases(max_new_tokens: int, canvas_length: int) -> int:
 
 
 @dataclass(frozen=True)
-class CanvasDraft:
+class InitialCanvas:
     """A request's starting canvas (docs/edit-in-place.md): draft token ids laid over its canvases in order from the
     first (a ``BLANK`` starts from the seeded noise, as every position past the draft does), and the pinned
     ``[start, end)`` ranges of draft positions, which hold their draft token from the first step to the commit.
-    Validated at admission (``canvas_draft.canvas_draft``): ids in the vocabulary or blank, ranges sorted,
+    Validated at admission (``initial_canvas.read_initial_canvas``): ids in the vocabulary or blank, ranges sorted,
     disjoint, non-empty, inside the draft and over no blank."""
 
     ids: tuple[int, ...]
@@ -71,7 +71,7 @@ class BlockState:
         canvas_length: int,
         vocab_size: int,
         device: torch.device,
-        draft: CanvasDraft | None = None,
+        initial: InitialCanvas | None = None,
         eos_ids: frozenset[int] = frozenset(),
     ) -> BlockState:
         """A fresh block: the contract's noise canvas (step label 0) with the draft's share of this block laid over
@@ -84,15 +84,15 @@ class BlockState:
             canvas_length,
             vocab_size,
         )[0]
-        share = draft.block(block_index, canvas_length) if draft is not None else None
+        share = initial.block(block_index, canvas_length) if initial is not None else None
         if share is None:
             return cls(canvas)
         ids, pins = share
         laid = torch.tensor(ids, dtype=torch.int64, device=device)
         n = len(ids)
         canvas[:n] = torch.where(laid != BLANK, laid, canvas[:n])
-        assert draft is not None
-        gap = max(0, min(canvas_length, draft.pin_end - block_index * canvas_length))
+        assert initial is not None
+        gap = max(0, min(canvas_length, initial.pin_end - block_index * canvas_length))
         mask = pin_bitmask(ids, pins, gap, eos_ids, canvas_length, vocab_size)
         return cls(canvas, pins=mask, pinned=sum(pins))
 

@@ -287,7 +287,7 @@ class ModelRunner:
             cfg.canvas_length,
             cfg.vocab_size,
             self.model.device,
-            req.draft,
+            req.initial_canvas,
             req.tracker.eos_ids,  # empty with ignore_eos
         )
         req.steps_left, req.block_done, req.mean_entropy = req.params.max_denoising_steps, False, float("nan")

@@ -125,12 +125,12 @@ KV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]  # per layer ke
 
 
 @dataclass(eq=False)
-class PrefixBlock:
+class PrefixChunk:
     """One cached prompt chunk: per layer [nkv, block_tokens, hd] keys and values (``SlotCache.copy_out``); the
     sliding layers' entries are None once ``sliding`` is dropped."""
 
     key: bytes
-    parent: PrefixBlock | None
+    parent: PrefixChunk | None
     keys: list[torch.Tensor | None] = field(repr=False)
     values: list[torch.Tensor | None] = field(repr=False)
     sliding: bool = True  # the sliding layers' keys and values are held
@@ -170,7 +170,7 @@ class PrefixCache:
         self.page_backed = page_backed
         self.room, self.min_room = room, min_room
         self.held_bytes = 0
-        self._blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()  # least recently used first
+        self._blocks: OrderedDict[bytes, PrefixChunk] = OrderedDict()  # least recently used first
         self.queried_tokens = self.hit_tokens = self.evicted_blocks = self.dropped_sliding = 0
 
     def __len__(self) -> int:
@@ -194,7 +194,7 @@ class PrefixCache:
         """The keys and values of the longest run of cached blocks from the start of a prompt with these block keys
         (``prefix_hashes``) that a slot can be restored from, marked as just used; counts ``prompt_tokens`` as
         queried and the run's tokens as hit."""
-        run: list[PrefixBlock] = []
+        run: list[PrefixChunk] = []
         for key in hashes:
             block = self._blocks.get(key)
             if block is None:
@@ -227,7 +227,7 @@ class PrefixCache:
             return False
         if self.page_backed:  # the runner passed views of its slot: copy them
             keys, values = self._copy(keys, values)
-        self._blocks[key] = PrefixBlock(key, parent, list(keys), list(values))
+        self._blocks[key] = PrefixChunk(key, parent, list(keys), list(values))
         self.held_bytes += self.block_bytes
         if parent is not None:
             parent.children += 1
@@ -243,7 +243,7 @@ class PrefixCache:
                 pass
         return [k.clone() for k in keys], [v.clone() for v in values]
 
-    def _free_some(self, keep: PrefixBlock | None) -> int:
+    def _free_some(self, keep: PrefixChunk | None) -> int:
         """Free memory from the least recently used block that has some to give: evict it if it is a leaf (other
         than ``keep``), else drop its sliding part. The bytes freed; 0 when nothing can be freed."""
         for block in self._blocks.values():
@@ -264,7 +264,7 @@ class PrefixCache:
                 return self.sliding_bytes
         return 0
 
-    def _make_room(self, keep: PrefixBlock | None) -> bool:
+    def _make_room(self, keep: PrefixChunk | None) -> bool:
         """Free blocks until one more fits the capacity and, with ``room``, leaves the process ``min_room`` bytes
         (one reading of the room; freed maps go back at once). False when that cannot be done."""
         while self.held_bytes + self.block_bytes > self.capacity_bytes:

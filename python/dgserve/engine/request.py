@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dgserve.media.images import ImageInput
 
 if TYPE_CHECKING:
-    from dgserve.engine.block import BlockState, CanvasDraft
+    from dgserve.engine.block import BlockState, InitialCanvas
     from dgserve.outputs import BlockOutput, GenerationResult, OutputTracker
     from dgserve.sampling_params import SamplingParams
     from dgserve.structured.constrained import StructuredRow
@@ -87,7 +87,7 @@ class Request:
     prefix_hashes: tuple[bytes, ...] = ()  # keys of its prompt's full chunks (engine/prefix_cache.py); () = no reuse
     # (start, image) per image of the prompt, in order: its placeholders are prompt_ids[start : start + tokens]
     images: tuple[tuple[int, ImageInput], ...] = ()
-    draft: CanvasDraft | None = None  # the starting canvas and its pins (docs/edit-in-place.md); None: noise
+    initial_canvas: InitialCanvas | None = None  # the starting canvas and its pins (docs/edit-in-place.md); None: noise
     # scheduler
     arrival: float = field(default_factory=time.monotonic)
     status: str = WAITING
@@ -95,7 +95,7 @@ class Request:
     # engine, at admission (``ModelRunner.match_prefix``): prompt tokens whose KV comes from the prefix cache
     cached_tokens: int = 0
     admitted_at: float | None = None
-    last_step: int = -1  # the scheduler's iteration that last gave it a denoising step (fair stepping)
+    last_iteration: int = -1  # the scheduler's iteration that last gave it a denoising step (fair stepping)
     # model runner
     slot: int | None = None  # its KV cache slot while running
     parked: Any = None  # its KV cache kept aside while it waits for a fair share again (``ModelRunner.park``)

@@ -151,7 +151,7 @@ class Scheduler:
         self._service_ema: float | None = None  # seconds from admission to finish, smoothed
         self._turns: dict[object, int] = {}  # caller → the admission count when it was last served (round-robin)
         self._admissions = 0
-        self._iterations = 0  # plan() calls: what Request.last_step counts in
+        self._iterations = 0  # plan() calls: what Request.last_iteration counts in
 
     # ------------------------------------------------------------------ state
 
@@ -268,10 +268,12 @@ class Scheduler:
             by_caller: dict = {}
             for req in ready:
                 by_caller.setdefault(req.caller, []).append(req)
-            picked = {id(req) for reqs in by_caller.values() for req in sorted(reqs, key=lambda r: r.last_step)[:limit]}
+            picked = {
+                id(req) for reqs in by_caller.values() for req in sorted(reqs, key=lambda r: r.last_iteration)[:limit]
+            }
             chosen = [req for req in ready if id(req) in picked]
         for req in chosen:
-            req.last_step = self._iterations
+            req.last_iteration = self._iterations
         return chosen
 
     def _expire(self, now: float, out: ScheduleOutput) -> None:

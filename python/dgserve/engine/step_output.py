@@ -1,5 +1,5 @@
 """What one engine step reports, and the blocks that end or commit a request's canvas (docs/architecture.md,
-"The data path"; docs/generation.md, "Limits").
+"The life of a request"; docs/generation.md, "Limits").
 
 Public contract:
     out = StepOutput()                  # admitted, blocks, stepped, failed: what ``Engine.step`` did
@@ -7,7 +7,7 @@ Public contract:
     block = commit_block(req)           # the block's argmax canvas through the output rules; the request moves on
     block = cancelled_block(req)        # the empty last block of a queued request whose deadline passed
     block = timed_out_block(req)        # the last block of a running request whose time is up ("length")
-    tracker = output_rules(params, prompt, draft, eos_ids, tokenizer)  # a new request's OutputTracker
+    tracker = output_rules(params, prompt, canvas, eos_ids, tokenizer)  # a new request's OutputTracker
 
 ``output_rules`` gives a request being minted the rules its blocks go through. The block builders change only the
 request (its tracker, blocks, block index); the engine does the bookkeeping (the scheduler's tables and the recently
@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dgserve.engine.block import CanvasDraft
+from dgserve.engine.block import InitialCanvas
 from dgserve.engine.prompt import ChatPrompt, Prompt
 from dgserve.engine.request import Request
 from dgserve.outputs import FINISH_CANCELLED, FINISH_LENGTH, BlockOutput, BlockStats, OutputTracker
@@ -99,7 +99,7 @@ def timed_out_block(req: Request) -> BlockOutput:
 def output_rules(
     params: SamplingParams,
     prompt: Prompt,
-    draft: CanvasDraft | None,
+    canvas: InitialCanvas | None,
     eos_ids: frozenset[int],
     tokenizer: Tokenizer | None,
 ) -> OutputTracker:
@@ -107,6 +107,6 @@ def output_rules(
     special tokens are kept in its text when a chat prompt keeps its markers or ``skip_special_tokens`` is off."""
     keep = (isinstance(prompt, ChatPrompt) and prompt.keeps_markers) or not params.skip_special_tokens
     p = params
-    pin_end = draft.pin_end if draft is not None else 0
+    pin_end = canvas.pin_end if canvas is not None else 0
     args = (p.max_new_tokens, eos_ids, p.ignore_eos, p.stop, tokenizer, not keep, p.stop_token_ids, p.min_tokens)
     return OutputTracker(*args, pin_end=pin_end)

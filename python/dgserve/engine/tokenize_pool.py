@@ -1,4 +1,4 @@
-"""The async engine's own bounded pool of tokenization threads (docs/architecture.md, "Threads").
+"""The async engine's own bounded pool of tokenization threads (docs/architecture.md, "Threads and locks").
 
 A prompt's work (tokenizing, rendering a chat template, compiling a grammar: the admission of a request) runs here,
 never on the event loop nor on a pool other work shares: ``workers`` threads, at most ``queue_len`` prompts

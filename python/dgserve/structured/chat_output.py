@@ -1,4 +1,4 @@
-"""A chat completion's message out of the model's text (docs/tools.md, "Parsing"): reasoning, content and tool
+"""A chat completion's message out of the model's text (docs/tools.md, "The output"): reasoning, content and tool
 calls, all at once (``parse_chat_output``) or block by block (``ChatOutputParser``), in OpenAI's shapes.
 
 The text goes through the reasoning splitter first (``dgserve.text.reasoning``, when the prompt enabled thinking)

@@ -1,5 +1,6 @@
-"""Tool calls out of the model's text (docs/tools.md, "Parsing"): Gemma 4's ``<|tool_call>call:NAME{...}<tool_call|>``
-to OpenAI's tool calls, all at once (``parse_tool_calls``) or block by block (``ToolCallParser``).
+"""Tool calls out of the model's text (docs/tools.md, "The output"): Gemma 4's
+``<|tool_call>call:NAME{...}<tool_call|>`` to OpenAI's tool calls, all at once (``parse_tool_calls``) or block by
+block (``ToolCallParser``).
 
 The incremental parser is fed the committed text in pieces of any size and returns what became final: content text
 and tool-call deltas in OpenAI's streaming shape (``ToolCallDelta``: the first delta of a call has its index, id and

@@ -1,8 +1,8 @@
 """A request's starting canvas and its pins, checked once before the request is minted (docs/edit-in-place.md).
 
-``canvas_draft`` turns a submission's ``initial_canvas`` (text or token ids, ``BLANK`` for a position that starts
+``read_initial_canvas`` turns a submission's ``initial_canvas`` (text or token ids, ``BLANK`` for a position that starts
 from the noise) and ``pinned`` (True, or ``[start, end)`` ranges of draft positions) into the request's
-``CanvasDraft``, against the model's ``DraftRules`` (canvas length, vocabulary, EOS ids, tokenizer); every refusal
+``InitialCanvas``, against the model's ``CanvasRules`` (canvas length, vocabulary, EOS ids, tokenizer); every refusal
 is a ValueError naming ``initial_canvas`` or ``pinned``.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dgserve.engine.block import BLANK, CanvasDraft, canvases
+from dgserve.engine.block import BLANK, InitialCanvas, canvases
 from dgserve.sampling_params import SamplingParams
 from dgserve.text.token_bounds import PromptTooLongError
 
@@ -25,7 +25,7 @@ Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint, non-empty [start, end)
 
 
 @dataclass(frozen=True)
-class DraftRules:
+class CanvasRules:
     """What a draft is checked against: the model's canvas length and vocabulary size, its EOS ids, and its
     tokenizer (None: text drafts are refused)."""
 
@@ -35,12 +35,12 @@ class DraftRules:
     tokenizer: Tokenizer | None
 
 
-def canvas_draft(
+def read_initial_canvas(
     initial_canvas: str | Sequence[int] | torch.Tensor | None,
     pinned: bool | Sequence[Sequence[int]] | None,
     params: SamplingParams,
-    rules: DraftRules,
-) -> CanvasDraft | None:
+    rules: CanvasRules,
+) -> InitialCanvas | None:
     """A request's starting canvas and pins, validated (docs/edit-in-place.md); None without a draft.
 
     ``initial_canvas``: text (tokenized as content: no special-token parsing, no BOS) or token ids in the
@@ -57,12 +57,14 @@ def canvas_draft(
     ids = _draft_ids(initial_canvas, params.max_new_tokens, rules)
     ranges = _pinned_ranges(pinned, ids)
     if not ranges:
-        return CanvasDraft(tuple(ids))
+        return InitialCanvas(tuple(ids))
     _check_pins(ranges, ids, params, rules.eos_ids)
-    return CanvasDraft(tuple(ids), ranges)
+    return InitialCanvas(tuple(ids), ranges)
 
 
-def _draft_ids(initial_canvas: str | Sequence[int] | torch.Tensor, max_new_tokens: int, rules: DraftRules) -> list[int]:
+def _draft_ids(
+    initial_canvas: str | Sequence[int] | torch.Tensor, max_new_tokens: int, rules: CanvasRules
+) -> list[int]:
     """The draft's token ids, checked against the vocabulary and the request's canvases (ValueError naming
     initial_canvas)."""
     C = rules.canvas_length
