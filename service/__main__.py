@@ -1,6 +1,7 @@
 """``dgserve serve`` (also ``python -m dgserve.service``): flags, each with one environment fallback (read here and
 nowhere else), → ServiceConfig → run the gRPC and OpenAI-compatible HTTP server until SIGTERM (graceful drain).
-``--dry-run`` prints the resolved config as JSON and exits.
+``--dry-run`` prints the resolved config as JSON and exits. ``download_main`` is ``dgserve download``: it fetches a
+model named by Hub id ahead of serving and prints its snapshot directory (docs/deployment.md, "Models by name").
 
 Precedence: a flag given on the command line, then its environment variable, then the default (ServiceConfig's;
 the flags, their variables and their help are the table in ``flags.py``).
@@ -48,6 +49,8 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             raw = raw if raw is not None else env.get(var)
             if raw is not None and raw != "":
                 kw[field] = _convert(field, raw, parse)
+        if "model" not in kw and env.get("NIM_MODEL_NAME"):  # NIM's name for a model given by Hub id
+            kw["model"] = env["NIM_MODEL_NAME"]
         kw.update(
             {
                 field: value
@@ -110,6 +113,36 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e.__cause__ or e)
         print(f"dgserve serve: error: {e}", file=sys.stderr, flush=True)
         return 2
+    return 0
+
+
+def download_main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
+    """``dgserve download MODEL [--revision R] [--download-dir D]``: fetch a model named by Hub id into the
+    huggingface_hub cache and print its snapshot directory. Exit 2 with one line on stderr when it cannot."""
+    env = dict(os.environ if environ is None else environ)
+    p = argparse.ArgumentParser(prog="dgserve download", description="fetch a model by Hub id ahead of serving")
+    p.add_argument("model", help="Hub id (org/name)")
+    p.add_argument("--revision", default=env.get("DGSERVE_REVISION") or None, help="branch, tag or commit "
+                   "(default: the default branch) [env DGSERVE_REVISION]")  # fmt: skip
+    p.add_argument("--download-dir", default=env.get("NIM_CACHE_PATH") or None, help="huggingface_hub cache "
+                   "(default: HF_HUB_CACHE) [env NIM_CACHE_PATH]")  # fmt: skip
+    json_logs = env.get("NIM_JSONL_LOGGING", "").strip().lower() in _TRUE
+    p.add_argument("--json-logs", action="store_true", default=json_logs,
+                   help="JSON-lines logs: a line per file started and finished [env NIM_JSONL_LOGGING=1]")  # fmt: skip
+    args = p.parse_args(argv)
+    from .hub import HubError, fetch, is_hub_id
+    from .logs import setup_logging
+
+    if not is_hub_id(args.model):
+        print(f"dgserve download: error: {args.model!r} is not a Hub id (org/name)", file=sys.stderr)
+        return 2
+    setup_logging("INFO", args.json_logs)
+    try:
+        path = fetch(args.model, args.revision, args.download_dir, log_progress=args.json_logs)
+    except HubError as e:
+        print(f"dgserve download: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(path, flush=True)
     return 0
 
 

@@ -8,7 +8,9 @@ import re
 from dataclasses import dataclass, field
 
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.request_checks import MAX_TOKENS_POLICIES
 from dgserve.engine.scheduler import DEFAULT_MAX_NUM_SEQS, check_image_token_cost
+from dgserve.sampling_params import MAX_NEW_TOKENS_LIMIT
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on the CPU (dgserve.model.runtime)
 NATIVE_OPS_MODES = ("auto", "off", "strict")  # dgserve.ops.native_check
@@ -24,7 +26,9 @@ MAX_MEDIA_REDIRECTS = 20  # the largest --media-fetch-max-redirects
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    model: str | None = None  # checkpoint directory; None = dgserve.default_model_path()
+    model: str | None = None  # checkpoint directory or Hub id (org/name); None = dgserve.default_model_path()
+    revision: str | None = None  # Hub revision of a model given by id: branch, tag or commit; None = the default
+    download_dir: str | None = None  # huggingface_hub cache Hub models go to; None = its own (HF_HUB_CACHE)
     served_model_name: tuple[str, ...] = ()  # name, then aliases; empty = the model directory's name
     host: str = "0.0.0.0"
     port: int = 50051  # gRPC; 0 = ephemeral
@@ -39,7 +43,9 @@ class ServiceConfig:
     kv_cache_memory: CacheConfig = field(
         default_factory=CacheConfig
     )  # KV cache budget: bytes or a fraction of free memory
-    max_request_steps: int = 16384  # max_denoising_steps x canvases one request may ask for (its total work)
+    max_request_steps: int = 16384  # denoising steps one request may run, all canvases (then: "length")
+    max_tokens_policy: str = "clamp"  # an output limit above the room left: "clamp" to it or "reject" (400)
+    default_max_tokens: int | None = None  # a request without one; None = the checkpoint's (docs/generation.md)
     max_request_seconds: float = 600.0  # wall-clock seconds a request may run from admission (then: "length")
     drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
     stall_timeout: float = 30.0  # a reader taking nothing this long while blocks wait is aborted
@@ -113,6 +119,11 @@ class ServiceConfig:
             _int(name, getattr(self, name), lo, hi)
         if self.image_workers is not None:
             _int("image_workers", self.image_workers, 1, 1024)
+        if self.default_max_tokens is not None:
+            _int("default_max_tokens", self.default_max_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            policies = ", ".join(MAX_TOKENS_POLICIES)
+            raise ValueError(f"max_tokens_policy must be one of {policies}, got {self.max_tokens_policy!r}")
         if self.image_decode_pixels is not None:
             _int("image_decode_pixels", self.image_decode_pixels, 1, 1 << 42)
             if self.image_decode_pixels < self.max_image_pixels:

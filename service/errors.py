@@ -13,6 +13,7 @@ import logging
 from dgserve.engine.async_engine import EngineFaultError, EngineUnavailableError, StreamStalledError
 from dgserve.engine.request import RequestFailedError
 from dgserve.engine.scheduler import DuplicateRequestError, QueueFullError
+from dgserve.text.token_bounds import ContextLengthError
 
 log = logging.getLogger("dgserve.service")
 # what an error message may quote of a client's value, and how long a whole message may be: a client must not
@@ -53,6 +54,7 @@ REASONS: list[tuple[type[BaseException], str]] = [
     (RequestNotFoundError, "REQUEST_NOT_FOUND"),
     (QueueFullError, "OVERLOADED"),
     (NotImplementedError, "UNSUPPORTED"),
+    (ContextLengthError, "CONTEXT_LENGTH_EXCEEDED"),  # a ValueError: the prompt does not fit the context
     (ValueError, "INVALID_ARGUMENT"),
     (NotReadyError, "NOT_READY"),
     (DrainingError, "DRAINING"),

@@ -85,10 +85,13 @@ def token_ids(ids: Sequence[int], vocab_size: int, field: str, max_len: int | No
 
 
 def fills_context(limit_given: bool, params: SamplingParams, calls_tools: bool = False) -> bool:
-    """Whether a request may generate up to the room left in its context (``Engine.make_request``): one that set
-    no token limit and whose output a grammar ends (a response_format, or tools it may call), so that it is not
-    cut short at the default max_new_tokens (vLLM's rule for a request without max_tokens). Both doors ask this."""
-    return not limit_given and (params.response_format is not None or calls_tools)
+    """Whether the server's default output limit applies (``Submission.fill_context``): the request set no token
+    limit. The engine decides the default (``request_checks.output_limit``: --default-max-tokens, else the
+    checkpoint's; with neither, the room left in the context for an output a grammar ends, a response_format or
+    tools it may call, vLLM's rule for a request without max_tokens). Every door asks this; ``params`` and
+    ``calls_tools`` are kept for its callers (the engine reads the grammar from the submission itself)."""
+    del params, calls_tools
+    return not limit_given
 
 
 def finite(x: float) -> float:

@@ -14,7 +14,31 @@ from .connections import DEFAULT_CEILING
 
 # (flag, environment variable, ServiceConfig field, parser, help)
 FLAGS: list[tuple[str, str, str, object, str]] = [
-    ("--model", "NIM_MODEL_PATH", "model", str, "checkpoint directory (default: the shipped small model)"),
+    (
+        "--model",
+        "NIM_MODEL_PATH",
+        "model",
+        str,
+        (
+            "checkpoint directory, or a Hub id (org/name, downloaded into the huggingface_hub cache; env "
+            "NIM_MODEL_NAME when NIM_MODEL_PATH is unset); an existing directory wins (default: the shipped small "
+            "model)"
+        ),
+    ),
+    (
+        "--revision",
+        "DGSERVE_REVISION",
+        "revision",
+        str,
+        "Hub revision of a --model given by id: a branch, tag or commit (default: the repository's default branch)",
+    ),
+    (
+        "--download-dir",
+        "NIM_CACHE_PATH",
+        "download_dir",
+        str,
+        "huggingface_hub cache a --model given by id is downloaded into (default: HF_HUB_CACHE, under HF_HOME)",
+    ),
     (
         "--served-model-name",
         "NIM_SERVED_MODEL_NAME",
@@ -113,8 +137,30 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "max_request_steps",
         int,
         (
-            "most denoising steps one request may ask for: max_denoising_steps x its canvases (max_new_tokens / "
-            "canvas length); more is refused with INVALID_ARGUMENT / 400 (default {default})"
+            "most denoising steps one request may run, all its canvases together; then it ends with finish reason "
+            "length, keeping what it generated (a max_denoising_steps above it is refused) (default {default})"
+        ),
+    ),
+    (
+        "--max-tokens-policy",
+        "DGSERVE_MAX_TOKENS_POLICY",
+        "max_tokens_policy",
+        str,
+        (
+            "an output limit (max_tokens, max_output_tokens, max_new_tokens) above the room left in the context: "
+            "clamp (lowered to the room; finish length when it ends the output) or reject (400 / INVALID_ARGUMENT "
+            "naming the field, vLLM's rule) (default {default})"
+        ),
+    ),
+    (
+        "--default-max-tokens",
+        "DGSERVE_DEFAULT_MAX_TOKENS",
+        "default_max_tokens",
+        int,
+        (
+            "output limit of a request that sends none, on every door, at most the room left (default: the "
+            "checkpoint's generation_config max_new_tokens or max_length; with neither, the room left for an "
+            "output a grammar ends and the built-in max_new_tokens for any other)"
         ),
     ),
     (

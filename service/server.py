@@ -5,7 +5,8 @@ loading, signals, graceful drain.
 Lifecycle: ``start()`` checks the files it was given (auth tokens, TLS, the model directory), binds both ports and
 serves at once — liveness (gRPC health ``liveness`` and /v1/health/live) SERVING, readiness (gRPC health "" and
 ``dgserve.v1.TextGeneration``, /v1/health/ready) NOT_SERVING, Generate UNAVAILABLE, HTTP generation 503 — while the
-model loads and warms up on a worker thread; then readiness flips to SERVING. The empty service name "" follows
+model downloads (a Hub id: service/hub.py), loads and warms up on a worker thread; then readiness flips to
+SERVING. The empty service name "" follows
 readiness because it is what a gRPC probe that names no service asks for (Kubernetes' grpc probe,
 grpc_health_probe): a pool must not route to a replica that cannot generate yet.
 
@@ -39,7 +40,7 @@ from dgserve.engine.engine import Engine
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.media.images import ImageCaps
 
-from . import connections
+from . import connections, hub
 from .config import ServiceConfig
 from .grpc import convert, door
 from .grpc.door import LIVENESS_NAME, NOT_SERVING, SERVING
@@ -72,11 +73,22 @@ def scheduler_config(cfg: ServiceConfig) -> SchedulerConfig:
     )
 
 
-def load_engine(cfg: ServiceConfig) -> Engine:
-    """The engine for ``cfg`` (the default model when cfg.model is None)."""
+def model_path(cfg: ServiceConfig, log_progress: bool | None = None) -> str:
+    """The checkpoint directory ``cfg`` names: the default model when cfg.model is None, a Hub id's snapshot
+    (downloaded if need be: hub.HubError when it cannot be had), else the directory itself."""
     from dgserve.model.default_model import default_model_path
 
-    path = cfg.model or default_model_path()
+    if cfg.model is None:
+        return str(default_model_path())
+    if hub.is_hub_id(cfg.model):
+        progress = cfg.json_logs if log_progress is None else log_progress
+        return hub.fetch(cfg.model, cfg.revision, cfg.download_dir, log_progress=progress)
+    return cfg.model
+
+
+def load_engine(cfg: ServiceConfig) -> Engine:
+    """The engine for ``cfg`` (the default model when cfg.model is None; a Hub id is downloaded first)."""
+    path = model_path(cfg)
     return Engine.from_pretrained(
         path,
         device=cfg.device,
@@ -87,6 +99,8 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         cache_config=cfg.kv_cache_memory,
         max_request_steps=cfg.max_request_steps,
         max_request_seconds=cfg.max_request_seconds,
+        default_max_tokens=cfg.default_max_tokens,
+        max_tokens_policy=cfg.max_tokens_policy,
         prefix_caching=cfg.prefix_caching,
     )
 
@@ -215,6 +229,7 @@ class Server:
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)
+            self.state.root = self.config.model or str(_default_model_path())
             self.state.info = convert.model_info(aengine, self.state.names)
             cfg = self.config
             caps = ImageCaps(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
@@ -239,7 +254,11 @@ class Server:
             log.debug("model load failed", exc_info=True)
             path = self.config.model or "the shipped default model"
             detail = " ".join(f"{type(e).__name__}: {e}".split())
-            self.state.loading_error = f"model {path} failed to load: {detail} (--model / env NIM_MODEL_PATH)"
+            self.state.loading_error = (
+                str(e)  # a model by id that cannot be had: its own line (service/hub.py)
+                if isinstance(e, hub.HubError)
+                else f"model {path} failed to load: {detail} (--model / env NIM_MODEL_PATH)"
+            )
             self.load_error = e
             self.live = False
             await self.health.set(LIVENESS_NAME, NOT_SERVING)
@@ -328,6 +347,12 @@ class Server:
             raise StartupError(self.state.loading_error) from self.load_error
 
 
+def _default_model_path():
+    from dgserve.model.default_model import default_model_path
+
+    return default_model_path()
+
+
 def _machine_names() -> tuple[str, ...]:
     """This machine's hostname and FQDN (getfqdn may ask the resolver: run it off the event loop)."""
     name = socket.gethostname()
@@ -340,6 +365,8 @@ def _model_name(engine: Engine, cfg: ServiceConfig) -> str:
     path = cfg.model
     if path is None:
         return "dgserve-small" if (SHIPPED / "config.json").is_file() else "dgserve-tiny-random"
+    if hub.is_hub_id(path):
+        return path  # a Hub id is its own name (org/name), as vLLM serves it
     return os.path.basename(os.path.normpath(path))
 
 
@@ -384,9 +411,9 @@ def _credentials(cfg: ServiceConfig) -> grpc.ServerCredentials | None:
 def _check_model_dir(path: str | None) -> None:
     """A model directory that cannot load fails here, before the ports are bound (the load itself may still
     fail later, e.g. on a corrupt weight file: run() then ends the process too)."""
-    if path is None:
+    if path is None or hub.is_hub_id(path):  # an id is downloaded and checked in the background (service/hub.py)
         return
-    fix = "set --model / env NIM_MODEL_PATH to a checkpoint directory"
+    fix = "set --model / env NIM_MODEL_PATH to a checkpoint directory or a Hub id (org/name)"
     if not os.path.isdir(path):
         raise StartupError(
             f"model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'} ({fix})"

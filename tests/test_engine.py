@@ -257,18 +257,18 @@ def test_bf16_engine_matches_transformers_eager(tiny_checkpoint, hf_model_loader
 
 
 def test_fill_context_uses_the_room_left(tiny_checkpoint):
-    """A request that set no token limit (``fill_context``) may generate the whole canvases left in its context,
-    capped by max_request_steps; a prompt that leaves no canvas is refused as before."""
+    """A request that set no token limit (``fill_context``) takes the default limit, at most the whole canvases
+    left in its context (max_request_steps bounds the steps it runs, not its limit; tests/test_output_limits.py
+    has the grammar and default cases); a prompt that leaves no canvas is refused as before."""
     eng = Engine.from_pretrained(tiny_checkpoint("base"), max_model_len=200, max_request_steps=40)
     C = eng.model.config.canvas_length
-    p = SamplingParams(max_new_tokens=32, max_denoising_steps=4, seed=1)
+    p = SamplingParams(max_new_tokens=1024, max_denoising_steps=4, seed=1)
     req = eng.make_request(Submission([5, 6, 7], p, fill_context=True))
-    assert req.params.max_new_tokens == min((200 - 3) // C, 40 // 4) * C
+    assert req.params.max_new_tokens == (200 - 3) // C * C and req.step_limit == 40
     assert req.tracker.max_new_tokens == req.params.max_new_tokens
     roomy = Engine.from_pretrained(tiny_checkpoint("base"), max_model_len=200)
-    assert (
-        roomy.make_request(Submission([5, 6, 7], p)).params.max_new_tokens == p.max_new_tokens
-    )  # without: the params' own
+    small = SamplingParams(max_new_tokens=32, max_denoising_steps=4, seed=1)
+    assert roomy.make_request(Submission([5, 6, 7], small)).params.max_new_tokens == 32  # the params' own
     assert roomy.make_request(Submission([5] * 50, p, fill_context=True)).params.max_new_tokens == (200 - 50) // C * C
     with pytest.raises(ValueError, match="prompt"):
         roomy.make_request(Submission([5] * (200 - C + 1), p, fill_context=True))

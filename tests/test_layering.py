@@ -150,7 +150,9 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.model.cache",
                 "dgserve.model.checkpoint_layout",  # the checkpoint's tensor names and shapes
                 "dgserve.model.vision_config",  # vision_config and the image preprocessing settings
+                "dgserve.model.fp8",  # the compressed-tensors FP8 weight format (docs/kernels.md, "FP8 checkpoints")
             ),
+            ("dgserve.model.quant_format", "dgserve.model.checkpoint_fp8"),  # which format; loading FP8
             ("dgserve.model.checkpoint_save", "dgserve.model.checkpoint", "dgserve.model.layers"),
             ("dgserve.model.batched", "dgserve.model.vision"),
             ("dgserve.model.diffusion_gemma", "dgserve.model.quantize", "dgserve.model.runtime", "dgserve.model.tiny"),
@@ -207,6 +209,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.media_fetch",  # remote images from allowed domains (docs/images.md)
                 "dgserve.service.image_work",  # the bounded pools and pixel budget images are read in
                 "dgserve.service.callers",  # a trusted gateway's caller header, per call
+                "dgserve.service.hub",  # a model named by Hub id, fetched with huggingface_hub (docs/deployment.md)
             ),
             (
                 "dgserve.service.events",  # what both doors take from an engine stream
@@ -236,6 +239,7 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.service.http.openai.input",
                 "dgserve.service.http.openai.output",
                 "dgserve.service.http.responses.conversation",
+                "dgserve.service.http.responses.tools",  # the Responses API's tool types: namespaces, hosted tools
                 "dgserve.service.http.messages.conversation",
             ),
             (

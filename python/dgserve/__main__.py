@@ -1,6 +1,7 @@
 """The ``dgserve`` command line.
 
     dgserve serve [FLAGS]                                  serve gRPC + OpenAI-compatible HTTP (dgserve.service)
+    dgserve download ORG/NAME [--revision R] [--download-dir D]   fetch a Hub model ahead; prints its directory
     dgserve generate "PROMPT" --server HOST:PORT [knobs]   stream blocks from a running server (dgserve serve)
     dgserve generate "PROMPT" [--model DIR] [knobs]        generate in this process (no server)
     dgserve info --server HOST:PORT                        the served model, its defaults and bounds
@@ -28,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         add_help=False,
         help="run the server (gRPC + OpenAI-compatible HTTP); `dgserve serve --help` lists its flags",
+    )
+    sub.add_parser(
+        "download",
+        add_help=False,
+        help="fetch a model by Hub id into the huggingface_hub cache; `dgserve download --help` lists its flags",
     )
     g = sub.add_parser("generate", help="generate from a prompt, streaming each committed block")
     g.add_argument("text", nargs="?", help="prompt text")
@@ -217,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         from dgserve.service.__main__ import main as serve  # type: ignore[import-not-found]
 
         return serve(argv[1:])
+    if argv[:1] == ["download"]:
+        from dgserve.service.__main__ import download_main
+
+        return download_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "info":
         return _info(args)

@@ -2,7 +2,8 @@
 
 Contract: `read_generation_config` gives the file's JSON object ({} when a checkpoint directory has none) and its
 path; its sampling knobs become a `SamplingParams` (``SamplingParams.from_generation_config``, the one table of
-knobs). `generation_eos_token_ids` reads the end-of-sequence ids the engine stops on. A file that does not parse
+knobs). `generation_eos_token_ids` reads the end-of-sequence ids the engine stops on; `generation_output_limits`
+whether the file sets an output limit (``max_new_tokens``, ``max_length``). A file that does not parse
 or a bad ``eos_token_id`` raises `ConfigError` naming the field (and the file).
 """
 
@@ -45,3 +46,18 @@ def generation_eos_token_ids(source: dict[str, Any] | str | os.PathLike[str]) ->
             f"generation_config.eos_token_id: expected a non-negative integer or a list of them, got {eos!r}"
         )
     return tuple(ids)
+
+
+def generation_output_limits(path: str | os.PathLike[str]) -> tuple[int | None, int | None]:
+    """(``max_new_tokens``, ``max_length``) as the checkpoint's generation_config.json sets them (None: absent or
+    null): the server's default output limit of a request that sends none (docs/generation.md, "Limits";
+    ``max_length`` counts the prompt too, as in transformers). A value that is not a positive integer →
+    ConfigError naming the field and the file."""
+    d, file = read_generation_config(path)
+    out: list[int | None] = []
+    for key in ("max_new_tokens", "max_length"):
+        v = d.get(key)
+        if v is not None and not (_is_int(v) and v >= 1):
+            raise ConfigError(f"generation_config.{key}: expected a positive integer, got {v!r} (in {file})")
+        out.append(v)
+    return out[0], out[1]

@@ -65,6 +65,7 @@ def submission(
         drafts=draft_spec(request.drafts),
         owner=owner,
         fill_context=events.fills_context(request.params.HasField("max_new_tokens"), params, calls_tools),
+        limit_field="params.max_new_tokens",
         cache_salt=request.cache_salt or None,
         **initial_canvas_fields(request, info.max_model_len),
     )

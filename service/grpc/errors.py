@@ -4,7 +4,8 @@ the call interceptor).
 
 Statuses carry google.rpc details: ``BadRequest`` with the field for INVALID_ARGUMENT, ``RetryInfo`` for
 RESOURCE_EXHAUSTED (plus the ``grpc-retry-pushback-ms`` trailer of gRPC's retry design A6), ``ErrorInfo{reason}``
-always. Internal errors never leak tracebacks.
+always; a prompt that does not fit is INVALID_ARGUMENT with reason CONTEXT_LENGTH_EXCEEDED and its numbers in the
+ErrorInfo's metadata (``prompt_tokens``, ``max_prompt_tokens``, ``at_least``). Internal errors never leak tracebacks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dgserve.engine.scheduler import QueueFullError
+from dgserve.text.token_bounds import ContextLengthError
 
 from .. import errors
 
@@ -32,6 +34,7 @@ CODES: dict[str, grpc.StatusCode] = {
     "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "UNSUPPORTED": grpc.StatusCode.UNIMPLEMENTED,
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "CONTEXT_LENGTH_EXCEEDED": grpc.StatusCode.INVALID_ARGUMENT,
     "NOT_READY": grpc.StatusCode.UNAVAILABLE,
     "DRAINING": grpc.StatusCode.UNAVAILABLE,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -56,7 +59,7 @@ def to_status(exc: BaseException) -> grpc.Status:
     bounded (``bounded_message``)."""
     code, reason = classify(exc)
     message = errors.bounded_message(str(exc)) if reason != "INTERNAL" else "internal error"
-    details = [error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)]
+    details = [error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=_metadata(exc))]
     trailers: list[tuple[str, str]] = []
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         field = _FIELD.match(message)
@@ -82,6 +85,18 @@ def to_status(exc: BaseException) -> grpc.Status:
         status.details.add().Pack(d)
     rich = rpc_status.to_status(status)
     return _Status(rich.code, rich.details, tuple(rich.trailing_metadata) + tuple(trailers))
+
+
+def _metadata(exc: BaseException) -> dict[str, str]:
+    """ErrorInfo metadata: a prompt that does not fit the context (CONTEXT_LENGTH_EXCEEDED) carries its numbers,
+    ``prompt_tokens`` (a lower bound when ``at_least`` is "true") and ``max_prompt_tokens``."""
+    if not isinstance(exc, ContextLengthError):
+        return {}
+    return {
+        "prompt_tokens": str(exc.tokens),
+        "max_prompt_tokens": str(exc.maximum),
+        "at_least": "true" if exc.lower_bound else "false",
+    }
 
 
 def set_status(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -39,6 +39,7 @@ class ServingState:
     """What the servicer serves; filled in by the server once the model is loaded and warmed up."""
 
     names: tuple[str, ...] = ()  # served name, then aliases
+    root: str = ""  # what --model named: the Hub id or the directory (/v1/models "root")
     engine: AsyncEngine | None = None
     info: pb.GetModelInfoResponse | None = None
     draining: bool = False

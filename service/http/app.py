@@ -6,6 +6,7 @@ AsyncEngine; errors become OpenAI error JSON in one handler (errors.py).
     GET  /metrics (also /v1/metrics)          Prometheus text (no auth)
     GET  /health                              200 / 503 as readiness (vLLM's route; no auth)
     GET  /version                             {"version": the dgserve version} (no auth)
+    HEAD, GET /api/hello                      200, empty: Claude Code's preconnect probe (no auth)
     GET  /v1/models, /v1/models/{id}          the served name and aliases; one of them (404 for another)
     POST /tokenize, /detokenize               vLLM's shapes (openai/tokens.py)
     POST /v1/completions                      prompt: string or token ids; stream: SSE
@@ -85,6 +86,13 @@ def build_app(gate: Gate, hosts: HostPolicy, origins: OriginPolicy, pages: bool 
     @app.get("/health")
     async def ready():
         return _health(gate.ready(), "ready")
+
+    @app.head("/api/hello")
+    @app.get("/api/hello")
+    async def hello():
+        # Claude Code's preconnect probe (HEAD; it reads nothing of the answer): 200 rather than a logged 404
+        # (docs/messages-api.md, "Claude Code")
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():
@@ -181,7 +189,7 @@ def _model_list(gate: Gate) -> dict:
                 "object": "model",
                 "created": now,
                 "owned_by": "dgserve",
-                "root": info.model,
+                "root": gate.state.root or info.model,
                 "max_model_len": info.max_model_len,
             }
             for name in gate.state.names

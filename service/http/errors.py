@@ -12,6 +12,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from dgserve.engine.scheduler import QueueFullError
+from dgserve.text.token_bounds import ContextLengthError
 
 from .. import errors
 
@@ -21,6 +22,7 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)")  # the field a 400 message starts
 # ErrorInfo reason → (HTTP status, OpenAI error type)
 STATUS: dict[str, tuple[int, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "CONTEXT_LENGTH_EXCEEDED": (400, "invalid_request_error"),  # code "context_length_exceeded", OpenAI's
     "UNSUPPORTED": (400, "invalid_request_error"),
     "HOST_NOT_ALLOWED": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "authentication_error"),
@@ -111,7 +113,18 @@ def anthropic_error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]
     err = body["error"]
     status = ANTHROPIC_STATUS.get(err["code"].upper(), status)
     kind = ANTHROPIC_TYPES.get(status, "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": err["message"]}}, headers
+    message = err["message"]
+    if isinstance(exc, ContextLengthError):
+        message = too_long(exc, message)
+    return status, {"type": "error", "error": {"type": kind, "message": message}}, headers
+
+
+def too_long(exc: ContextLengthError, message: str) -> str:
+    """Anthropic's wording for a prompt that does not fit, ``prompt is too long: N tokens > M maximum`` (what
+    Claude Code reads to compact the conversation), M the most prompt tokens that fit; N is a lower bound when
+    counting stopped early, and our own message, which follows in parentheses, then says "at least"
+    (docs/messages-api.md, "Errors")."""
+    return errors.bounded_message(f"prompt is too long: {exc.tokens} tokens > {exc.maximum} maximum ({message})")
 
 
 def anthropic_error_response(exc: BaseException) -> JSONResponse:

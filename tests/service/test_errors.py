@@ -77,10 +77,11 @@ def test_out_of_range_knobs(stub, knobs, field, bound):
 
 
 def test_prompt_beyond_context_window(stub):
-    """prompt tokens + canvases > context: INVALID_ARGUMENT with both numbers, before admission."""
-    err = error_of(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 4000), params=params(max_new_tokens=200)))
+    """A prompt that leaves no room for one canvas: INVALID_ARGUMENT with both numbers, before admission (an output
+    limit above the room left is clamped to it: docs/generation.md, "Limits")."""
+    err = error_of(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 4090), params=params(max_new_tokens=200)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "4000 tokens" in err.details() and "4096" in err.details() and "13 canvases" in err.details()
+    assert "4090 tokens" in err.details() and "4096" in err.details() and "canvas" in err.details()
 
 
 def test_token_id_outside_vocabulary(stub):

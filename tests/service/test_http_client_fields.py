@@ -121,7 +121,7 @@ def test_structured_request_without_max_tokens_fills_the_context():
     fmt = {"response_format": {"type": "json_object"}}
     assert protocol.completion_request({"prompt": "x", **fmt}, d, 300).fill_context
     assert not protocol.completion_request({"prompt": "x", "max_tokens": 9, **fmt}, d, 300).fill_context
-    assert not protocol.completion_request({"prompt": "x"}, d, 300).fill_context
+    assert protocol.completion_request({"prompt": "x"}, d, 300).fill_context  # no limit: the server's default
     chat = {"messages": [{"role": "user", "content": "x"}], **fmt}
     assert protocol.chat_request(chat, d).fill_context
     assert not protocol.chat_request({**chat, "max_completion_tokens": 9}, d).fill_context

@@ -206,8 +206,11 @@ def test_the_count_before_decoding_is_the_engines_count_after(vision_dir):
         rf"^prompt: (at least )?\d+ tokens \+ \d+ canvases of 16 .* context window of {MAX_MODEL_LEN} positions"
         r"|^prompt: at least \d+ tokens \(\w+\), more than the \d+ that fit"
     )
+    # six images cannot fit the window with even one canvas (a larger output limit is clamped to the room left)
+    six = [neutral(_png(100, 70, i), f"m[0].content[{i}]") for i in range(6)]
+    too_long = ChatPrompt(({"role": "user", "content": [{"type": "text", "text": "look"}, *six]},))
     with pytest.raises(ValueError, match=refusal):
-        asyncio.run(_read_with(engine, prompt, MAX_MODEL_LEN - exact + 1))
+        asyncio.run(_read_with(engine, too_long, 16))
 
 
 async def _read_with(engine, prompt, max_new_tokens):

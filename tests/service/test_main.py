@@ -72,7 +72,10 @@ RUNTIME_DEFAULTS = {
     "image_workers": "one per core, at most 4",
     "image_decode_pixels": "twice it",
     "image_token_cost": "the device's",
+    "default_max_tokens": "the checkpoint's generation_config",
     "allowed_origins": "none, same-origin only",
+    "revision": "the repository's default branch",
+    "download_dir": "HF_HUB_CACHE",
 }
 UNSET_BY_DEFAULT = {"auth_token_file", "tls_cert", "tls_key", "tls_client_ca", "allowed_hosts"}  # off: no default said
 

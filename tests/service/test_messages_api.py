@@ -216,7 +216,7 @@ def test_a_claude_code_shaped_request_is_accepted(url):
         ),
         ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [*HI, {"role": "assistant", "content": "Hel"}]}, "messages[1].role"),
-        ({"messages": HI, "max_tokens": None}, "max_tokens"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),  # absent: the server's default (test_context_contract)
         ({"messages": HI, "max_tokens": 0}, "max_tokens"),
         ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
         ({"messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),

@@ -131,19 +131,11 @@ def test_stop_strings_with_a_response_format_are_refused(proc, stub):
 
 
 def test_one_requests_total_work_is_capped(proc, stub):
-    """1024 steps x 127 canvases would hold a slot for most of an hour: refused, naming the knobs and the flag."""
-    p = pb.SamplingParams(max_new_tokens=16 * 100, max_denoising_steps=1024)
-    err = grpc_error(lambda: list(stub.Generate(pb.GenerateRequest(prompt="x", params=p), metadata=A, timeout=30)))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("max_denoising_steps: 1024")
-    assert "--max-request-steps" in err.details() and "max_new_tokens" in err.details()
-    body = {"prompt": "x", "max_tokens": 16 * 100, "max_denoising_steps": 1024}
-    r = httpx.post(url(proc) + "/v1/completions", json=body, headers=HA, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_denoising_steps"
-    body["max_denoising_steps"] = 8  # the same length at a modest step budget is fine
-    assert (
-        httpx.post(url(proc) + "/v1/completions", json={**body, "max_tokens": 16}, headers=HA, timeout=60).status_code
-        == 200
-    )
+    """A large max_new_tokens is no longer refused for its steps x canvases: --max-request-steps ends the request
+    with "length" while it runs (tests/service/test_context_contract.py). The same length at a modest step budget
+    is served."""
+    body = {"prompt": "x", "max_tokens": 16, "max_denoising_steps": 8}
+    assert httpx.post(url(proc) + "/v1/completions", json=body, headers=HA, timeout=60).status_code == 200
 
 
 def test_request_ids_are_scoped_per_caller(proc, stub):

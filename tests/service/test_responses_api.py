@@ -175,7 +175,11 @@ def test_store_false_and_delete(openai_client, url):
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [7]}, "input[0]"),
         ({"input": []}, "input"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+        (
+            {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+            "tools[0].tools[0].type",
+        ),
         ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
         ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),

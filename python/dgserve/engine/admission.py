@@ -51,6 +51,8 @@ class Admission:
     length, vocabulary, window, slot, work; ``prefill_chunk``, the prompt tokens per encoder chunk: an image's soft
     tokens must fit one, and the prefix cache's blocks are whole chunks). prefix_caching: mint prefix-cache keys.
     time_limit: the seconds a request may run from its admission into a slot (None: no limit; settable).
+    output_limits: the policy for an output limit above the room left and the default limit
+    (``request_checks.OutputLimits``; settable).
     """
 
     def __init__(
@@ -62,11 +64,13 @@ class Admission:
         limits: checks.RequestLimits,
         prefix_caching: bool,
         time_limit: float | None = None,
+        output_limits: checks.OutputLimits | None = None,
     ):
         cfg = model.config
         self.model, self.tokenizer, self.defaults, self.eos_ids = model, tokenizer, defaults, eos_ids
         self.limits, self.prefix_caching = limits, prefix_caching
         self.time_limit = time_limit
+        self.output_limits = output_limits if output_limits is not None else checks.OutputLimits()
         self.canvas_rules = CanvasRules(cfg.canvas_length, cfg.vocab_size, eos_ids, tokenizer)
         self.grammars = GrammarRows(tokenizer, cfg.vocab_size, cfg.canvas_length, eos_ids)
         self._ids = itertools.count()
@@ -85,22 +89,23 @@ class Admission:
         request still waiting then is dropped before any model work (its last block: finish_reason "cancelled");
         one running then is ended with finish_reason "length", as at ``time_limit`` after its admission. Of the
         submission: ``owner`` may abort it (``Engine.abort``); ``drafts`` are the previews the caller wants (the
-        async engine streams them); ``fill_context``: the caller set no max_new_tokens, and the request may use the
-        room left in the context (``request_checks.room_left``) instead of ``params.max_new_tokens``, as vLLM does
-        for a request without max_tokens: a structured or tool-calling output is then ended by its grammar or EOS,
-        not cut short; ``cache_salt``: the request reuses only prefix-cache blocks of requests with the same owner
+        async engine streams them); ``fill_context``: the caller set no max_new_tokens, and the server's default
+        applies (``request_checks.output_limit``: --default-max-tokens, the checkpoint's, or, with neither, the
+        room left in the context for an output a grammar ends, as vLLM does for a request without max_tokens).
+        Any limit above the room left is lowered to it (``limit_field`` names the caller's field when the policy
+        refuses it instead); ``cache_salt``: the request reuses only prefix-cache blocks of requests with the same owner
         and salt (docs/prefix-caching.md); ValueError when empty or longer than 256 characters; ``initial_canvas``
         and ``pinned``: the starting canvas and its pins (``read_initial_canvas``, docs/edit-in-place.md)."""
         prompt, owner = sub.prompt, sub.owner
         salt = cache_salt(owner, sub.cache_salt)
         params = with_tools(prompt, sub.params or self.defaults)
-        fill_context = sub.fill_context
-        if fill_context:  # at least one canvas must fit; the room is known once the prompt is tokenized
-            params = dataclasses.replace(params, max_new_tokens=self.limits.canvas_length)
         checks.check_work(self.limits, params)
-        prompt_ids = self.context_ids(prompt, params.max_new_tokens)
-        if fill_context:
-            params = dataclasses.replace(params, max_new_tokens=checks.room_left(self.limits, len(prompt_ids), params))
+        # at least one canvas must fit; the room, and so the limit, is known once the prompt is tokenized
+        prompt_ids = self.context_ids(prompt, min(params.max_new_tokens, self.limits.canvas_length))
+        given, field = not sub.fill_context, sub.limit_field
+        n = checks.output_limit(self.limits, self.output_limits, len(prompt_ids), params, given, field)
+        if n != params.max_new_tokens:  # a lower limit lowers min_tokens with it (no more can be generated)
+            params = dataclasses.replace(params, max_new_tokens=n, min_tokens=min(params.min_tokens, n))
         rid = sub.request_id if sub.request_id is not None else f"req-{next(self._ids)}"
         if params.seed is None:  # the seed in use, drawn once: the request's params carry it from here on
             params = dataclasses.replace(params, seed=secrets.randbits(64))
@@ -119,6 +124,7 @@ class Admission:
             tracker,
             deadline=deadline,
             time_limit=self.time_limit,
+            step_limit=self.limits.max_request_steps,
             owner=owner,
             caller=sub.caller if sub.caller is not None else owner,
             grammar=grammar,
@@ -154,9 +160,10 @@ class Admission:
     ) -> int:
         """The token count of ``prompt``, refused with the context check (a ValueError naming both numbers) when it
         cannot fit the window with ``max_new_tokens``' canvases (None: the prompt alone must fit the window;
-        ``fill_context``: one canvas, as ``mint`` reserves). ``at_least``: as for ``context_ids``. Bounded work."""
+        otherwise at most one canvas, as ``mint`` reserves: a larger limit is lowered to the room left, or refused
+        naming its field, once the prompt is counted; ``fill_context`` is accepted for callers and changes nothing).
+        ``at_least``: as for ``context_ids``. Bounded work."""
         if max_new_tokens is None:
             return len(self.prompt_ids(prompt, self.limits.max_model_len))
-        if fill_context:
-            max_new_tokens = self.limits.canvas_length
+        max_new_tokens = min(max_new_tokens, self.limits.canvas_length)
         return len(self.context_ids(prompt, max_new_tokens, at_least))

@@ -72,12 +72,17 @@ class Engine:
     (prompt + generated canvases), at most the model's max_position_embeddings (the default). scheduler_config:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
     None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
-    the slots that fit. max_request_steps: the most denoising steps one request may ask for (max_denoising_steps
-    times its canvases), so that no request can hold a slot for hours; None: no limit. max_request_seconds: the
+    the slots that fit. max_request_steps: the most denoising steps one request may run (all its canvases
+    together), so that no request can hold a slot for hours: it then ends with finish reason "length", keeping
+    what it committed; one canvas's max_denoising_steps above it is refused; None: no limit. max_request_seconds: the
     wall-clock time a request may run from its admission into a slot (its deadline ends it sooner); then it ends
     with finish reason "length", keeping what it committed; None: no limit. prefix_caching: keep the
     KV of full prompt chunks in what the slots leave of the cache budget and reuse it for prompts that start with
-    the same tokens (docs/prefix-caching.md); a request's tokens are the same either way.
+    the same tokens (docs/prefix-caching.md); a request's tokens are the same either way. default_max_tokens:
+    the output limit of a request that sends none (``from_pretrained``: else generation_config.json's
+    max_new_tokens, or its max_length counting the prompt, ``default_max_length``); max_tokens_policy: "clamp" (a
+    limit above the room left in the context is lowered to it) or "reject" (refused naming the field)
+    (``request_checks.OutputLimits``, docs/generation.md "Limits").
     """
 
     def __init__(
@@ -93,6 +98,9 @@ class Engine:
         max_request_steps: int | None = None,
         prefix_caching: bool = True,
         max_request_seconds: float | None = None,
+        default_max_tokens: int | None = None,
+        max_tokens_policy: str = "clamp",
+        default_max_length: int | None = None,
     ):
         from dgserve.ops.native_check import run_self_check
 
@@ -106,6 +114,9 @@ class Engine:
         self.runtime: RuntimePlan | None = None  # the RuntimePlan when built by from_pretrained
         self.tokenizer = tokenizer
         self.defaults = defaults if defaults is not None else SamplingParams()
+        if default_max_tokens is not None:  # the limit of a request that sends none (validated as the knob)
+            self.defaults = dataclasses.replace(self.defaults, max_new_tokens=default_max_tokens)
+        output_limits = checks.OutputLimits(max_tokens_policy, default_max_tokens, default_max_length)
         cfg = model.config
         self.max_request_steps = max_request_steps
         checks.check_max_request_seconds(max_request_seconds)
@@ -123,7 +134,8 @@ class Engine:
         # every check a request meets before it is queued, and its minting (thread-safe: no lock needed)
         bounds = checks.RequestLimits(*limits, runner.prefill_chunk)
         eos = eos_ids(eos_token_ids, cfg.eos_token_id)
-        self.admission = Admission(model, tokenizer, self.defaults, eos, bounds, runner.prefix is not None)
+        prefixes = runner.prefix is not None
+        self.admission = Admission(model, tokenizer, self.defaults, eos, bounds, prefixes, output_limits=output_limits)
         self.admission.time_limit = max_request_seconds
         if self.runner.num_slots < sched.max_num_seqs:  # the cache budget caps the running requests
             sched = dataclasses.replace(sched, max_num_seqs=self.runner.num_slots)
@@ -146,6 +158,8 @@ class Engine:
         weights load); kwargs go to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops). dtype None or
         "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.model.runtime``)."""
         ckpt = load_checkpoint(path, device, dtype, kwargs.get("native_ops", "auto"))
+        if kwargs.get("default_max_tokens") is None:  # the operator's default, else the checkpoint's
+            kwargs["default_max_tokens"], kwargs["default_max_length"] = ckpt.output_limits
         engine = cls(ckpt.model, ckpt.tokenizer, ckpt.defaults, eos_token_ids=ckpt.eos_token_ids, **kwargs)
         engine.runtime = plan = ckpt.plan
         native = engine.runtime_info()["native_ops"] or "none"
@@ -328,6 +342,10 @@ class Engine:
                     req.denoise_seconds += dt
                 done = [r for r in active if not r.finished and not self._failed_alone(r, out) and r.block_done]
                 self._alone("commit", done, lambda r: out.blocks.append((r, self._commit(r))), out)
+                for req in [r for r in active if not r.finished and r.out_of_steps]:  # "length", keeping its blocks
+                    out.blocks.append((req, timed_out_block(req, "its denoising steps reached --max-request-steps")))
+                    self.scheduler.finish(req.key)
+                    self._finished.add(req.key)
         shared("slot release", self.runner.release_finished)
         return out
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dgserve.config import generation_eos_token_ids
+from dgserve.generation_config import generation_output_limits
 from dgserve.model import DiffusionGemma
 from dgserve.sampling_params import SamplingParams
 
@@ -38,6 +39,8 @@ class Checkpoint:
     defaults: SamplingParams
     eos_token_ids: tuple[int, ...]
     plan: RuntimePlan
+    # generation_config.json's (max_new_tokens, max_length), None where it sets none: the default output limit
+    output_limits: tuple[int | None, int | None] = (None, None)
 
 
 def load_checkpoint(
@@ -56,7 +59,7 @@ def load_checkpoint(
     check_plan(plan)
     model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype)
     tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-    return Checkpoint(model, tok, defaults, eos, plan)
+    return Checkpoint(model, tok, defaults, eos, plan, generation_output_limits(path))
 
 
 def eos_ids(eos_token_ids: Sequence[int] | None, config_eos: object) -> frozenset[int]:

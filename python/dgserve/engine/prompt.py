@@ -83,8 +83,9 @@ class Submission:
 
     ``params``: the knobs (None: the model's defaults). ``request_id``: the caller's id (None: the engine mints
     one). ``drafts``: the previews the caller wants. ``owner``: the caller's identity (ids are scoped by it, and
-    only it may abort the request). ``fill_context``: the caller set no token limit and the request may use the
-    room left in the context (``Admission.mint``). ``cache_salt``: reuse only prefix-cache blocks of requests
+    only it may abort the request). ``fill_context``: the caller set no token limit: the server's default applies
+    (``Admission.mint``). ``limit_field``: the caller's name for its output limit, named when it is refused
+    (``--max-tokens-policy reject``). ``cache_salt``: reuse only prefix-cache blocks of requests
     with the same owner and salt (docs/prefix-caching.md). ``initial_canvas``: the starting canvas (text, tokenized
     as content without BOS, or token ids, -1 for a blank), laid over the request's canvases from the first;
     ``pinned``: True (every draft position) or ``[start, end)`` ranges of draft positions that keep their draft
@@ -102,6 +103,7 @@ class Submission:
     initial_canvas: str | Sequence[int] | None = None
     pinned: bool | Sequence[Sequence[int]] | None = None
     caller: str | None = None
+    limit_field: str = "max_new_tokens"
 
 
 def with_tools(prompt: Prompt, params: SamplingParams) -> SamplingParams:

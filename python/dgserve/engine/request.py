@@ -79,6 +79,7 @@ class Request:
     tracker: OutputTracker  # the output rules: tokens and text so far, finish reason
     deadline: float | None = None  # time.monotonic(): a still-waiting request is dropped, a running one ended
     time_limit: float | None = None  # seconds a request may run from its admission into a slot (None: no limit)
+    step_limit: int | None = None  # denoising steps it may run, all blocks together; then "length" (None: no limit)
     owner: str | None = None  # the caller's identity: ids are scoped by it, and only it may abort the request
     # whose share of the running slots it takes (engine/fair_share.py): the owner, or a trusted gateway's caller
     caller: str | None = None
@@ -151,6 +152,16 @@ class Request:
     def steps_run(self) -> int:
         """Denoising steps run in the current block."""
         return self.params.max_denoising_steps - self.steps_left if self.block is not None else 0
+
+    @property
+    def steps_used(self) -> int:
+        """Denoising steps run so far: the committed blocks' and the current block's."""
+        return sum(b.stats.denoising_steps for b in self.blocks) + self.steps_run
+
+    @property
+    def out_of_steps(self) -> bool:
+        """Its steps reached ``step_limit`` (docs/generation.md, "Limits"): the engine ends it with "length"."""
+        return self.step_limit is not None and self.steps_used >= self.step_limit
 
     def result(self) -> GenerationResult:
         from dgserve.outputs import GenerationResult

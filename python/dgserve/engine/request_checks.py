@@ -6,8 +6,10 @@ Public contract:
     limits = RequestLimits(canvas_length, vocab_size, max_model_len, slot_len, max_request_steps, prefill_chunk)
     ids = prompt_ids(prompt, model, tokenizer, chunk, max_tokens)  # text, ids, chat or image prompt → checked ids
     positions = check_context(limits, prompt_tokens, max_new_tokens)  # ValueError past the window or the slot
-    tokens = room_left(limits, prompt_tokens, params)   # the most tokens a request may generate (whole canvases)
-    check_work(limits, params)                          # ValueError past max_request_steps
+    tokens = room_left(limits, prompt_tokens)           # the most tokens a request may generate (whole canvases)
+    check_output_limit(limits, prompt_tokens, n, field) # ValueError naming field when n > room_left
+    n = output_limit(limits, OutputLimits(policy, default, max_length), prompt_tokens, params, given, field)
+    check_work(limits, params)                          # ValueError: one canvas's steps past max_request_steps
     check_stop_token_ids(params, vocab_size)            # ValueError naming stop_token_ids[i]
     check_request_id(value, field)                      # ValueError unless 1 to 256 printable characters
     n = check_max_model_len(value, limit)               # the engine's knobs, checked at construction
@@ -26,7 +28,7 @@ from dgserve.engine.image_batch import image_runs, placeholder_id
 from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt
 from dgserve.model import DiffusionGemma
 from dgserve.sampling_params import SamplingParams
-from dgserve.text.token_bounds import PromptTooLongError
+from dgserve.text.token_bounds import ContextLengthError, PromptTooLongError
 
 if TYPE_CHECKING:
     from dgserve.text.tokenizer import Tokenizer
@@ -38,7 +40,7 @@ MAX_REQUEST_ID_LENGTH = 256
 class RequestLimits:
     """The engine's bounds on one request: the model's canvas length C and vocabulary size, the context window
     (max_model_len positions), the positions one KV cache slot holds (slot_len, at most the window), the most
-    denoising steps a request may ask for (max_request_steps: steps x canvases; None: no limit), and the prompt
+    denoising steps a request may run (max_request_steps, all its canvases together; None: no limit), and the prompt
     tokens per encoder chunk (prefill_chunk: an image's soft tokens must fit one)."""
 
     canvas_length: int
@@ -105,45 +107,104 @@ def _encode(
 
 
 def check_context(limits: RequestLimits, prompt_tokens: int, max_new_tokens: int, at_least: bool = False) -> int:
-    """ValueError (with both numbers) when the prompt plus the canvases generated do not fit the context window,
-    or a KV cache slot (``slot_len``, when the cache budget holds fewer positions); else the positions needed."""
+    """ContextLengthError (a ValueError with both numbers; its ``maximum`` the most prompt tokens that fit with
+    those canvases) when the prompt plus the canvases generated do not fit the context window, or a KV cache slot
+    (``slot_len``, when the cache budget holds fewer positions); else the positions needed."""
     C = limits.canvas_length
     n_blocks = canvases(max_new_tokens, C)
     positions = prompt_tokens + n_blocks * C
     if positions > limits.max_model_len:
-        raise ValueError(
+        raise ContextLengthError(
             f"prompt: {'at least ' if at_least else ''}{prompt_tokens} tokens + {n_blocks} "
             f"canvases of {C} (max_new_tokens {max_new_tokens}) exceed the context window of "
-            f"{limits.max_model_len} positions"
+            f"{limits.max_model_len} positions",
+            prompt_tokens,
+            limits.max_model_len - n_blocks * C,
+            at_least,
         )
     if positions > limits.slot_len:
-        raise ValueError(
+        raise ContextLengthError(
             f"prompt: the request needs {positions} KV cache positions, and the KV cache budget holds "
-            f"{limits.slot_len} per request (--kv-cache-memory)"
+            f"{limits.slot_len} per request (--kv-cache-memory)",
+            prompt_tokens,
+            limits.slot_len - n_blocks * C,
+            at_least,
         )
     return positions
 
 
-def room_left(limits: RequestLimits, prompt_tokens: int, params: SamplingParams) -> int:
+def room_left(limits: RequestLimits, prompt_tokens: int) -> int:
     """The most tokens a request of ``prompt_tokens`` may generate: the whole canvases left in its context (the
-    window, or the KV cache slot when that is smaller), and at most ``max_request_steps`` of work; at least one."""
+    window, or the KV cache slot when that is smaller); at least one canvas."""
     C = limits.canvas_length
     n = (min(limits.max_model_len, limits.slot_len) - prompt_tokens) // C
-    if limits.max_request_steps is not None:
-        n = min(n, limits.max_request_steps // params.max_denoising_steps)
     return int(max(1, n) * C)
 
 
-def check_work(limits: RequestLimits, params: SamplingParams) -> None:
-    """ValueError naming the knobs when a request asks for more denoising steps than ``max_request_steps``."""
-    limit, C = limits.max_request_steps, limits.canvas_length
-    n = canvases(params.max_new_tokens, C)
-    work = params.max_denoising_steps * n
-    if limit is not None and work > limit:
+def check_output_limit(limits: RequestLimits, prompt_tokens: int, wanted: int, field: str) -> None:
+    """ValueError naming ``field`` (the door's output-limit field) when ``wanted`` tokens are more than the room
+    left after the prompt (``room_left``): ``--max-tokens-policy reject``, vLLM's rule."""
+    room = room_left(limits, prompt_tokens)
+    if wanted > room:
         raise ValueError(
-            f"max_denoising_steps: {params.max_denoising_steps} steps x {n} canvases of {C} tokens "
-            f"(max_new_tokens {params.max_new_tokens}) = {work} denoising steps, more than this server's limit "
-            f"of {limit} per request (--max-request-steps); lower max_denoising_steps or max_new_tokens"
+            f"{field}: {wanted} tokens are more than the room left in the context: the prompt's {prompt_tokens} "
+            f"tokens leave {room} of the {min(limits.max_model_len, limits.slot_len)}-position window (whole "
+            f"canvases of {limits.canvas_length}); ask for at most {room} (this server refuses a larger limit: "
+            "--max-tokens-policy reject)"
+        )
+
+
+MAX_TOKENS_POLICIES = ("clamp", "reject")
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """How a request's output limit is decided (docs/generation.md, "Limits"). ``policy``: a limit the caller sent
+    above the room left is lowered to the room ("clamp", the default; its finish says "length" when that limit
+    ends it) or refused ("reject", vLLM's rule). ``default_max_tokens``: the limit of a request that sent none
+    (the operator's --default-max-tokens, else generation_config.json's max_new_tokens; None: neither).
+    ``max_length``: generation_config.json's max_length (prompt + output, transformers' meaning), the default when
+    there is no ``default_max_tokens``. With neither, an output a grammar ends (a response_format, or tools it may
+    call) fills the room left, and any other takes the built-in max_new_tokens."""
+
+    policy: str = "clamp"
+    default_max_tokens: int | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {', '.join(MAX_TOKENS_POLICIES)}, got {self.policy!r}")
+
+
+def output_limit(
+    limits: RequestLimits, out: OutputLimits, prompt_tokens: int, params: SamplingParams, given: bool, field: str
+) -> int:
+    """The max_new_tokens a request runs with: its own (``given``) or the default (``OutputLimits``), at most the
+    room left (``room_left``); a limit the caller gave above the room is refused under the "reject" policy
+    (``check_output_limit``, naming ``field``). A default is never refused, only lowered."""
+    room = room_left(limits, prompt_tokens)
+    wanted = params.max_new_tokens
+    if not given:
+        if out.default_max_tokens is not None:
+            wanted = out.default_max_tokens
+        elif out.max_length is not None:
+            wanted = max(1, out.max_length - prompt_tokens)
+        elif params.response_format is not None:
+            wanted = room
+    elif out.policy == "reject":
+        check_output_limit(limits, prompt_tokens, wanted, field)
+    return min(wanted, room)
+
+
+def check_work(limits: RequestLimits, params: SamplingParams) -> None:
+    """ValueError naming ``max_denoising_steps`` when one canvas alone may take more denoising steps than
+    ``max_request_steps``. More canvases than the limit affords are not refused: the engine ends the request with
+    finish reason "length" when its steps reach the limit (docs/generation.md, "Limits")."""
+    limit = limits.max_request_steps
+    if limit is not None and params.max_denoising_steps > limit:
+        raise ValueError(
+            f"max_denoising_steps: {params.max_denoising_steps} steps for one canvas are more than this server's "
+            f"limit of {limit} denoising steps per request (--max-request-steps)"
         )
 
 

@@ -7,6 +7,7 @@ Public contract:
     block = commit_block(req)           # the block's argmax canvas through the output rules; the request moves on
     block = cancelled_block(req)        # the empty last block of a queued request whose deadline passed
     block = timed_out_block(req)        # the last block of a running request whose time is up ("length")
+    block = timed_out_block(req, "its denoising steps reached --max-request-steps")  # ... whose steps are up
     tracker = output_rules(params, prompt, canvas, eos_ids, tokenizer)  # a new request's OutputTracker
 
 ``output_rules`` gives a request being minted the rules its blocks go through. The block builders change only the
@@ -86,13 +87,13 @@ def cancelled_block(req: Request) -> BlockOutput:
     return BlockOutput(0, [], "", _NO_WORK, FINISH_CANCELLED)
 
 
-def timed_out_block(req: Request) -> BlockOutput:
-    """The last block of a running request whose time is up: the block being denoised is dropped, what was
-    committed stays, and this "block" carries no tokens, the text the output rules held back, and finish_reason
-    "length" (a budget, time, cut the output)."""
+def timed_out_block(req: Request, why: str = "its time is up") -> BlockOutput:
+    """The last block of a running request whose time (or, ``why`` says, its denoising steps) is up: the block
+    being denoised is dropped, what was committed stays, and this "block" carries no tokens, the text the output
+    rules held back, and finish_reason "length" (a budget, time or steps, cut the output)."""
     req.block = None
     text = req.tracker.end(FINISH_LENGTH)
-    log.info("request %s: its time is up after %d blocks; ending it (length)", req.request_id, len(req.blocks))
+    log.info("request %s: %s after %d blocks; ending it (length)", req.request_id, why, len(req.blocks))
     return BlockOutput(req.block_index, [], text, _NO_WORK, FINISH_LENGTH)
 
 

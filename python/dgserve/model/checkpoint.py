@@ -11,7 +11,9 @@ preferred); vision tensors are ignored. NVIDIA ModelOpt NVFP4 checkpoints (per-e
 ``nvfp4_packed=True`` (the default on CUDA), stacked per layer and repacked on the device into the W4A16 kernel
 layout (`layers.{i}.experts.packed`, an ``nvfp4.PackedExperts``) that ``ops.nvfp4_moe_experts`` runs on: no
 dequantized copy is ever made. Either way a layer's expert tensors are read with one open per shard, not one per
-matrix.
+matrix. compressed-tensors FP8 dynamic checkpoints (per-channel E4M3 `weight` + `weight_scale`, experts stored per
+expert; docs/kernels.md, "FP8 checkpoints") are dequantized exactly at load (`dgserve.model.checkpoint_fp8`). Which
+format a checkpoint declares is decided once, by `dgserve.model.quant_format.detect_format`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dgserve.config import FULL, ModelConfig
-from dgserve.model import nvfp4
+from dgserve.model import checkpoint_fp8, nvfp4
 from dgserve.model.checkpoint_layout import DECODER as DECODER
 from dgserve.model.checkpoint_layout import ENCODER as ENCODER
 from dgserve.model.checkpoint_layout import INDEX_FILE as INDEX_FILE
@@ -39,9 +41,9 @@ from dgserve.model.checkpoint_layout import _is_vision as _is_vision
 from dgserve.model.checkpoint_layout import expected_shapes as expected_shapes
 from dgserve.model.checkpoint_layout import hf_names as hf_names
 from dgserve.model.checkpoint_save import save_weights as save_weights
-
-QUANT_FILE = "hf_quant_config.json"
-SUPPORTED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
+from dgserve.model.quant_format import FP8, detect_format
+from dgserve.model.quant_format import QUANT_FILE as QUANT_FILE
+from dgserve.model.quant_format import SUPPORTED_QUANT_ALGOS as SUPPORTED_QUANT_ALGOS
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -99,12 +101,17 @@ def _scan(path: pathlib.Path) -> dict[str, _Stored]:
 # --------------------------------------------------------------------------------------------------- load planning
 
 
-def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, dict[tuple[int, str, str], str]]:
-    """Remove per-expert NVFP4 tensors from `stored`; return layer -> {(expert, proj, part): HF name}.
+def _split_nvfp4(
+    stored: dict[str, _Stored],
+    config: ModelConfig,
+    parts: tuple[str, ...] = ("weight", "weight_scale", "weight_scale_2"),
+    what: str = "NVFP4",
+) -> dict[int, dict[tuple[int, str, str], str]]:
+    """Remove per-expert quantized tensors from `stored`; return layer -> {(expert, proj, part): HF name}.
 
     A checkpoint may store the shared weights under either prefix; the decoder prefix wins per layer.
-    Every layer that has any NVFP4 expert tensor must have all E experts × 3 projections × (weight,
-    weight_scale, weight_scale_2); input_scale is optional (W4A4 kernels only)."""
+    Every layer that has any per-expert tensor must have all E experts × 3 projections × `parts` (NVFP4: weight,
+    weight_scale, weight_scale_2, and input_scale is optional (W4A4 kernels only); FP8: weight, weight_scale)."""
     groups: dict[int, dict[str, dict[tuple[int, str, str], str]]] = defaultdict(lambda: defaultdict(dict))
     for name in list(stored):
         m = nvfp4.EXPERT_NAME.match(name)
@@ -124,40 +131,14 @@ def _split_nvfp4(stored: dict[str, _Stored], config: ModelConfig) -> dict[int, d
         names = by_prefix.get(DECODER) or by_prefix[ENCODER]
         for e in range(config.num_experts):
             for proj in nvfp4.PROJECTIONS:
-                for part in ("weight", "weight_scale", "weight_scale_2"):
+                for part in parts:
                     if (e, proj, part) not in names:
                         raise CheckpointError(
                             f"missing tensor {DECODER}layers.{layer}.experts.{e}.{proj}.{part} "
-                            f"(layer {layer} stores NVFP4 experts)"
+                            f"(layer {layer} stores {what} experts)"
                         )
         out[layer] = names
     return out
-
-
-def _check_quant_config(path: pathlib.Path) -> None:
-    """hf_quant_config.json / config.json quantization_config, when present, must be a ModelOpt NVFP4 export."""
-    sources = []
-    if (path / QUANT_FILE).is_file():
-        try:
-            sources.append((QUANT_FILE + ":quantization", json.loads((path / QUANT_FILE).read_text())["quantization"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path / QUANT_FILE}: cannot read the quantization section ({e!r})") from None
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-    if qc is not None:
-        sources.append(("config.json:quantization_config", qc))
-    for where, q in sources:
-        if not isinstance(q, dict):
-            raise CheckpointError(f"{where}: expected an object")
-        method = q.get("quant_method", "modelopt")
-        if method != "modelopt":
-            raise CheckpointError(f"{where}.quant_method: {method!r} is not supported (only ModelOpt NVFP4)")
-        algo = q.get("quant_algo")
-        if algo not in SUPPORTED_QUANT_ALGOS:
-            raise CheckpointError(
-                f"{where}.quant_algo: {algo!r} is not supported; expected one of {list(SUPPORTED_QUANT_ALGOS)}"
-            )
-        if q.get("group_size", nvfp4.GROUP) != nvfp4.GROUP:
-            raise CheckpointError(f"{where}.group_size: {q['group_size']} is not supported (NVFP4 uses 16)")
 
 
 def _unexpected_reason(name: str, config: ModelConfig) -> str:
@@ -170,9 +151,15 @@ def _unexpected_reason(name: str, config: ModelConfig) -> str:
     return "not a DiffusionGemma text tensor for this config"
 
 
-def _plan(stored: dict[str, _Stored], config: ModelConfig, quantized: frozenset[int] = frozenset()) -> dict[str, str]:
+def _plan(
+    stored: dict[str, _Stored],
+    config: ModelConfig,
+    quantized: frozenset[int] = frozenset(),
+    fp8_linears: frozenset[str] = frozenset(),
+) -> dict[str, str]:
     """Canonical name -> the HF name to read, after checking names, shapes and dtypes against `config`.
-    Expert tensors of the layers in `quantized` come from NVFP4 tensors instead (see `_read_nvfp4`)."""
+    Expert tensors of the layers in `quantized` come from per-expert NVFP4 / FP8 tensors instead; the HF names in
+    `fp8_linears` are FP8 weights (with a per-channel scale), every other tensor must be bf16/fp16/fp32."""
     expected = expected_shapes(config)
     for i in quantized:
         for part in ("gate_up_proj", "down_proj"):
@@ -194,6 +181,11 @@ def _plan(stored: dict[str, _Stored], config: ModelConfig, quantized: frozenset[
         s = stored[hf]
         if s.shape != shape:
             raise CheckpointError(f"{hf} in {s.file.name}: shape mismatch, expected {list(shape)}, got {list(s.shape)}")
+        if s.dtype.startswith("F8") and hf not in fp8_linears:
+            raise CheckpointError(
+                f"{hf} in {s.file.name}: a {s.dtype} weight needs its per-channel {hf}_scale and config.json's "
+                "compressed-tensors quantization_config"
+            )
         if not s.dtype.startswith(("F", "BF")):
             raise CheckpointError(f"{hf} in {s.file.name}: expected a floating-point tensor, got {s.dtype}")
         plan[canonical] = hf
@@ -204,9 +196,15 @@ def _plan(stored: dict[str, _Stored], config: ModelConfig, quantized: frozenset[
 
 
 def _read(
-    plan: dict[str, str], stored: dict[str, _Stored], dtype: torch.dtype, device: torch.device | str
+    plan: dict[str, str],
+    stored: dict[str, _Stored],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    fp8_scales: dict[str, tuple[str, pathlib.Path]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read the planned tensors one at a time, converting each (floating only) as soon as it is read."""
+    """Read the planned tensors one at a time, converting each (floating only) as soon as it is read; an FP8 weight
+    (a key of `fp8_scales`, valued by its scale's HF name and file) is dequantized on the CPU first."""
+    fp8_scales = fp8_scales or {}
     by_file: dict[pathlib.Path, list[tuple[str, str]]] = defaultdict(list)
     for canonical, hf in plan.items():
         by_file[stored[hf].file].append((canonical, hf))
@@ -218,6 +216,8 @@ def _read(
                     t = f.get_tensor(hf)
                 except SafetensorError as e:
                     raise CheckpointError(f"{hf} in {file}: cannot read ({e})") from None
+                if hf in fp8_scales:
+                    t = checkpoint_fp8.read_linear(hf, t, *fp8_scales[hf], dtype)
                 # the CPU copy `t` is dropped right after the conversion: one extra tensor at most
                 weights[canonical] = (
                     t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device=device)
@@ -242,19 +242,30 @@ def load_weights(
     result plus one tensor. `lm_head.weight` is returned only when stored and different from the embedding.
     NVFP4 experts are dequantized exactly (fp32 bracket, one rounding to `dtype`) into the fused layout, or with
     `nvfp4_packed` kept as NVFP4 in the W4A16 kernel layout under `layers.{i}.experts.packed`.
+    compressed-tensors FP8 weights (dense Linears and per-expert) are dequantized exactly into `dtype`.
     Raises CheckpointError naming the file or tensor: missing config.json / safetensors / shard, unreadable
-    file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, bad NVFP4 tensors.
+    file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, bad NVFP4 / FP8 tensors,
+    an unsupported quantization_config.
     """
     path = pathlib.Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path / 'config.json'}: not found (not a checkpoint directory)")
+    fmt = detect_format(path)  # CheckpointError for any method or scheme dgserve does not load
     stored = _scan(path)
     full = dict(stored)
-    quantized = _split_nvfp4(stored, config)
-    if quantized:
-        _check_quant_config(path)
-    weights = _read(_plan(stored, config, frozenset(quantized)), stored, dtype, device)
+    if fmt == FP8:
+        fp8_scales = checkpoint_fp8.split_linears(stored)
+        quantized = _split_nvfp4(stored, config, checkpoint_fp8.EXPERT_PARTS, "FP8")
+    else:
+        checkpoint_fp8.refuse_without_config(stored)
+        fp8_scales, quantized = {}, _split_nvfp4(stored, config)
+    plan = _plan(stored, config, frozenset(quantized), frozenset(fp8_scales))
+    scales = {hf: (fp8_scales[hf], full[fp8_scales[hf]].file) for hf in plan.values() if hf in fp8_scales}
+    weights = _read(plan, stored, dtype, device, scales)
     for layer, names in sorted(quantized.items()):
+        if fmt == FP8:
+            weights.update(checkpoint_fp8.read_experts(layer, names, full, config, dtype, device))
+            continue
         gate, up, down = _read_nvfp4_stacked(layer, names, full, config)
         if nvfp4_packed:  # the raw tensors go to the device, the repack runs there (native on CUDA)
             on = [tuple(t.to(device) for t in proj) for proj in (gate, up, down)]

@@ -33,7 +33,8 @@ class RuntimePlan:
     device: str
     dtype: str  # "float32" | "bfloat16"
     dtype_reason: str
-    expert_format: str  # "dense <dtype>" | "nvfp4 (W4A16 packed)" | "nvfp4 (dequantized to <dtype>)"
+    # "dense <dtype>" | "nvfp4 (W4A16 packed)" | "nvfp4 (dequantized to <dtype>)" | "fp8 (dequantized to <dtype>)"
+    expert_format: str
     native_ops_mode: str  # auto | off | strict
     native_ops: tuple[str, ...]  # native ops serving the device in this process (before the self-check)
     weight_bytes: int | None  # estimated bytes of the weights as served (None: no checkpoint found)
@@ -129,14 +130,16 @@ def plan_runtime(
     headers = _headers(pathlib.Path(path))
     nvfp4_ckpt = bool(headers) and has_nvfp4_experts(path)
     packed = (kind == "cuda") if packed_nvfp4 is None else packed_nvfp4
-    if nvfp4_ckpt:
+    quant, problem = _quant_format(path)
+    if quant == "fp8":  # compressed-tensors FP8 dynamic: dequantized at load (docs/kernels.md, "FP8 checkpoints")
+        fmt, nvfp4_ckpt = f"fp8 (dequantized to {name})", False
+    elif nvfp4_ckpt:
         fmt = "nvfp4 (W4A16 packed)" if packed else f"nvfp4 (dequantized to {name})"
     else:
         fmt = f"dense {name}"
     weight_bytes = estimate_weight_bytes(headers, name, nvfp4_ckpt and packed) if headers else None
     free = _free_bytes(device)
-    problem = None
-    if kind == "cuda" and free is not None and weight_bytes is not None:
+    if problem is None and kind == "cuda" and free is not None and weight_bytes is not None:
         budget = int(free * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
         if weight_bytes > budget:
             problem = (
@@ -147,6 +150,16 @@ def plan_runtime(
     return RuntimePlan(
         str(device), name, reason, fmt, native_ops, tuple(ops.active_native_ops(device)), weight_bytes, free, problem
     )
+
+
+def _quant_format(path: str | os.PathLike[str]) -> tuple[str | None, str | None]:
+    """(the format config.json / hf_quant_config.json declare, or None; why it cannot be served, or None)."""
+    from dgserve.model.quant_format import detect_format
+
+    try:
+        return detect_format(pathlib.Path(path)), None
+    except ValueError as e:
+        return None, str(e)
 
 
 def check_plan(plan: RuntimePlan) -> None:

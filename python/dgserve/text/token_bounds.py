@@ -15,11 +15,23 @@ import tokenizers
 COUNT_CHUNK_CHARS = 1 << 16  # texts longer than this are counted chunk by chunk before being encoded whole
 
 
-class PromptTooLongError(ValueError):
+class ContextLengthError(ValueError):
+    """A prompt that does not fit the context: ``tokens`` prompt tokens (a lower bound when ``at_least``: bounded
+    counting stopped early) against ``maximum``, the most prompt tokens that fit. Each door says it in its API's
+    recognisable shape, with both numbers (docs/messages-api.md, "Errors"; docs/architecture.md, "Failures")."""
+
+    def __init__(self, message: str, tokens: int, maximum: int, at_least: bool = False):
+        super().__init__(message)
+        self.tokens, self.maximum, self.lower_bound = tokens, maximum, at_least
+
+
+class PromptTooLongError(ContextLengthError):
     """The text has more than `limit` tokens; `at_least` is a lower bound on how many it has."""
 
     def __init__(self, at_least: int, limit: int, how: str):
-        super().__init__(f"prompt: at least {at_least} tokens ({how}), more than the {limit} that fit")
+        super().__init__(
+            f"prompt: at least {at_least} tokens ({how}), more than the {limit} that fit", at_least, limit, True
+        )
         self.at_least, self.limit = at_least, limit
 
 

@@ -46,14 +46,14 @@ WHY = {
 }
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 EFFORTS = ("low", "medium", "high", "max")
+# thinking.display: how the thought is shown; Claude Code's stream-json mode sends "updates". Accepted, no effect
+DISPLAYS = ("summarized", "omitted", "updates")
 
 
 def messages_request(body, defaults: SamplingParams, max_len: int | None) -> Call:
     """POST /v1/messages body → Call (module doc). ValueError / NotImplementedError naming the field."""
     body = _checked_fields(body, FIELDS)
     prompt = _prompt(body, max_len)
-    if body.get("max_tokens") is None:
-        raise ValueError("max_tokens: required (the most output tokens, as Anthropic's API requires it)")
     stops = _stop_sequences(body.get("stop_sequences"))
     if stops and prompt.calls_tools:  # the tool grammar decides where such an output ends
         raise ValueError("stop_sequences: cannot be combined with tools unless tool_choice is none")
@@ -71,7 +71,11 @@ def messages_request(body, defaults: SamplingParams, max_len: int | None) -> Cal
     stream = bool(optional(body, "stream", bool))
     model = optional(body, "model", str) or ""
     salt = optional(body, "cache_salt", str)
-    return Call(Submission(prompt, params, cache_salt=salt, **edit_fields(body, max_len)), model, stream)
+    # no max_tokens (Anthropic requires one): the server's default applies, as on every door (docs/generation.md)
+    fill = body.get("max_tokens") is None
+    edits = edit_fields(body, max_len)
+    sub = Submission(prompt, params, fill_context=fill, cache_salt=salt, limit_field="max_tokens", **edits)
+    return Call(sub, model, stream)
 
 
 def count_request(body, max_len: int | None) -> tuple[ChatPrompt, str]:
@@ -118,7 +122,13 @@ def _tool(tool, field: str) -> dict:
     if tool.get("type") not in (None, "custom"):
         kind = clip(str(tool.get("type")))
         raise ValueError(f"{field}.type: {kind!r}: only client tools (type custom) are supported, no server tools")
-    known(tool, {"type", "name", "description", "input_schema", "cache_control", "strict"}, field, OBJECT)
+    known(
+        tool, {"type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading"}, field, OBJECT
+    )
+    # defer_loading (Claude Code sends one such tool by default): declared up front like any other tool, since this
+    # server has no tool-search tool to load it later (docs/messages-api.md, "The request")
+    if tool.get("defer_loading") is not None and not isinstance(tool["defer_loading"], bool):
+        raise ValueError(f"{field}.defer_loading must be a boolean")
     if not isinstance(tool.get("input_schema"), dict):
         raise ValueError(f"{field}.input_schema must be a JSON schema object")
     fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
@@ -154,15 +164,15 @@ def _thinking(value) -> bool:
     """``thinking`` → the thinking switch (the chat door's ``enable_thinking``): ``{"type": "enabled",
     "budget_tokens": n}`` or ``{"type": "adaptive"}`` on, ``{"type": "disabled"}`` or absent off. The budget is
     checked and does not bound the thought (the model has one level of thinking; max_tokens bounds the output);
-    ``display`` (summarized / omitted) is accepted, and the thought is returned whole either way."""
+    ``display`` (any of ``DISPLAYS``) is accepted, and the thought is returned whole either way."""
     if value is None:
         return False
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
         raise ValueError('thinking must be {"type": "enabled", "budget_tokens": n}, {"type": "adaptive"} or disabled')
     kind = value["type"]
     known(value, {"type", "budget_tokens", "display"} if kind != "disabled" else {"type"}, "thinking", OBJECT)
-    if value.get("display") not in (None, "summarized", "omitted"):
-        raise ValueError("thinking.display must be summarized or omitted")
+    if value.get("display") is not None and value["display"] not in DISPLAYS:
+        raise ValueError(f"thinking.display must be one of {', '.join(DISPLAYS)}")
     if kind == "enabled":
         budget = value.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

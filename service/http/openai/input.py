@@ -164,7 +164,10 @@ def _call(body: dict, prompt: Prompt, defaults: SamplingParams, limit_field: str
     calls = isinstance(prompt, ChatPrompt) and prompt.calls_tools
     fill = events.fills_context(body.get(limit_field) is not None, params, calls)
     salt = optional(body, "cache_salt", str)
-    sub = Submission(prompt, params, drafts=drafts, fill_context=fill, cache_salt=salt, **edit_fields(body, max_len))
+    edits = edit_fields(body, max_len)
+    sub = Submission(
+        prompt, params, drafts=drafts, fill_context=fill, cache_salt=salt, limit_field=limit_field, **edits
+    )
     return Call(sub, model, stream, include_usage, n)
 
 

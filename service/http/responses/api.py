@@ -5,6 +5,7 @@ a stored response (``store``) of the caller.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Callable
 
 from fastapi import Request
@@ -20,6 +21,8 @@ from .input import ResponsesCall, responses_request
 from .output import ResponseOutput, stream
 from .store import Stored
 
+log = logging.getLogger("dgserve.http")
+
 
 class Responses(Api[ResponsesCall]):
     def parser(self, gate: Gate, owner: str | None, body):
@@ -28,6 +31,8 @@ class Responses(Api[ResponsesCall]):
         return lambda body, defaults, info: responses_request(body, defaults, info.max_model_len, prior)
 
     def call(self, parsed: ResponsesCall) -> Call:
+        if parsed.tools.left_out:  # once per request, on the loop (the request id's context); types only
+            log.info("responses: hosted tools left out of the prompt: %s", ", ".join(parsed.tools.left_out))
         return parsed.call
 
     def answer(self, parsed: ResponsesCall, feeds: Choices, model: str, gate: Gate, owner: str | None) -> Answer:

@@ -5,6 +5,8 @@ they are looked at.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dgserve.text.messages import check_unicode
 
 from ...errors import clip
@@ -20,9 +22,11 @@ class Conversation:
     """Input items as OpenAI chat messages, after a stored conversation (``prior``). A ``function_call`` joins the
     assistant message before it (or opens one), a ``function_call_output`` is a tool message that must answer a
     call of the turn it follows, a ``reasoning`` item is the next assistant message's ``reasoning_content``; system
-    and developer messages only open the conversation (the chat template has one system turn)."""
+    and developer messages only open the conversation (the chat template has one system turn). ``names``: the name
+    the prompt knows a call of a ``namespace`` and a ``name`` by (``tools.ResponsesTools.prompt_name``)."""
 
-    def __init__(self, prior: tuple[dict, ...] = ()):
+    def __init__(self, prior: tuple[dict, ...] = (), names: Callable[[str, str], str] | None = None):
+        self.names = names or (lambda namespace, name: name)
         self.messages: list[dict] = [dict(m) for m in prior]
         self.calls = {c["id"] for m in prior for c in m.get("tool_calls") or ()}
         # the reasoning texts the next assistant message takes (joined once: joining as they come is quadratic)
@@ -95,9 +99,11 @@ class Conversation:
         self._append({"role": role, "content": content})
 
     def _function_call(self, item: dict, field: str) -> None:
-        known(item, {"type", "call_id", "name", "arguments", "id", "status"}, field)
+        known(item, {"type", "call_id", "name", "namespace", "arguments", "id", "status"}, field)
         call_id = nonempty(item.get("call_id"), f"{field}.call_id")
         name = nonempty(item.get("name"), f"{field}.name")
+        if item.get("namespace") is not None:  # a call of a namespace's tool (docs/responses-api.md, "Tools")
+            name = self.names(nonempty(item["namespace"], f"{field}.namespace"), name)
         args = item.get("arguments")
         if not isinstance(args, str):
             raise ValueError(f"{field}.arguments must be a string (the call's JSON arguments)")

@@ -4,22 +4,20 @@
 SamplingParams, options) and what the Responses door keeps besides (store, the conversation to store, the fields a
 response echoes). The input items become OpenAI chat messages (``conversation.Conversation``), checked with the
 item's field in the message (``input[3].call_id: …``); the knobs, ``temperature``, ``max_output_tokens``, the reasoning
-switch, tools and ``text.format`` go through the shared checks (``knobs``, ``ToolSet``), with their messages
-renamed to this API's fields; the fields through the one rule (``fields.check_fields``) with OpenAI's no-op table
-and this API's. Bounded work as the other routes: the body was decoded with bounded size
-and shape, and the items are refused by their count before they are looked at.
+switch, tools (``tools.read_tools``: namespace and hosted tools) and ``text.format`` go through the shared checks
+(``knobs``, ``ToolSet``), with their messages renamed to this API's fields; the fields through the one rule
+(``fields.check_fields``) with OpenAI's no-op table and this API's. Bounded work as the other routes: the body was
+decoded with bounded size and shape, and the items are refused by their count before they are looked at.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dgserve.engine.prompt import ChatPrompt, Submission
 from dgserve.sampling_params import SamplingParams
-from dgserve.structured.tools import ToolSet
 
 from ... import events
 from ...errors import clip
@@ -28,6 +26,7 @@ from ..fields import body_object, check_fields, known, optional, string
 from ..knobs import KNOBS, NEUTRAL, NO_OP, WHY, check_neutral, reasoning_effort, response_format, sampling_params
 from .conversation import Conversation
 from .store import Stored
+from .tools import ResponsesTools, read_tools
 
 FIELDS = {
     "model",
@@ -73,6 +72,7 @@ class ResponsesCall:
     store: bool
     history: tuple[dict, ...]  # the conversation without the instructions: what a later turn continues from
     echo: dict  # the request's fields a response object repeats (instructions, tools, text, reasoning, ...)
+    tools: ResponsesTools = field(default_factory=ResponsesTools)  # namespaced names, hosted types left out
 
 
 def responses_request(
@@ -84,14 +84,14 @@ def responses_request(
     check_neutral(body)
     check_fields(body, FIELDS, ALL_NO_OP, WHY)
     prior = _previous(body.get("previous_response_id"), previous)
-    convo = Conversation(prior)
+    tools = read_tools(body)
+    convo = Conversation(prior, tools.prompt_name)
     convo.add_input(body.get("input"), max_len)
-    tools = _tool_set(body)
     thinking = _thinking(body.get("reasoning"))
     messages = convo.prompt_messages(_instructions(body))
     if max_len is not None and len(messages) > max_len:
         raise ValueError(f"input: {len(messages)} messages exceed the context window of {max_len} positions")
-    prompt = ChatPrompt(tuple(messages), True, thinking, tools=tools)
+    prompt = ChatPrompt(tuple(messages), True, thinking, tools=tools.tools)
     params = _params(body, defaults)
     fill = events.fills_context(body.get("max_output_tokens") is not None, params, prompt.calls_tools)
     stream = bool(optional(body, "stream", bool))
@@ -100,9 +100,17 @@ def responses_request(
     store = optional(body, "store", bool)
     _metadata(body.get("metadata"))
     _include(body.get("include"))
-    sub = Submission(prompt, params, fill_context=fill, cache_salt=salt, **edit_fields(body, max_len))
+    sub = Submission(
+        prompt,
+        params,
+        fill_context=fill,
+        cache_salt=salt,
+        limit_field="max_output_tokens",
+        **edit_fields(body, max_len),
+    )
     call = Call(sub, model, stream)
-    return ResponsesCall(call, True if store is None else store, tuple(convo.messages), _echo(body, params, thinking))
+    echo = _echo(body, params, thinking) | {"tools": list(tools.echo)}
+    return ResponsesCall(call, True if store is None else store, tuple(convo.messages), echo, tools)
 
 
 def _instructions(body: dict) -> str | None:
@@ -122,34 +130,6 @@ def _previous(value, previous: Callable[[str], Stored | None]) -> tuple[dict, ..
 
 
 # ---------------------------------------------------------------------------------------------- options
-
-
-def _tool_set(body: dict) -> ToolSet | None:
-    """Responses' flat function tools and tool_choice → the chat door's ToolSet (its messages renamed)."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise ValueError("tools must be a list of function tools")
-        tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
-    if isinstance(choice, dict):
-        known(choice, {"type", "name"}, "tool_choice")
-        if choice.get("type") != "function":
-            raise ValueError(f'tool_choice.type must be "function", got {clip(str(choice.get("type")))!r}')
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    try:
-        return ToolSet.from_openai(tools, choice, body.get("parallel_tool_calls"))
-    except ValueError as e:
-        raise ValueError(re.sub(r"^(tools\[\d+\]|tool_choice)\.function\.", r"\1.", str(e))) from None
-
-
-def _tool(tool, field: str) -> dict:
-    if not isinstance(tool, dict):
-        raise ValueError(f'{field} must be an object {{"type": "function", "name": ...}}')
-    if tool.get("type") != "function":
-        raise ValueError(f'{field}.type: only "function" tools are supported, got {clip(str(tool.get("type")))!r}')
-    known(tool, {"type", "name", "description", "parameters", "strict"}, field)
-    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-    return {"type": "function", "function": fn}
 
 
 def _thinking(reasoning) -> bool:

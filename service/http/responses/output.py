@@ -55,7 +55,8 @@ class ResponseOutput(ItemEncoder[dict]):
         if kind == CALL:
             assert call is not None and call.id is not None
             item = {"type": "function_call", "id": f"fc_{self.key}{index}", "call_id": call.id}
-            item |= {"name": call.name or "", "arguments": "", "status": "in_progress"}
+            # a namespace's tool is called by its own name and its namespace (``tools.ResponsesTools.wire``)
+            item |= {**self.rc.tools.wire(call.name or ""), "arguments": "", "status": "in_progress"}
             return item, [_added(index, item)]
         if kind == TEXT:
             item = {"type": "message", "id": f"msg_{self.key}{index}", "status": "in_progress", "role": "assistant"}
@@ -121,8 +122,13 @@ class ResponseOutput(ItemEncoder[dict]):
             "output": [_copy(item) for item in self.items] if f is not None else [],
             **self.rc.echo,
             "usage": None if f is None else usage(f.usage),
-            "dgserve": {"request_id": self.request_id, "seed": self.seed, **timing(f)},
+            "dgserve": {"request_id": self.request_id, "seed": self.seed, **timing(f), **self._left_out()},
         }
+
+    def _left_out(self) -> dict:
+        """The hosted tool types the prompt left out (docs/responses-api.md, "Tools"), when there are any."""
+        left_out = self.rc.tools.left_out
+        return {"tools_left_out": list(left_out)} if left_out else {}
 
     def finish(self, gate: Gate, owner: str | None) -> dict:
         """The finished response object, kept in the store when the request asked for it."""
