@@ -161,3 +161,16 @@ def make_processor_checkpoint(path) -> None:
     processor = {"image_processor": ODD_PROCESSOR, "processor_class": "Gemma4Processor", "image_seq_length": 280}
     (path / "processor_config.json").write_text(json.dumps(processor))
     (path / "preprocessor_config.json").write_text(json.dumps({**ODD_PROCESSOR, "max_soft_tokens": 70}))
+
+
+def write_vision_chat_checkpoint(path):
+    """The "vis" tiny checkpoint (image ids 296..298 inside its 300-token vocabulary) with a BPE tokenizer of 296
+    tokens, written to ``path``: as in the real model, no text encodes to an image id. Returns ``path``."""
+    import json
+
+    from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
+
+    make_tiny_hf_model("vis").save_pretrained(path)
+    train_tokenizer(296).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    return path

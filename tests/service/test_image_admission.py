@@ -9,7 +9,6 @@ import asyncio
 import base64
 import http.server
 import io
-import json
 import random
 import statistics
 import threading
@@ -19,14 +18,13 @@ import grpc
 import httpx
 import pytest
 from service_helpers import base_config, params, running
-from tiny_models import make_tiny_hf_model
+from tiny_models import write_vision_chat_checkpoint
 
 from dgserve import Engine
 from dgserve.engine.async_engine import AsyncEngine
 from dgserve.engine.prompt import ChatPrompt
 from dgserve.engine.scheduler import QueueFullError
 from dgserve.media.images import ImageCaps, ImageError, load_image, preprocess, soft_tokens
-from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
 from dgserve.service import images as service_images
 from dgserve.service.__main__ import build_config
 from dgserve.service.config import ServiceConfig
@@ -87,9 +85,7 @@ SMALL = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_
 def vision_dir(tmp_path_factory):
     """The "vis" tiny checkpoint (70 soft tokens per image at most) with a BPE tokenizer."""
     path = tmp_path_factory.mktemp("vis-admission")
-    make_tiny_hf_model("vis").save_pretrained(path)
-    train_tokenizer(296).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    write_vision_chat_checkpoint(path)
     return path
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import struct
 import time
 import zlib
@@ -15,12 +14,11 @@ import grpc
 import httpx
 import pytest
 from service_helpers import base_config, params, running
-from tiny_models import make_tiny_hf_model
+from tiny_models import write_vision_chat_checkpoint
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.prompt import ChatPrompt
 from dgserve.media.images import ImageCaps, load_image, preprocess
-from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
@@ -61,9 +59,7 @@ def vision_dir(tmp_path_factory):
     """The "vis" tiny checkpoint (image ids 296..298 inside its 300-token vocabulary) with a BPE tokenizer of 296
     tokens: as in the real model, no text encodes to an image id (a continued conversation's text stays text)."""
     path = tmp_path_factory.mktemp("vis-chat")
-    make_tiny_hf_model("vis").save_pretrained(path)
-    train_tokenizer(296).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    write_vision_chat_checkpoint(path)
     return path
 
 

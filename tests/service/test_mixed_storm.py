@@ -7,7 +7,6 @@ a traceback, the gauges return to 0 and a seeded request gives the same text bef
 from __future__ import annotations
 
 import http.server
-import json
 import logging
 import random
 import threading
@@ -20,9 +19,8 @@ import httpx
 import pytest
 from service_helpers import auth_config, running
 from test_image_doors import _bomb_png, _data_url, _png
-from tiny_models import make_tiny_hf_model
+from tiny_models import write_vision_chat_checkpoint
 
-from dgserve.model.default_model import TOKENIZER_CONFIG, train_tokenizer
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
 
@@ -56,9 +54,7 @@ def image_host():
 @pytest.fixture(scope="module")
 def storm_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("vis-storm")
-    make_tiny_hf_model("vis").save_pretrained(path)
-    train_tokenizer(296).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    write_vision_chat_checkpoint(path)
     cfg = auth_config(
         path,
         tmp_path_factory.mktemp("tokens"),
