@@ -1,6 +1,6 @@
 """Op-level benchmarks of dgserve.ops, one JSON line per configuration.
 
-    python bench/bench_ops.py moe|nvfp4|diffusion_step [--shape 26b|small] [--device cuda|cpu]
+    python bench/bench_ops.py moe|nvfp4|diffusion_step|linear [--shape 26b|small] [--device cuda|cpu]
                                   [--dtype bfloat16|float32] [--canvases 1,4,16] [--hbm-gbps 3350]
                                   [--repeats 20] [--warmup 3] [--no-reference]
 
@@ -28,6 +28,11 @@ of HBM bandwidth and ≥ 2.5× the bf16 path.
 1, 4, 16 canvases: time, GB/s of logits read + processed logits written, % of ``--hbm-gbps``, and the speed-up
 over the PyTorch reference (``ops.native_disabled()``; skipped on CUDA at V = 262,144, where the reference's
 Philox temporaries take several GB per canvas).
+
+``linear``: ``dgserve.ops.linear`` (the batch-invariant GEMM) against ``F.linear`` at the shipped small model's
+GEMM shapes (hidden 192, MLP 384, expert intermediate 192, vocabulary 2048) for ``--rows`` 16, 256 and 512: GFLOP/s
+of each and the ratio, timed side by side (the two calls alternate, best of ``--repeats`` rounds of a few calls
+each), plus the machine's measured fp32 matmul peak (F.linear at 1024 x 1024 x 1024, best of ``--repeats``).
 """
 
 from __future__ import annotations
@@ -385,6 +390,72 @@ def bench_diffusion_step(args: argparse.Namespace, device: torch.device, dtype: 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------------------
+
+LINEAR_SHAPES = {  # name -> (N, K) at python/dgserve/models/small (H 192, I 384, moe I 192, V 2048)
+    "q_o_proj": (192, 192),
+    "mlp_gate_up": (384, 192),
+    "mlp_down": (192, 384),
+    "expert_down": (192, 192),
+    "lm_head": (2048, 192),
+}
+
+
+def add_linear_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", default="16,256,512", help="comma-separated row counts T")
+    p.add_argument("--calls", type=int, default=10, help="calls per timed round")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (default: torch's own)")
+
+
+def side_by_side_ms(fns, repeats: int, calls: int) -> list[float]:
+    """Best per-call milliseconds of each fn, the fns alternating round by round (a shared machine's load hits
+    both alike)."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) * 1e3 / calls)
+    return best
+
+
+def bench_linear(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)  # both sides use torch's thread count (OpenMP)
+    gen = torch.Generator().manual_seed(args.seed)
+    big = torch.randn(1024, 1024, generator=gen).to(device)
+    (peak_ms,) = side_by_side_ms([functools.partial(F.linear, big, big)], args.repeats, 1)
+    peak = 2 * 1024**3 / (peak_ms * 1e-3) / 1e9
+    for name, (N, K) in LINEAR_SHAPES.items():
+        w = (torch.randn(N, K, generator=gen) * K**-0.5).to(dtype).to(device)
+        for T in (int(t) for t in args.rows.split(",")):
+            x = torch.randn(T, K, generator=gen).to(dtype).to(device)
+            for _ in range(args.warmup):
+                ops.linear(x, w), F.linear(x, w)
+            calls = [functools.partial(ops.linear, x, w), functools.partial(F.linear, x, w)]
+            dg_ms, torch_ms = side_by_side_ms(calls, args.repeats, args.calls)
+            flop = 2 * T * N * K
+            emit(
+                {
+                    "bench": "linear",
+                    "device": device_name(device),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "gemm": name,
+                    "T": T,
+                    "N": N,
+                    "K": K,
+                    "dg_gflops": sig(flop / (dg_ms * 1e-3) / 1e9),
+                    "torch_gflops": sig(flop / (torch_ms * 1e-3) / 1e9),
+                    "speed_dg_over_torch": round(torch_ms / dg_ms, 3),
+                    "peak_fp32_gflops_measured": sig(peak),
+                    "max_abs_diff_vs_torch": float((ops.linear(x, w).float() - F.linear(x, w).float()).abs().max()),
+                }
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------------------
 
@@ -396,6 +467,7 @@ SUBCOMMANDS = {  # name -> (add_args, bench, help)
         bench_diffusion_step,
         "fused sampler step over [B, 256, V] logits vs the PyTorch reference",
     ),
+    "linear": (add_linear_args, bench_linear, "batch-invariant linear vs F.linear at the small model's shapes"),
 }
 
 

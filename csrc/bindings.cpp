@@ -12,7 +12,9 @@
 #include "common/status.h"
 #include "ops/canvas_noise.h"
 #include "ops/diffusion_step.h"
+#include "ops/gelu_tanh_mul.h"
 #include "ops/gumbel_noise.h"
+#include "ops/linear.h"
 #include "ops/moe_align.h"
 #include "ops/moe_combine.h"
 #include "ops/moe_experts.h"
@@ -133,6 +135,48 @@ void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, 
   dg::RmsNormParams p{dg_dtype(x),   x.data_ptr(), x.stride(0), w,          out.data_ptr(),
                       out.stride(0), x.size(0),    x.size(1),   (float)eps, (int)sum_lanes};
   dispatch(op, x, dg::rms_norm_cpu, DG_CUDA(dg::rms_norm_cuda), p);
+}
+
+// ---- linear / gelu_tanh_mul (contracts: ops/linear.h, ops/gelu_tanh_mul.h) ----------------------------------
+
+void linear(const Tensor& x, const Tensor& weight, const Tensor& out) {
+  const char* op = "linear";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.size(1) == 0 || x.stride(1) == 1, op, ": `x` needs a contiguous last dim, got shape ",
+                    shape_str(x), " strides ", x.strides());
+  check_arg(weight, op, "weight", {x.scalar_type()}, 2);
+  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), op, ": `weight` must have shape [N, ", x.size(1), "], got ",
+                    shape_str(weight));
+  check_arg(out, op, "out", {x.scalar_type()}, 2, /*contiguous=*/false);
+  check_shape(out, op, "out", {x.size(0), weight.size(0)});
+  TORCH_CHECK_VALUE(out.size(1) == 0 || out.stride(1) == 1, op, ": `out` needs a contiguous last dim");
+  check_same_device(x, weight, op, "weight");
+  check_same_device(x, out, op, "out");
+  dg::LinearParams p{dg_dtype(x),   x.data_ptr(), x.stride(0),    weight.data_ptr(), out.data_ptr(),
+                     out.stride(0), x.size(0),    weight.size(0), x.size(1)};
+  dispatch(op, x, dg::linear_cpu, DG_CUDA(dg::linear_cuda), p);
+}
+
+void gelu_tanh_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  const char* op = "gelu_tanh_mul";
+  check_arg(gate, op, "gate", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
+  const auto check = [&](const Tensor& t, const char* name) {
+    check_arg(t, op, name, {gate.scalar_type()}, 2, /*contiguous=*/false);
+    check_shape(t, op, name, gate.sizes());
+    TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, op, ": `", name, "` needs a contiguous last dim");
+    TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": `", name, "` must be a CPU tensor (the op has no CUDA path)");
+  };
+  check(gate, "gate");
+  check(up, "up");
+  check(out, "out");
+  dg::GeluTanhMulParams p{dg_dtype(gate), gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                          out.data_ptr(), out.stride(0),   gate.size(0),   gate.size(1)};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::gelu_tanh_mul_cpu(p);
+  }
+  raise_if_error(status, op);
 }
 
 // ---- canvas_noise / gumbel_noise -----------------------------------------------------------------------------
@@ -586,6 +630,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("blocks"), py::arg("steps"),
         py::arg("entropy_bound"), py::arg("canvas"), py::arg("argmax"), py::arg("entropy"), py::arg("accepted"),
         py::arg("mean_entropy"), py::arg("processed"), py::arg("sum_lanes") = 8, py::arg("bitmask") = py::none());
+  m.def("linear", &linear,
+        "batch-invariant y [T, N] = x [T, K] · weight [N, K]^T (fp32|bf16, fp32 accumulation in k order, one "
+        "rounding) into out",
+        py::arg("x"), py::arg("weight"), py::arg("out"));
+  m.def("gelu_tanh_mul", &gelu_tanh_mul,
+        "out [rows, cols] = rnd(rnd(gelu_tanh(gate)) * up), one fixed scalar GELU-tanh formula (CPU)", py::arg("gate"),
+        py::arg("up"), py::arg("out"));
   m.def("moe_route", &moe_route,
         "router top-k from scores [T, E] (fp32 probabilities, or logits with from_logits) into weights [T, K] "
         "fp32 and ids [T, K] int64",

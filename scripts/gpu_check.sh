@@ -40,9 +40,9 @@ export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 # The test files that hold cuda-marked tests (grep -l 'mark.cuda' tests): named so that pytest never imports
 # the service's tests, whose packages (grpc health, jsonschema, llguidance, fastapi, ...) the image lacks.
 CUDA_TESTS=(
-  tests/ops/test_cuda_edge_cases.py tests/ops/test_diffusion_step_cuda.py tests/ops/test_moe_align.py
+  tests/ops/test_cuda_edge_cases.py tests/ops/test_diffusion_step_cuda.py tests/ops/test_linear.py tests/ops/test_moe_align.py
   tests/ops/test_moe_combine.py tests/ops/test_moe_experts.py tests/ops/test_moe_route.py
-  tests/ops/test_nvfp4_cuda.py tests/test_engine_cuda.py
+  tests/ops/test_nvfp4_cuda.py tests/test_engine_cuda.py tests/test_fp8_w8a8_cuda.py
 )
 WORKERS=$((JOBS / 2 > 8 ? 8 : (JOBS / 2 > 1 ? JOBS / 2 : 1)))  # each worker holds a CUDA context (~0.5 GB)
 THREADS=$((JOBS / WORKERS))  # CPU threads per worker (the tests' CPU references), so workers do not oversubscribe

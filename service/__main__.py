@@ -58,9 +58,22 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
                 if getattr(args, flag[2:].replace("-", "_")) or env.get(var, "").strip().lower() in _TRUE
             }
         )
-        return ServiceConfig(**kw), args.dry_run
+        config = ServiceConfig(**kw)
+        _check_revision(config)
+        return config, args.dry_run
     except ValueError as e:
         raise ValueError(f"{e}{_fix_hint(str(e))}") from None
+
+
+def _check_revision(config: ServiceConfig) -> None:
+    """ValueError when --revision is given with a model that is a local directory (a revision pins a Hub id only)."""
+    from .hub import is_hub_id
+
+    if config.revision and config.model is not None and not is_hub_id(config.model):
+        raise ValueError(
+            f"revision {config.revision!r} applies to a model given by Hub id (org/name), but model {config.model!r} "
+            "is a local path: drop the revision or name the model by id"
+        )
 
 
 def _fix_hint(message: str) -> str:
@@ -74,6 +87,10 @@ def _convert(field: str, raw: str, parse):
         return tuple(n.strip() for n in raw.split(",") if n.strip())
     if field == "http_port":
         return None if raw.strip().lower() in ("off", "none", "-1") else int(raw)
+    if field == "hf_overrides":  # a JSON object; a bad one is a one-line error naming the flag
+        from dgserve.config import parse_hf_overrides
+
+        return parse_hf_overrides(raw, "--hf-overrides")
     try:
         return parse(raw)
     except ValueError:
@@ -85,10 +102,15 @@ def _runtime(config: ServiceConfig) -> dict:
     from dgserve.model.default_model import default_model_path
     from dgserve.model.runtime import describe, plan_runtime
 
+    from .hub import HubError, is_hub_id, probe
+
+    model = config.model or default_model_path()
     try:
-        return describe(
-            plan_runtime(config.model or default_model_path(), config.device, config.dtype, config.native_ops)
-        )
+        if is_hub_id(model):  # by id: the cached snapshot or its config.json alone (no weights are fetched)
+            model = probe(model, config.revision, config.download_dir)
+        return describe(plan_runtime(model, config.device, config.dtype, config.native_ops))
+    except HubError as e:
+        return {"problem": str(e)}
     except Exception as e:  # noqa: BLE001 - a dry run reports, it does not fail
         return {"problem": f"{type(e).__name__}: {e}"}
 

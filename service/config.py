@@ -37,6 +37,8 @@ class ServiceConfig:
     dtype: str = "auto"
     native_ops: str = "auto"  # auto: self-check, failing ops off; off: none; strict: refuse to start
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    hf_overrides: dict | None = None  # deep-merged into config.json before it is parsed (--hf-overrides)
+    allow_long_max_model_len: bool = False  # max_model_len may exceed max_position_embeddings (with a warning)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # running requests (the engine's default too)
     max_queue_len: int = 256  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # prompt tokens per encoder chunk and per engine iteration
@@ -142,6 +144,8 @@ class ServiceConfig:
             _int("http_port", self.http_port, 0, 65535)
         if self.max_model_len is not None:
             _int("max_model_len", self.max_model_len, 1, 1 << 30)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {type(self.hf_overrides).__name__}")
         for name, hi in (
             ("responses_store_max_entries_per_caller", 1 << 24),
             ("responses_store_max_bytes_per_caller", 1 << 40),

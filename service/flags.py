@@ -56,6 +56,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "HTTP port: OpenAI-compatible API, health, metrics (default {default}; 0 = ephemeral; off = none)",
     ),
     ("--max-model-len", "NIM_MAX_MODEL_LEN", "max_model_len", int, "context window (default: the model's)"),
+    (
+        "--hf-overrides",
+        "DGSERVE_HF_OVERRIDES",
+        "hf_overrides",
+        str,
+        (
+            "JSON object deep-merged into the checkpoint's config.json before it is parsed, nested objects key by "
+            "key, e.g. a full-attention RoPE factor (vLLM's name; docs/generation.md)"
+        ),
+    ),
     ("--log-level", "NIM_LOG_LEVEL", "log_level", str, "DEBUG | INFO | WARNING | ERROR | CRITICAL (default {default})"),
     ("--max-num-seqs", "DGSERVE_MAX_NUM_SEQS", "max_num_seqs", int, "requests running at once (default {default})"),
     (
@@ -361,6 +371,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
 ]
 SWITCHES = [  # (flag, environment variable, field, value when set, help)
     ("--json-logs", "NIM_JSONL_LOGGING", "json_logs", True, "JSON-lines logs with the request id on every line"),
+    (
+        "--allow-long-max-model-len",
+        "DGSERVE_ALLOW_LONG_MAX_MODEL_LEN",
+        "allow_long_max_model_len",
+        True,
+        (
+            "let --max-model-len exceed the model's max_position_embeddings (a warning is logged; vLLM's "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN)"
+        ),
+    ),
     ("--no-reflection", "DGSERVE_NO_REFLECTION", "reflection", False, "do not serve gRPC reflection"),
     ("--no-warm-up", "DGSERVE_NO_WARM_UP", "warm_up", False, "skip the warm-up generation before readiness"),
     (

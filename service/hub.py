@@ -7,6 +7,8 @@ Public contract:
     fetch(repo_id, revision, cache_dir, log_progress) -> str   the snapshot directory; HubError (one line) when
                                 the repository cannot be had: gated without a token, not found, no network and
                                 nothing cached, not enough disk, not a DiffusionGemma checkpoint
+    probe(repo_id, revision, cache_dir) -> str   for --dry-run: a directory with its config.json (the cached
+                                snapshot, or config.json alone); the same HubError, weights never downloaded
 
 huggingface_hub reads its own environment (HF_ENDPOINT, HF_TOKEN, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE); this
 module reads none. Progress: huggingface_hub's bars (on a terminal only), or with ``log_progress`` one log line
@@ -72,6 +74,32 @@ def fetch(repo_id: str, revision: str | None = None, cache_dir: str | None = Non
         path = _download(repo_id, revision, cache, log_progress)
     except HubError:
         raise
+    except Exception as e:
+        raise HubError(f"{where}: {_describe(e, repo_id, revision, cache)}") from e
+    check_checkpoint(path, repo_id)
+    return path
+
+
+def probe(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """For ``--dry-run``: a directory holding ``repo_id``'s config.json, without downloading its weights: the cached
+    snapshot when there is one, else config.json fetched alone. HubError (one line, as ``fetch``) when the model
+    cannot be had: not reachable, not cached with HF_HUB_OFFLINE, gated, not found, not a DiffusionGemma."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = cache_dir or constants.HF_HUB_CACHE
+    where = f"model {repo_id}" + (f" (revision {revision})" if revision else "")
+    try:
+        try:
+            path = snapshot_download(
+                repo_id, revision=revision, cache_dir=cache, allow_patterns=ALLOW_PATTERNS, local_files_only=True
+            )
+        except LocalEntryNotFoundError:
+            if constants.HF_HUB_OFFLINE:
+                raise
+            path = os.path.dirname(hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            path = os.path.dirname(hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache))
     except Exception as e:
         raise HubError(f"{where}: {_describe(e, repo_id, revision, cache)}") from e
     check_checkpoint(path, repo_id)

@@ -96,6 +96,8 @@ def load_engine(cfg: ServiceConfig) -> Engine:
         native_ops=cfg.native_ops,
         scheduler_config=scheduler_config(cfg),
         max_model_len=cfg.max_model_len,
+        hf_overrides=cfg.hf_overrides,
+        allow_long_max_model_len=cfg.allow_long_max_model_len,
         cache_config=cfg.kv_cache_memory,
         max_request_steps=cfg.max_request_steps,
         max_request_seconds=cfg.max_request_seconds,

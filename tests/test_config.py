@@ -268,7 +268,7 @@ REJECTIONS = [
         1.5,
         "text_config.rope_parameters.full_attention.partial_rotary_factor",
     ),
-    ("text_config.rope_parameters.full_attention.factor", 8.0, "text_config.rope_parameters.full_attention.factor"),
+    ("text_config.rope_parameters.full_attention.factor", -2.0, "text_config.rope_parameters.full_attention.factor"),
     (
         "text_config.rope_parameters.full_attention.rope_theta",
         _DELETE,

@@ -318,6 +318,15 @@ def test_entrypoint_serve_word_and_other_commands():
     assert r.returncode == 0 and r.stdout.strip() == "['a b']", r.stderr  # exec'd as given, the app installed
 
 
+def test_entrypoint_takes_a_hub_id_and_the_download_word(tmp_path):
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # the dry run reports "not cached", no network
+    for args in (["acme/tiny"], ["serve", "acme/tiny", "--max-num-seqs", "3"]):
+        cfg = dry_run(args, offline)
+        assert cfg["model"] == "acme/tiny" and "HF_HUB_OFFLINE" in cfg["runtime"]["problem"], cfg
+    r = run_entrypoint(["download", "not-an-id"], offline)
+    assert r.returncode == 2 and "dgserve download: error: 'not-an-id' is not a Hub id" in r.stderr, r.stderr
+
+
 def test_entrypoint_reports_a_bad_value_with_its_field():
     r = run_entrypoint(["--dry-run"], {"DGSERVE_GRPC_PORT": "70000"})
     assert r.returncode == 2 and "port" in r.stderr
@@ -545,6 +554,29 @@ def test_gpu_resources_and_model_volume():
     assert str(c["resources"]["requests"]["nvidia.com/gpu"]) == "1"
     mounts = {v["mountPath"]: v for v in c["volumeMounts"]}
     assert mounts["/models"].get("readOnly") is True
+
+
+def test_model_by_name_init_container_fills_the_cache_the_server_reads_offline():
+    """deploy/kubernetes (docs/deployment.md, "Kubernetes"): `dgserve download <id>` in an init container into the
+    cache on the model volume, the token from a Secret; the server names the same id, HF_HUB_OFFLINE=1, read-only."""
+    m = manifests()
+    pod = m[("Deployment", "dgserve")]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    serve = container(m[("Deployment", "dgserve")])
+    assert init["image"] == serve["image"] and init["args"][0] == "download"
+    model_id = init["args"][1]
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", model_id) and serve["args"][:2] == ["--model", model_id]
+    (token,) = [e for e in init["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"]["key"] and "value" not in token
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in serve["env"]
+    assert not any(e["name"] == "HF_TOKEN" for e in serve["env"])  # offline: the server needs no token
+    cache = m[("ConfigMap", "dgserve-config")]["data"]["NIM_CACHE_PATH"]
+    for c, read_only in ((init, None), (serve, True)):
+        assert {"configMapRef": {"name": "dgserve-config"}} in c["envFrom"]
+        (mount,) = [v for v in c["volumeMounts"] if v["name"] == "models"]
+        assert cache.startswith(mount["mountPath"] + "/") and mount.get("readOnly") is read_only
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in m
 
 
 def test_runs_as_the_image_non_root_user():

@@ -152,9 +152,10 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.model.vision_config",  # vision_config and the image preprocessing settings
                 "dgserve.model.fp8",  # the compressed-tensors FP8 weight format (docs/kernels.md, "FP8 checkpoints")
             ),
+            ("dgserve.model.fp8_w8a8",),  # FP8 served as FP8: W8A8 GEMMs and the path decision
             ("dgserve.model.quant_format", "dgserve.model.checkpoint_fp8"),  # which format; loading FP8
             ("dgserve.model.checkpoint_save", "dgserve.model.checkpoint", "dgserve.model.layers"),
-            ("dgserve.model.batched", "dgserve.model.vision"),
+            ("dgserve.model.batched", "dgserve.model.stacked", "dgserve.model.vision"),  # stacked: CPU canvases at once
             ("dgserve.model.diffusion_gemma", "dgserve.model.quantize", "dgserve.model.runtime", "dgserve.model.tiny"),
             ("dgserve.model", "dgserve.model.default_model"),
         ),

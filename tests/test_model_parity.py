@@ -104,17 +104,22 @@ def test_chunked_prefill_equals_one_shot(tiny_checkpoint):
     assert (model.denoise(cache, canvas) - whole).abs().max().item() <= 1e-5
 
 
-def test_batch_rows_are_independent(tiny_checkpoint):
-    """A row's logits do not depend on the other rows of the batch (bitwise)."""
-    model = DiffusionGemma.from_pretrained(tiny_checkpoint("wide"))
+@pytest.mark.parametrize("which", ["wide", "base", "shipped"])
+def test_batch_rows_are_independent(tiny_checkpoint, which):
+    """A row's logits do not depend on the other rows of the batch (bitwise): the CPU decoder's stacked pass
+    (model/stacked.py) at mixed prompt lengths, some rows with self-conditioning logits, on the tiny MoE variants and
+    the shipped model, against each row's one-canvas pass."""
+    from dgserve.model import SlotCache
+    from dgserve.model.default_model import SHIPPED
+
+    model = DiffusionGemma.from_pretrained(SHIPPED if which == "shipped" else tiny_checkpoint(which))
     C, V = model.config.canvas_length, model.config.vocab_size
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, V, (1, n), generator=g) for n in (3, 9, 30)]
-    canvases = torch.randint(0, V, (3, C), generator=g)
-    alone = [model.denoise(model.prefill(p), canvases[i : i + 1]) for i, p in enumerate(prompts)]
-    from dgserve.model import SlotCache
-
+    prompts = [torch.randint(0, V, (1, n), generator=g) for n in (3, 9, 30, 1, 17)]
+    canvases = torch.randint(0, V, (len(prompts), C), generator=g)
+    sc = [None, 4 * torch.randn(C, V, generator=g), None, None, 4 * torch.randn(C, V, generator=g)]
+    alone = [model.denoise(model.prefill(p), canvases[i : i + 1], [sc[i]]) for i, p in enumerate(prompts)]
     batch_cache = SlotCache.stack([model.prefill(p) for p in prompts])
-    together = model.denoise(batch_cache, canvases)
-    for i in range(3):
-        assert torch.equal(together[i], alone[i][0])
+    together = model.denoise(batch_cache, canvases, sc)
+    for i in range(len(prompts)):
+        assert torch.equal(together[i], alone[i][0]), i

@@ -87,7 +87,11 @@ def test_packed_path_gives_the_dequantized_paths_logits(quantized, dtype, tol):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_packed_native_cpu_path_is_bit_identical_to_its_reference(quantized):
+def test_packed_native_cpu_path_matches_its_reference(quantized):
+    """The packed experts' native CPU path against the references, through the whole model. Not bit for bit: the
+    dense MLP's native GELU-tanh gating is one fixed scalar formula within a few fp32 ulp of torch's GELU, the
+    reference's (docs/kernels.md, "gelu_tanh_mul: the gating"); the op itself is bit-identical to its reference
+    (tests/ops)."""
     if not ops.has_native("nvfp4_moe_experts"):
         pytest.skip("dgserve._C is not built")
     model = DiffusionGemma.from_pretrained(quantized, nvfp4_packed=True)
@@ -95,7 +99,8 @@ def test_packed_native_cpu_path_is_bit_identical_to_its_reference(quantized):
     native = _logits(model, prompt, canvas)
     with ops.native_disabled():
         ref = _logits(model, prompt, canvas)
-    assert torch.equal(native, ref)
+    assert _rel_l2(native, ref) <= 1e-5, _rel_l2(native, ref)
+    assert torch.equal(native.argmax(-1), ref.argmax(-1))
 
 
 def test_engine_generates_on_packed_experts(quantized):

@@ -33,9 +33,10 @@ def test_step_peak_memory_is_bounded_by_the_tile():
     untiled = bench.main(args + ["--tile", "8"])
     one = bench.main(args + ["--tile", "1"])
     two = bench.main(args + ["--tile", "2"])
-    # in units of one fp32 [B, C, V] tensor: the untiled step holds two (logits + sampler output) at once
+    # in units of one fp32 [B, C, V] tensor: per canvas of a tile the step holds at most 2.5 [C, V] fp32 (the
+    # processed logits, then the self-conditioning softmax and its bf16 rounding; the logits are freed once used)
     assert untiled["peak_in_fp32_logits"] >= 1.9
-    assert one["peak_in_fp32_logits"] <= 0.3 and two["peak_in_fp32_logits"] <= 0.55
+    assert one["peak_in_fp32_logits"] <= 0.35 and two["peak_in_fp32_logits"] <= 0.7
     for r in (untiled, one, two):
         assert r["kept_after_step_gb"] == 0.0
 
@@ -96,12 +97,12 @@ def test_sampler_in_tiles_equals_one_call():
     logits = 4 * torch.randn(5, C, V, generator=torch.Generator().manual_seed(3))
     whole, tiled = copy.deepcopy(reqs), copy.deepcopy(reqs)
     knobs = StepKnobs.of(reqs)
-    Sampler(torch.float32).step(whole, logits, knobs)
-    for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):
-        Sampler(torch.float32).step(tiled[rows], logits[rows], knobs.rows(rows))
+    processed = Sampler(torch.float32).step(whole, logits, knobs)
+    tiles = (slice(0, 2), slice(2, 4), slice(4, 5))
+    parts = [Sampler(torch.float32).step(tiled[rows], logits[rows], knobs.rows(rows)) for rows in tiles]
+    assert torch.equal(processed, torch.cat(parts))  # the next step's self-conditioning input
     for x, y in zip(whole, tiled, strict=True):
         assert x.block is not None and y.block is not None
         assert torch.equal(x.block.canvas, y.block.canvas) and torch.equal(x.block.argmax, y.block.argmax)
-        assert torch.equal(x.block.self_cond, y.block.self_cond)
         assert x.mean_entropy == y.mean_entropy and x.block_done == y.block_done
         assert x.steps_left == 6  # the sampler reads k; the model runner decrements it

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="local mode: checkpoint directory (default: the default model)")
     g.add_argument("--device", default="cpu", help="local mode: torch device")
     g.add_argument("--dtype", choices=_DTYPES, default="float32", help="local mode: precision")
+    g.add_argument("--hf-overrides", help="local mode: JSON object deep-merged into the model's config.json")
     i = sub.add_parser("info", help="show the served model's info")
     _remote_args(i)
     m = sub.add_parser("make-random", help="write a random checkpoint directory")
@@ -147,12 +148,20 @@ def _local_generate(args, prompt_text: str | None, prompt_ids: list[int] | None)
     import torch
 
     from dgserve import Engine
+    from dgserve.config import ConfigError, parse_hf_overrides
     from dgserve.engine.prompt import ChatPrompt, Prompt
     from dgserve.model.default_model import default_model_path
 
-    engine = Engine.from_pretrained(
-        args.model or default_model_path(), device=args.device, dtype=getattr(torch, args.dtype)
-    )
+    try:
+        engine = Engine.from_pretrained(
+            args.model or default_model_path(),
+            device=args.device,
+            dtype=getattr(torch, args.dtype),
+            hf_overrides=parse_hf_overrides(args.hf_overrides, "--hf-overrides"),
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompt: Prompt | None = prompt_ids if prompt_ids is not None else prompt_text
     if args.chat:
         prompt = ChatPrompt(({"role": "user", "content": prompt_text or ""},))

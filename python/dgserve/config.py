@@ -17,6 +17,8 @@ from typing import Any
 
 from dgserve.config_fields import ConfigError as ConfigError
 from dgserve.config_fields import _float, _int, _is_int, _optional_id, _read_json
+from dgserve.config_fields import merge_overrides as merge_overrides
+from dgserve.config_fields import parse_hf_overrides as parse_hf_overrides
 from dgserve.generation_config import generation_eos_token_ids as generation_eos_token_ids
 from dgserve.generation_config import read_generation_config as read_generation_config
 from dgserve.text_config import (
@@ -51,6 +53,12 @@ TINY_VISION_CONFIG: dict[str, Any] = dict(
 )
 
 
+def read_config_json(path: pathlib.Path, hf_overrides: dict[str, Any] | str | None = None) -> dict[str, Any]:
+    """`path/config.json` (or the file `path`) with ``hf_overrides`` deep-merged into it (``merge_overrides``)."""
+    data = _read_json(path if path.is_file() else path / "config.json")
+    return merge_overrides(data, parse_hf_overrides(hf_overrides))
+
+
 # ------------------------------------------------------------------------------------------------------ ModelConfig
 
 # dataclass field -> the JSON field named in error messages
@@ -62,6 +70,7 @@ _JSON_NAMES = {
     "rope_theta_sliding": f"{_T}.rope_parameters.{SLIDING}.rope_theta",
     "rope_theta_full": f"{_T}.rope_parameters.{FULL}.rope_theta",
     "partial_rotary_factor_full": f"{_T}.rope_parameters.{FULL}.partial_rotary_factor",
+    "rope_factor_full": f"{_T}.rope_parameters.{FULL}.factor",
     "canvas_length": "canvas_length",
     "tie_word_embeddings": "tie_word_embeddings",
 }
@@ -126,6 +135,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None
     bos_token_id: int | None
     max_position_embeddings: int
+    rope_factor_full: float = 1.0  # full layers' RoPE scaling: inv_freq / factor (docs/generation.md, "RoPE")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -158,7 +168,7 @@ class ModelConfig:
                 )
 
     def _validate_numbers(self) -> None:
-        for name in ("rope_theta_sliding", "rope_theta_full", "rms_norm_eps"):
+        for name in ("rope_theta_sliding", "rope_theta_full", "rope_factor_full", "rms_norm_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_json_name(name)}: must be > 0, got {getattr(self, name)!r}")
         if not 0.0 < self.partial_rotary_factor_full <= 1.0:
@@ -200,7 +210,7 @@ class ModelConfig:
             raise ConfigError(f"{_T}.num_hidden_layers: must be a positive integer, got {n_layers}")
         types = _layer_types(text, n_layers)
         (s_hd, s_kv), (f_hd, f_kv) = _head_geometry(text, types)
-        theta_s, theta_f, prf = _rope(text)
+        theta_s, theta_f, prf, factor = _rope(text)
         softcap = (
             None
             if text.get("final_logit_softcapping", 30.0) is None  # explicit null disables it
@@ -235,6 +245,7 @@ class ModelConfig:
             rope_theta_sliding=theta_s,
             rope_theta_full=theta_f,
             partial_rotary_factor_full=prf,
+            rope_factor_full=factor,
             rms_norm_eps=_float(text, "rms_norm_eps", _T, _TEXT_DEFAULTS["rms_norm_eps"]),
             final_logit_softcapping=softcap,
             canvas_length=_int(top, "canvas_length", "", 256),
@@ -242,11 +253,14 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], hf_overrides: dict[str, Any] | str | None = None
+    ) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file). Missing or unparsable file -> ConfigError
-        naming the file."""
+        naming the file. hf_overrides: a JSON object (or its text) deep-merged into the file first
+        (``merge_overrides``; docs/generation.md, "Configuration")."""
         path = pathlib.Path(path)
-        return cls.from_dict(_read_json(path if path.is_file() else path / "config.json"))
+        return cls.from_dict(read_config_json(path, hf_overrides))
 
     def to_dict(self) -> dict[str, Any]:
         """An HF-style top-level config.json dict that transformers' DiffusionGemmaConfig loads to the same model,
@@ -280,6 +294,7 @@ class ModelConfig:
                     "rope_type": "proportional",
                     "partial_rotary_factor": self.partial_rotary_factor_full,
                     "rope_theta": self.rope_theta_full,
+                    **({"factor": self.rope_factor_full} if self.rope_factor_full != 1.0 else {}),
                 },
             },
             "rms_norm_eps": self.rms_norm_eps,

@@ -73,3 +73,30 @@ def _read_json(file: pathlib.Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def parse_hf_overrides(value: dict[str, Any] | str | None, flag: str = "hf_overrides") -> dict[str, Any]:
+    """``--hf-overrides`` / ``hf_overrides=``: a JSON object (or its text) → dict; None → {}. Anything else is a
+    one-line ConfigError naming ``flag``."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with ``overrides`` deep-merged into it: nested objects merge key by key, any other value
+    (lists and null included) replaces the base's (docs/generation.md, "Configuration")."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -43,6 +43,8 @@ _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
 _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
+# full-layer RoPE types whose frequencies dgserve computes exactly as transformers 5.23 does
+_FULL_ROPE_TYPES = ("proportional", "default", "linear")
 
 _T = "text_config"
 
@@ -163,8 +165,13 @@ def _head_geometry(text: dict[str, Any], types: tuple[str, ...]) -> tuple[tuple[
     return geometry[0], geometry[1]
 
 
-def _rope(text: dict[str, Any]) -> tuple[float, float, float]:
-    """(theta_sliding, theta_full, partial_rotary_factor_full) from rope_parameters (docs/generation.md, "RoPE")."""
+def _rope(text: dict[str, Any]) -> tuple[float, float, float, float]:
+    """(theta_sliding, theta_full, partial_rotary_factor_full, factor_full) from rope_parameters
+    (docs/generation.md, "RoPE").
+
+    Full layers take what transformers 5.23 computes exactly: ``proportional`` (inv_freq / factor), ``linear``
+    (the default frequencies / factor; partial_rotary_factor 1) and ``default`` (which ignores ``factor``, as
+    transformers does). Sliding layers take ``default`` only. Any other type is refused by name."""
     where = f"{_T}.rope_parameters"
     rp = text.get("rope_parameters")
     rp = _DEFAULT_ROPE if rp is None else rp
@@ -180,14 +187,21 @@ def _rope(text: dict[str, Any]) -> tuple[float, float, float]:
     if _float(s, "partial_rotary_factor", f"{where}.{SLIDING}", 1.0) != 1.0:
         raise ConfigError(f"{where}.{SLIDING}.partial_rotary_factor: must be 1.0 for 'default' RoPE")
     f_type = f.get("rope_type", f.get("type", "default"))
-    if f_type not in ("proportional", "default"):
-        raise ConfigError(f"{where}.{FULL}.rope_type: {f_type!r} is not supported (only 'proportional' or 'default')")
+    if f_type not in _FULL_ROPE_TYPES:
+        raise ConfigError(
+            f"{where}.{FULL}.rope_type: {f_type!r} is not supported (only {', '.join(map(repr, _FULL_ROPE_TYPES))})"
+        )
     prf = _float(f, "partial_rotary_factor", f"{where}.{FULL}", 1.0)
-    if f_type == "default" and prf != 1.0:
-        raise ConfigError(f"{where}.{FULL}.partial_rotary_factor: must be 1.0 for 'default' RoPE (use 'proportional')")
-    if f_type == "proportional" and _float(f, "factor", f"{where}.{FULL}", 1.0) != 1.0:
-        raise ConfigError(f"{where}.{FULL}.factor: RoPE scaling is not supported (must be 1.0)")
+    if f_type != "proportional" and prf != 1.0:
+        raise ConfigError(f"{where}.{FULL}.partial_rotary_factor: must be 1.0 for {f_type!r} RoPE (use 'proportional')")
+    factor = 1.0
+    if f_type != "default":  # transformers' default RoPE ignores `factor`; linear requires it
+        factor = _float(f, "factor", f"{where}.{FULL}", None if f_type == "linear" else 1.0)
+        if factor is None:
+            raise ConfigError(f"{where}.{FULL}.factor: is required for 'linear' RoPE")
+        if factor <= 0:
+            raise ConfigError(f"{where}.{FULL}.factor: must be positive, got {factor}")
     for kind in LAYER_TYPES:
         if rp[kind].get("rope_theta") is None:
             raise ConfigError(f"{where}.{kind}.rope_theta: is required")
-    return _float(s, "rope_theta", f"{where}.{SLIDING}"), _float(f, "rope_theta", f"{where}.{FULL}"), prf
+    return _float(s, "rope_theta", f"{where}.{SLIDING}"), _float(f, "rope_theta", f"{where}.{FULL}"), prf, factor

@@ -1,5 +1,6 @@
-"""moe_experts: the CPU dispatch (native align + torch GEMMs + native combine) is bit-identical to
-reference.moe_experts; the native grouped-GEMM loop (the CUDA kernels' contract) is within tolerance."""
+"""moe_experts: the CPU dispatch (native align, the batch-invariant linear and gelu_tanh_mul, native combine) is
+within fp32 rounding of reference.moe_experts and gives a token the same bits alone and in any batch; the native
+grouped-GEMM loop (the CUDA kernels' contract) is within tolerance."""
 
 from __future__ import annotations
 
@@ -51,11 +52,24 @@ def _rel_l2(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_bit_identical_to_reference(C, case, dtype):
+def test_cpu_dispatch_close_to_reference(C, case, dtype):
+    # Only the GEMMs' fp32 summation order and the GELU formula differ from the reference (torch's): fp32 rel L2
+    # ~1e-7 per dot product; bf16: an intermediate bf16 rounding may flip (2^-8 relative).
     x, gate_up, down, w, ids = _problem(*case, dtype)
     got = ops.moe_experts(x, gate_up, down, w, ids)
     want = reference.moe_experts(x, gate_up, down, w, ids)
-    assert got.dtype == dtype and torch.equal(got, want)
+    assert got.dtype == dtype and _rel_l2(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dispatch_is_batch_invariant(C, dtype):
+    # Each expert's row count depends on the whole batch; a token's output must not (docs/exactness.md,
+    # "Batch invariance").
+    x, gate_up, down, w, ids = _problem(256, 96, 24, 13, 8, "uniform", dtype)
+    full = ops.moe_experts(x, gate_up, down, w, ids)
+    for lo, hi in ((0, 1), (3, 5), (17, 34), (100, 256)):
+        part = ops.moe_experts(x[lo:hi], gate_up, down, w[lo:hi], ids[lo:hi])
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

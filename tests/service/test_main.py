@@ -77,7 +77,14 @@ RUNTIME_DEFAULTS = {
     "revision": "the repository's default branch",
     "download_dir": "HF_HUB_CACHE",
 }
-UNSET_BY_DEFAULT = {"auth_token_file", "tls_cert", "tls_key", "tls_client_ca", "allowed_hosts"}  # off: no default said
+UNSET_BY_DEFAULT = {
+    "auth_token_file",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "allowed_hosts",
+    "hf_overrides",
+}  # off: no default said
 
 
 def test_every_flag_help_states_service_config_default():

@@ -1,7 +1,9 @@
 """The server in a container-sized memory cgroup (docs/deployment.md, "Memory"): a real `dgserve` process on the
 shipped small model, in a child of this process's memory cgroup with a limit, takes a hundred and more distinct prompts
-near the model's context (2,048 positions). Its KV cache budget says the cgroup bounded it, the prefix cache fills
-and evicts, the resident set levels off under the limit, and nothing is killed.
+near its context (run with --max-model-len 2048: four slots of the model's own 65,536 positions, 99 MiB each in
+fp32, would not fit the limit's budget, and prompts that long would take minutes). Its KV cache budget says the
+cgroup bounded it, the prefix cache fills and evicts, the resident set levels off under the limit, and nothing is
+killed.
 
 Needs a memory cgroup this process may create children in (root, v1 `memory.limit_in_bytes` or v2 `memory.max`);
 skipped with the reason otherwise. The figures are printed (run with -s to see them)."""
@@ -91,7 +93,9 @@ def test_long_prompts_in_a_memory_limited_cgroup():
     if not (SHIPPED / "config.json").is_file():
         pytest.skip("no shipped model in this checkout")
     with limited_cgroup(LIMIT) as (cg, version):
-        srv = storm.ServerProcess(SHIPPED, "--max-num-seqs", str(CLIENTS), cgroup=str(cg))
+        srv = storm.ServerProcess(
+            SHIPPED, "--max-num-seqs", str(CLIENTS), "--max-model-len", str(CONTEXT), cgroup=str(cg)
+        )
         try:
             (budget,) = [line for line in srv.lines if "kv cache budget" in line]
             assert "bounded by the cgroup" in budget and str(cg) in budget, budget

@@ -1,7 +1,7 @@
 """Models by name (docs/deployment.md, "Models by name"): ``--model org/name`` and ``dgserve download`` against a
 local Hub stand-in (tests/hub_standin.py) through huggingface_hub's real client, in real processes: download and
-serve, a revision pin, a gated repository, a resumed download, the offline cache, and each failure as one line and
-exit status 2. Nothing leaves 127.0.0.1."""
+serve, a revision pin, a gated repository, a resumed download, the offline cache, NVFP4 and FP8 checkpoints served as
+they are by path, and each failure as one line and exit status 2. Nothing leaves 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hub_standin import HubStandIn, read_dir
+
+from dgserve import Engine, SamplingParams
+from dgserve.client import Client
 
 BAD_OUTPUT = ("Traceback", "Event loop is closed", "was never awaited")
 SERVE = [sys.executable, "-m", "dgserve.service", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
@@ -51,6 +54,35 @@ def hub(checkpoint):
     h.drop_once.add("acme/resume/model.safetensors")  # that repository's only: other tests download theirs whole
     with h:
         yield h
+
+
+# tiny quantized checkpoints under ids like the real exports', with the files such repositories carry besides the
+# checkpoint, which serving never reads (docs/kernels.md, "NVFP4 checkpoints" and "FP8 checkpoints")
+NVFP4_ID = "nvidia/tiny-diffusiongemma-NVFP4"
+FP8_ID = "RedHatAI/tiny-diffusiongemma-FP8-dynamic"
+NOT_SERVED = {
+    NVFP4_ID: {".gitattributes": b"*.safetensors filter=lfs", "README.md": b"# NVFP4", "LICENSE": b"licence"},
+    FP8_ID: {".gitattributes": b"*.safetensors filter=lfs", "README.md": b"# FP8", "recipe.yaml": b"scheme: FP8"},
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(hub, model_dir, tmp_path_factory) -> dict[str, pathlib.Path]:
+    """The tiny checkpoint exported as ModelOpt NVFP4 (sharded: an index and hf_quant_config.json, as NVIDIA's
+    exports) and as compressed-tensors FP8 dynamic, each added to the stand-in: repository id -> its directory."""
+    import torch
+    from fp8_checkpoint import write_fp8_checkpoint
+
+    from dgserve.model.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized")
+    dirs = {
+        NVFP4_ID: quantize_checkpoint(model_dir, root / "nvfp4", torch.float32, shard_bytes=200_000),
+        FP8_ID: write_fp8_checkpoint(pathlib.Path(model_dir), root / "fp8"),
+    }
+    for repo_id, path in dirs.items():
+        hub.add(repo_id, {**read_dir(path), **NOT_SERVED[repo_id]})
+    return dirs
 
 
 def _one_line_failure(proc: subprocess.CompletedProcess, *must_say: str) -> str:
@@ -150,20 +182,20 @@ def test_interrupted_download_resumes(hub, tmp_path):
 
 
 class _Served:
-    """A ``dgserve serve`` process; its HTTP base URL from the 'listening' log line."""
+    """A ``dgserve serve`` process; its HTTP base URL and gRPC target from the 'listening' log line."""
 
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self.url = ""
+        self.url = self.target = ""
         found = threading.Event()
 
         def read():
             for line in self.proc.stderr:  # type: ignore[union-attr]
                 self.lines.append(line)
-                m = re.search(r"listening: gRPC \S+, HTTP (\d+)", line)
+                m = re.search(r"listening: gRPC (\S+), HTTP (\d+)", line)
                 if m:
-                    self.url = f"http://127.0.0.1:{m.group(1)}"
+                    self.target, self.url = m.group(1), f"http://127.0.0.1:{m.group(2)}"
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()
@@ -198,7 +230,8 @@ def test_serve_by_id_live_but_not_ready_while_downloading(hub, tmp_path):
         s = _Served([*SERVE, "--model", "acme/tiny", "--no-warm-up"], _env(hub.endpoint, tmp_path))
         try:
             end = time.monotonic() + 120
-            while not any(p.endswith("model.safetensors") for m, p, _ in hub.requests if m == "GET"):
+            weights = re.compile(r"/acme/tiny/resolve/[^/]+/model\.safetensors")
+            while not any(m == "GET" and weights.fullmatch(p) for m, p, _ in hub.requests):
                 assert time.monotonic() < end, "".join(s.lines)[-2000:]
                 time.sleep(0.1)
             assert httpx.get(s.url + "/v1/health/live", timeout=10).status_code == 200
@@ -236,3 +269,81 @@ def test_gated_served_with_token_then_offline_from_cache(checkpoint, tmp_path):
         assert s.answers("acme/gated")["data"][0]["root"] == "acme/gated"
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "repo_id, expert_format",
+    [(NVFP4_ID, "nvfp4 (dequantized to float32)"), (FP8_ID, "fp8 (dequantized to float32)")],
+    ids=["nvfp4", "fp8"],
+)
+def test_quantized_served_by_id_as_by_path(hub, quantized, tmp_path, repo_id, expert_format):
+    """An NVFP4 or FP8 checkpoint named by id: the snapshot holds exactly the checkpoint's files (hf_quant_config.json
+    and the shard index included, the repository's other files never fetched), and the server runs that format and
+    answers a seeded request with the tokens of an Engine loaded from the checkpoint's directory by path."""
+    s = _Served([*SERVE, "--model", repo_id, "--no-warm-up"], _env(hub.endpoint, tmp_path))
+    try:
+        s.wait_ready()
+        with Client(s.target) as c:
+            info = c.model_info()
+            got = c.generate_text("the quick brown fox", max_new_tokens=32, max_denoising_steps=2, seed=5, stop=None)
+    finally:
+        s.stop()
+    local = quantized[repo_id]
+    engine = Engine.from_pretrained(local)
+    want = engine.generate("the quick brown fox", SamplingParams(max_new_tokens=32, max_denoising_steps=2, seed=5))
+    assert info.expert_format == engine.runtime_info()["expert_format"] == expert_format
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    sha = hub.repos[repo_id].refs["main"]
+    snapshot = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / sha
+    served, files = read_dir(snapshot), read_dir(local)
+    assert sorted(served) == sorted(files) and served == files
+    prefix = f"/{repo_id}/resolve/"
+    fetched = {
+        p.removeprefix(prefix).split("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and p.startswith(prefix)
+    }
+    assert fetched == set(files), fetched
+
+
+def _dry_run(env: dict[str, str], *args: str) -> dict:
+    proc = subprocess.run([*SERVE, "--dry-run", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and not any(b in proc.stderr for b in BAD_OUTPUT), proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    "case, model, extra_env, must_say",
+    [
+        ("gated", "acme/gated", {}, ["gated", "HF_TOKEN"]),
+        ("offline_not_cached", "acme/tiny", {"HF_HUB_OFFLINE": "1"}, ["HF_HUB_OFFLINE", "dgserve download"]),
+        ("unreachable", "acme/tiny", {"HF_ENDPOINT": "http://127.0.0.1:9"}, ["cannot be reached"]),
+        ("unknown", "acme/nothing", {}, ["no such repository"]),
+    ],
+)
+def test_dry_run_by_id_reports_the_problem_in_one_line(hub, tmp_path, case, model, extra_env, must_say):
+    out = _dry_run({**_env(hub.endpoint, tmp_path), **extra_env}, "--model", model)
+    problem = out["runtime"]["problem"]
+    assert "\n" not in problem and model in problem and "Traceback" not in problem, problem
+    for s in must_say:
+        assert s in problem, problem
+    assert not list(tmp_path.rglob("*.safetensors"))  # a dry run never fetches weights
+
+
+def test_dry_run_by_id_plans_from_config_alone_via_the_nim_variables(hub, tmp_path):
+    """NIM_MODEL_NAME names the model, NIM_CACHE_PATH is the cache: the dry run fetches config.json there only."""
+    cache = tmp_path / "nim-cache"
+    env = {**_env(hub.endpoint, tmp_path / "home"), "NIM_MODEL_NAME": "acme/tiny", "NIM_CACHE_PATH": str(cache)}
+    out = _dry_run(env)
+    assert (out["model"], out["download_dir"]) == ("acme/tiny", str(cache))
+    assert out["runtime"]["problem"] is None and out["runtime"]["expert_format"] == "dense float32"
+    assert [p.name for p in cache.rglob("config.json")] == ["config.json"] and not list(cache.rglob("*.safetensors"))
+
+
+def test_revision_with_a_local_directory_is_an_error(model_dir, tmp_path):
+    proc = subprocess.run(
+        [*SERVE, "--model", str(model_dir), "--revision", "v1", "--dry-run"],
+        env=_env("http://127.0.0.1:9", tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _one_line_failure(proc, "revision 'v1'", "local path", "--revision")

@@ -156,3 +156,22 @@ def test_a_namespaced_tool_is_called_through_the_server(url):
 def test_a_tool_type_neither_function_namespace_nor_hosted_is_a_400(url, kind):
     r = httpx.post(url + "/v1/responses", json={"input": "hi", "tools": [{"type": kind, "name": "x"}]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type", r.text
+
+
+def test_a_developer_message_after_the_turns_began_is_a_user_turn():
+    """Codex CLI, after compacting a conversation, sends its developer instructions again after user messages
+    (docs/responses-api.md, "The request"): the opening ones join the system turn, a later one is a user turn."""
+    from dgserve.service.http.responses.conversation import Conversation
+
+    convo = Conversation()
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "read this"}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<skills/>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
+    ]
+    convo.add_input(items, None)
+    messages = convo.prompt_messages(None)
+    assert [m["role"] for m in messages] == ["system", "user", "user", "user"]
+    assert messages[0]["content"] == "You are Codex."
+    assert messages[2]["content"] == [{"type": "text", "text": "<skills/>"}]

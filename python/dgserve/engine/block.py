@@ -55,7 +55,9 @@ class BlockState:
 
     canvas: torch.Tensor  # [C] int64: the decoder's next input
     argmax: torch.Tensor | None = None  # [C] int64: argmax canvas of the last step run
-    self_cond: torch.Tensor | None = None  # [C, V] md: rnd(processed logits) of the last step
+    # [C, H] md: the self-conditioning signal made from the last step's processed logits (docs/memory.md,
+    # "Self-conditioning state"); None at the block's first step
+    self_cond: torch.Tensor | None = None
     history: deque = field(default_factory=deque)  # the last S argmax canvases
     # [C, ceil(V/32)] int32 host bitmask of the pins (docs/edit-in-place.md), the diffusion step's layout: a pinned
     # position allows its draft token only, an unpinned one before the last pin every token but EOS; None: no

@@ -69,7 +69,8 @@ class Engine:
 
     defaults: the checkpoint's SamplingParams (``SamplingParams.from_generation_config``; None: the built-in
     ones), what ``default_params`` and a request without params start from. max_model_len: the context window
-    (prompt + generated canvases), at most the model's max_position_embeddings (the default). scheduler_config:
+    (prompt + generated canvases), at most the model's max_position_embeddings (the default; more only with
+    allow_long_max_model_len, which logs a warning). scheduler_config:
     capacity and prefill chunking. eos_token_ids: the end-of-sequence ids (generation_config.json's); empty or
     None: config.json's. cache_config: the KV cache budget (``ModelRunner``), which may lower max_num_seqs to
     the slots that fit. max_request_steps: the most denoising steps one request may run (all its canvases
@@ -101,6 +102,7 @@ class Engine:
         default_max_tokens: int | None = None,
         max_tokens_policy: str = "clamp",
         default_max_length: int | None = None,
+        allow_long_max_model_len: bool = False,
     ):
         from dgserve.ops.native_check import run_self_check
 
@@ -120,7 +122,9 @@ class Engine:
         cfg = model.config
         self.max_request_steps = max_request_steps
         checks.check_max_request_seconds(max_request_seconds)
-        self.max_model_len = checks.check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        self.max_model_len = checks.check_max_model_len(
+            max_model_len, cfg.max_position_embeddings, allow_long_max_model_len
+        )
         sched = scheduler_config or SchedulerConfig()
         if sched.image_token_cost is None:  # the device's default (docs/images.md, "Bounded like text")
             sched = dataclasses.replace(sched, image_token_cost=default_image_token_cost(model))
@@ -151,13 +155,15 @@ class Engine:
         path: str | os.PathLike[str],
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
+        hf_overrides: dict[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> Engine:
         """Model + tokenizer (when the directory has tokenizer.json) + generation_config.json's defaults and EOS
         ids (``loading.load_checkpoint``: a bad default or a dtype that does not fit is a ConfigError before the
         weights load); kwargs go to ``Engine.__init__`` (scheduler_config, max_model_len, native_ops). dtype None or
-        "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.model.runtime``)."""
-        ckpt = load_checkpoint(path, device, dtype, kwargs.get("native_ops", "auto"))
+        "auto": bfloat16 on CUDA, float32 on the CPU (``dgserve.model.runtime``). hf_overrides: a JSON object (or its
+        text) deep-merged into config.json before it is parsed (vLLM's name; docs/generation.md, "Configuration")."""
+        ckpt = load_checkpoint(path, device, dtype, kwargs.get("native_ops", "auto"), hf_overrides)
         if kwargs.get("default_max_tokens") is None:  # the operator's default, else the checkpoint's
             kwargs["default_max_tokens"], kwargs["default_max_length"] = ckpt.output_limits
         engine = cls(ckpt.model, ckpt.tokenizer, ckpt.defaults, eos_token_ids=ckpt.eos_token_ids, **kwargs)

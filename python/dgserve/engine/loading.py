@@ -44,12 +44,16 @@ class Checkpoint:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype | str | None, native_ops: str
+    path: str | os.PathLike[str],
+    device: torch.device | str,
+    dtype: torch.dtype | str | None,
+    native_ops: str,
+    hf_overrides: dict[str, Any] | str | None = None,
 ) -> Checkpoint:
     """Load ``path`` for ``Engine.from_pretrained``. The defaults are read and the runtime planned first, so a
     default outside its knob's bounds (ConfigError naming the field and the file) or a dtype whose weights do not
     fit the GPU (ConfigError) fails before any weight is loaded. dtype None or "auto": bfloat16 on CUDA, float32 on
-    the CPU."""
+    the CPU. hf_overrides: a JSON object deep-merged into config.json (docs/generation.md, "Configuration")."""
     from dgserve.model.runtime import check_plan, plan_runtime
     from dgserve.text.tokenizer import Tokenizer
 
@@ -57,7 +61,7 @@ def load_checkpoint(
     eos = generation_eos_token_ids(path)
     plan = plan_runtime(path, str(device), dtype, native_ops)
     check_plan(plan)
-    model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype)
+    model = DiffusionGemma.from_pretrained(path, device=device, dtype=plan.torch_dtype, hf_overrides=hf_overrides)
     tok = Tokenizer.from_pretrained(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     return Checkpoint(model, tok, defaults, eos, plan, generation_output_limits(path))
 

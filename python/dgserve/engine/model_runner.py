@@ -10,8 +10,9 @@ The runner owns every device tensor that lives longer than one pass:
 * the slot assignment, dense: running requests occupy slots 0..n−1. When one leaves, the last slot's cache and
   knobs are moved into the hole once, so a batch of the first B slots is a slice of every table, not a gather.
 
-``run(reqs)`` is one denoising step for a list of requests: the decoder (per canvas on CPU, fixed shapes, bitwise
-batch invariant: docs/exactness.md; batched over the slots in place on accelerators, ``model/batched.py``), the LM
+``run(reqs)`` is one denoising step for a list of requests: the decoder (on CPU the canvases stacked for the
+batch-invariant row-wise ops, attention per canvas: ``model/stacked.py``, bitwise batch invariant, docs/exactness.md;
+batched over the slots in place on accelerators, ``model/batched.py``), the LM
 head a tile of canvases at a time, and the sampler. The batched path has static shapes per (B, length bucket) and
 no allocation proportional to the context; capturing it in CUDA graphs is the GPU issues' work.
 
@@ -44,6 +45,7 @@ from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
+from dgserve.model.stacked import decode_stacked, stackable
 from dgserve.ops.bits import to_signed64
 
 log = logging.getLogger("dgserve")
@@ -307,29 +309,50 @@ class ModelRunner:
         rows = self._rows(slots)
         self._write_step_rows(reqs, rows)
         knobs = self.knobs.rows(rows)
-        canvas = torch.stack([b.canvas for b in blocks])
-        sc = [b.self_cond for b in blocks]
-        if self.model.batch_rows and len(reqs) > 1 and isinstance(rows, slice):
-            encoded = self.cache.lengths[: len(reqs)]  # the one record of positions per slot (host)
-            hidden = decode_slots(
-                self.model,
-                self.cache,
-                torch.tensor(encoded, dtype=torch.int64).to(self.model.device, non_blocking=True),
-                max(encoded),
-                canvas,
-                sc,
-                [None] * len(sc),
-            )
-        else:  # per canvas: fixed shapes (CPU: docs/exactness.md), or a batch that is not a prefix of the slots
-            hidden = torch.stack(
-                [self.model.decode_row_hidden(self.cache.view(s), canvas[b], sc[b], None) for b, s in enumerate(slots)]
-            )
-        for b in blocks:  # consumed: free the previous step's [C, V] inputs before the new ones are made
-            b.self_cond = None
-        for tile, logits in self.model.logits_tiles(hidden):  # LM head + sampler a tile of canvases at a time
-            self.sampler.step(reqs[tile], logits, knobs.rows(tile))
+        hidden = self._decode(blocks, slots, isinstance(rows, slice))
+        # LM head + sampler a tile of canvases at a time; each tile's logits are freed once the sampler has used
+        # them, and its processed logits once they made the self-conditioning signal of the rows that go on
+        for tile, logits in self.model.logits_tiles(hidden):
+            tile_reqs = reqs[tile]
+            processed = self.sampler.step(tile_reqs, logits, knobs.rows(tile))
+            del logits
+            self._keep_self_conditioning(tile_reqs, processed)
+            del processed
         for r in reqs:
             r.steps_left -= 1
+
+    def _decode(self, blocks: list[BlockState], slots: list[int], prefix: bool) -> torch.Tensor:
+        """The decoder pass over the blocks' canvases, each adding its self-conditioning signal [C, H] kept from
+        the last step, which is then dropped → final hidden states [B, C, H]. prefix: the slots are 0..B−1."""
+        canvas = torch.stack([b.canvas for b in blocks])
+        sc = [b.self_cond for b in blocks]
+        for b in blocks:  # consumed by this pass: the list below is the last reference
+            b.self_cond = None
+        none = [None] * len(sc)
+        if self.model.batch_rows and len(blocks) > 1 and prefix:
+            encoded = self.cache.lengths[: len(blocks)]  # the one record of positions per slot (host)
+            lengths = torch.tensor(encoded, dtype=torch.int64).to(self.model.device, non_blocking=True)
+            return decode_slots(self.model, self.cache, lengths, max(encoded), canvas, none, none, sc)
+        # CPU: the canvases stacked, each with its own bits (docs/exactness.md, "Batch invariance")
+        if len(blocks) > 1 and stackable(self.model):
+            return decode_stacked(self.model, [self.cache.view(s) for s in slots], canvas, sc)
+        # per canvas: one canvas, NVFP4/FP8 experts on the CPU, or an accelerator's batch not a prefix of the slots
+        return torch.stack(
+            [
+                self.model.decode_row_hidden(self.cache.view(s), canvas[b], None, None, sc[b])
+                for b, s in enumerate(slots)
+            ]
+        )
+
+    def _keep_self_conditioning(self, reqs: list[Request], processed: torch.Tensor) -> None:
+        """Each request whose block goes on keeps the next step's self-conditioning signal [C, H], made from its
+        row of the tile's processed logits [n, C, V] (``DiffusionGemma.self_conditioning_rows``; docs/memory.md,
+        "Self-conditioning state"); a finished block needs none (the next block starts without)."""
+        going = [i for i, r in enumerate(reqs) if not r.block_done and r.block is not None]
+        for i, signal in zip(going, self.model.self_conditioning_rows(processed, going), strict=True):
+            block = reqs[i].block
+            assert block is not None
+            block.self_cond = signal
 
     def _write_step_rows(self, reqs: list[Request], rows: slice | torch.Tensor) -> None:
         """The moving knobs of this step (block index, k) into the slot tables, from the requests: one copy."""

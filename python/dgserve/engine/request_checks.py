@@ -13,11 +13,13 @@ Public contract:
     check_stop_token_ids(params, vocab_size)            # ValueError naming stop_token_ids[i]
     check_request_id(value, field)                      # ValueError unless 1 to 256 printable characters
     n = check_max_model_len(value, limit)               # the engine's knobs, checked at construction
+    n = check_max_model_len(value, limit, allow_long=True)  # above limit: the opt-in, with a warning
     check_max_request_seconds(value)
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,11 @@ from dgserve.engine.prompt import ChatPrompt, ImagePrompt, Prompt
 from dgserve.model import DiffusionGemma
 from dgserve.sampling_params import SamplingParams
 from dgserve.text.token_bounds import ContextLengthError, PromptTooLongError
+
+log = logging.getLogger("dgserve.engine.request_checks")
+# the server's opt-in (service/flags.py) to a max_model_len past max_position_embeddings
+ALLOW_LONG_MAX_MODEL_LEN = "DGSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+MAX_MODEL_LEN_CEILING = 1 << 30  # the largest max_model_len even with the opt-in (ServiceConfig's bound too)
 
 if TYPE_CHECKING:
     from dgserve.text.tokenizer import Tokenizer
@@ -229,14 +236,32 @@ def check_request_id(value: str, field: str = "request_id") -> None:
         )
 
 
-def check_max_model_len(value: int | None, limit: int) -> int:
+def check_max_model_len(value: int | None, limit: int, allow_long: bool = False) -> int:
     """The engine's context window: ``value``, or the model's max_position_embeddings (``limit``) when None;
-    ValueError unless an integer in [1, limit]."""
+    ValueError unless an integer in [1, limit]. Above ``limit`` only when ``allow_long`` (the server's
+    ``DGSERVE_ALLOW_LONG_MAX_MODEL_LEN=1``, vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; the engine's
+    ``allow_long_max_model_len``), with a warning: the model was not configured for those positions
+    (docs/generation.md, "Limits: what one request can cost")."""
     if value is None:
         return limit
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MODEL_LEN_CEILING:
         raise ValueError(
             f"max_model_len must be an integer in [1, {limit}] (the model's max_position_embeddings), got {value!r}"
+        )
+    if value > limit:
+        if not allow_long:
+            raise ValueError(
+                f"max_model_len {value} exceeds the model's max_position_embeddings {limit}; set "
+                f"{ALLOW_LONG_MAX_MODEL_LEN}=1 (Engine: allow_long_max_model_len=True) to allow it (positions past "
+                f"{limit} may give poor output)"
+            )
+        log.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d (allowed by %s=1): positions past %d "
+            "may give poor output",
+            value,
+            limit,
+            ALLOW_LONG_MAX_MODEL_LEN,
+            limit,
         )
     return value
 

@@ -2,9 +2,11 @@
 
 ``Sampler.step`` advances a batch of requests' blocks by one denoising step, given the decoder's logits for exactly
 those rows and their ``StepKnobs`` (the rows of the model runner's per-slot tables): temperature schedule,
-Gumbel-max draw, entropy-bound acceptance, re-noise, self-conditioning input, adaptive stopping, and for a request
-with a grammar the grammar-verified acceptance (docs/structured-output.md). The noise is keyed per request (seed,
-block, step, position: docs/seeded-noise.md), so a row's result never depends on the batch.
+Gumbel-max draw, entropy-bound acceptance, re-noise, adaptive stopping, and for a request with a grammar the
+grammar-verified acceptance (docs/structured-output.md). It returns the tile's processed logits, from which the
+model runner makes the next step's self-conditioning signal (docs/memory.md, "Self-conditioning state"). The
+noise is keyed per request (seed, block, step, position: docs/seeded-noise.md), so a row's result never depends on
+the batch.
 
 The sampler reads a request's steps left (k of this step) and never changes it: the model runner decrements it
 once after the step.
@@ -64,9 +66,10 @@ class Sampler:
     def __init__(self, model_dtype: torch.dtype):
         self.model_dtype = model_dtype
 
-    def step(self, reqs: list[Request], logits: torch.Tensor, knobs: StepKnobs) -> None:
+    def step(self, reqs: list[Request], logits: torch.Tensor, knobs: StepKnobs) -> torch.Tensor:
         """logits [B, C, V] fp32 (softcapped decoder output) for ``reqs`` (each with a started block) with their
-        knobs → updates each request's block, ``mean_entropy`` and ``block_done`` in place."""
+        knobs → updates each request's block, ``mean_entropy`` and ``block_done`` in place, and returns the
+        processed logits [B, C, V] fp32 (the self-conditioning input of a row whose block goes on)."""
         temperature = ops.step_temperature(knobs.t_min, knobs.t_max, knobs.steps_left, knobs.max_denoising_steps)
         bitmask = _bitmask(reqs, logits.shape[1], logits.shape[2])  # None: no constrained row
         out = ops.diffusion_step(
@@ -81,11 +84,12 @@ class Sampler:
         confident = (out.mean_entropy < knobs.confidence).tolist()
         mean_entropy = out.mean_entropy.tolist()
         for i, r in enumerate(reqs):
-            self._update(r, out.canvas[i], out.argmax[i], out.processed[i], confident[i], mean_entropy[i])
+            self._update(r, out.canvas[i], out.argmax[i], confident[i], mean_entropy[i])
             if r.grammar is not None:  # grammar-verified acceptance of a constrained row
                 _verify(r, out.accepted[i], out.processed[i])
+        return out.processed
 
-    def _update(self, r: Request, canvas, argmax, processed, confident: bool, mean_entropy: float) -> None:
+    def _update(self, r: Request, canvas, argmax, confident: bool, mean_entropy: float) -> None:
         b = r.block
         assert b is not None, "a step for a request without a started block"
         S = r.params.stability_threshold
@@ -96,7 +100,6 @@ class Sampler:
             if len(b.history) > S:
                 b.history.popleft()
         b.canvas, b.argmax = canvas, argmax
-        b.self_cond = processed.to(self.model_dtype)
         r.mean_entropy = mean_entropy
         r.block_done = (stable and confident) or r.steps_left == 1  # k = 1: the block's last step
 

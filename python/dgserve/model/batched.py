@@ -66,22 +66,35 @@ def _visible(cache: SlotCache, layer: int, lengths: torch.Tensor, C: int, L: int
 
 
 def decode_slots(
-    model, cache: SlotCache, lengths: torch.Tensor, max_len: int, canvas: torch.Tensor, sc_logits: list, sc_probs: list
+    model,
+    cache: SlotCache,
+    lengths: torch.Tensor,
+    max_len: int,
+    canvas: torch.Tensor,
+    sc_logits: list,
+    sc_probs: list,
+    sc_signal: list | None = None,
 ) -> torch.Tensor:
     """Slots 0..B−1: lengths [B] int64 (positions encoded, on the device), max_len = max(lengths) (host),
-    canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None → final hidden states [B, C, H] (the LM head
-    runs in tiles: ``DiffusionGemma.logits_tiles``)."""
+    canvas [B, C]; sc_logits / sc_probs: per-row [C, V] or None; sc_signal: per-row [C, H] or None, the
+    self-conditioning signal already made (the engine's) → final hidden states [B, C, H] (the LM head runs in
+    tiles: ``DiffusionGemma.logits_tiles``)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     B, C = canvas.shape
     pos = lengths[:, None] + torch.arange(C, device=model.device)[None, :]  # [B, C]
     x = model.embed_tokens(canvas.reshape(-1)).view(B, C, -1)
-    with_sc = [b for b in range(B) if sc_logits[b] is not None or sc_probs[b] is not None]
-    tile = model.canvas_tile  # the self-conditioning softmax over [n·C, V] in tiles of canvases
-    for t0 in range(0, len(with_sc), tile):
-        part = with_sc[t0 : t0 + tile]
-        lg = None if sc_logits[part[0]] is None else torch.cat([sc_logits[b] for b in part])
-        pr = None if lg is not None else torch.cat([sc_probs[b] for b in part])
-        x[part] = x[part] + model.self_conditioning(lg, pr).view(len(part), C, -1)
+    signal = sc_signal or [None] * B
+    given = [b for b in range(B) if signal[b] is not None]
+    if given:
+        x[given] = x[given] + torch.stack([signal[b].to(x.device) for b in given])
+    tile = model.canvas_tile  # the self-conditioning softmax over [n·C, V] in tiles of canvases, one kind each
+    for kind in (sc_logits, sc_probs):
+        with_sc = [b for b in range(B) if kind[b] is not None and signal[b] is None]
+        for t0 in range(0, len(with_sc), tile):
+            part = with_sc[t0 : t0 + tile]
+            sc = torch.cat([kind[b] for b in part])
+            lg, pr = (sc, None) if kind is sc_logits else (None, sc)
+            x[part] = x[part] + model.self_conditioning(lg, pr).view(len(part), C, -1)
     x = ops.rms_norm(x.view(B * C, -1), None, eps)
     L = length_bucket(max_len + C, cache.slot_len)
     for i, lw in enumerate(model.layers):

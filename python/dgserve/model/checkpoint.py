@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 
 from dgserve.config import FULL, ModelConfig
 from dgserve.model import checkpoint_fp8, nvfp4
+from dgserve.model import fp8_w8a8 as w8a8
 from dgserve.model.checkpoint_layout import DECODER as DECODER
 from dgserve.model.checkpoint_layout import ENCODER as ENCODER
 from dgserve.model.checkpoint_layout import INDEX_FILE as INDEX_FILE
@@ -201,9 +202,11 @@ def _read(
     dtype: torch.dtype,
     device: torch.device | str,
     fp8_scales: dict[str, tuple[str, pathlib.Path]] | None = None,
+    fp8_w8a8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read the planned tensors one at a time, converting each (floating only) as soon as it is read; an FP8 weight
-    (a key of `fp8_scales`, valued by its scale's HF name and file) is dequantized on the CPU first."""
+    (a key of `fp8_scales`, valued by its scale's HF name and file) is dequantized on the CPU first, or with
+    `fp8_w8a8` kept as codes where ``fp8_w8a8.keeps_codes`` says so."""
     fp8_scales = fp8_scales or {}
     by_file: dict[pathlib.Path, list[tuple[str, str]]] = defaultdict(list)
     for canonical, hf in plan.items():
@@ -217,7 +220,11 @@ def _read(
                 except SafetensorError as e:
                     raise CheckpointError(f"{hf} in {file}: cannot read ({e})") from None
                 if hf in fp8_scales:
-                    t = checkpoint_fp8.read_linear(hf, t, *fp8_scales[hf], dtype)
+                    keep = fp8_w8a8 and w8a8.keeps_codes(canonical, tuple(t.shape), device)
+                    t = checkpoint_fp8.read_linear(hf, t, *fp8_scales[hf], dtype, device if keep else None)
+                    if keep:
+                        weights[canonical] = t
+                        continue
                 # the CPU copy `t` is dropped right after the conversion: one extra tensor at most
                 weights[canonical] = (
                     t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device=device)
@@ -234,6 +241,7 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     nvfp4_packed: bool = False,
+    fp8_w8a8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a Hugging Face DiffusionGemma checkpoint directory into canonical names (see `expected_shapes`).
 
@@ -242,7 +250,9 @@ def load_weights(
     result plus one tensor. `lm_head.weight` is returned only when stored and different from the embedding.
     NVFP4 experts are dequantized exactly (fp32 bracket, one rounding to `dtype`) into the fused layout, or with
     `nvfp4_packed` kept as NVFP4 in the W4A16 kernel layout under `layers.{i}.experts.packed`.
-    compressed-tensors FP8 weights (dense Linears and per-expert) are dequantized exactly into `dtype`.
+    compressed-tensors FP8 weights (dense Linears and per-expert) are dequantized exactly into `dtype`, or with
+    `fp8_w8a8` kept as E4M3 codes + fp32 scales (`dgserve.model.fp8_w8a8`: projections as ``Fp8Linear``, experts
+    under `layers.{i}.experts.fp8`).
     Raises CheckpointError naming the file or tensor: missing config.json / safetensors / shard, unreadable
     file, missing tensor (its HF name), shape mismatch, unexpected non-vision tensor, bad NVFP4 / FP8 tensors,
     an unsupported quantization_config.
@@ -261,10 +271,11 @@ def load_weights(
         fp8_scales, quantized = {}, _split_nvfp4(stored, config)
     plan = _plan(stored, config, frozenset(quantized), frozenset(fp8_scales))
     scales = {hf: (fp8_scales[hf], full[fp8_scales[hf]].file) for hf in plan.values() if hf in fp8_scales}
-    weights = _read(plan, stored, dtype, device, scales)
+    weights = _read(plan, stored, dtype, device, scales, fp8_w8a8)
     for layer, names in sorted(quantized.items()):
         if fmt == FP8:
-            weights.update(checkpoint_fp8.read_experts(layer, names, full, config, dtype, device))
+            keep = fp8_w8a8 and w8a8.aligned((config.hidden_size, config.moe_intermediate_size), device)
+            weights.update(checkpoint_fp8.read_experts(layer, names, full, config, dtype, device, keep))
             continue
         gate, up, down = _read_nvfp4_stacked(layer, names, full, config)
         if nvfp4_packed:  # the raw tensors go to the device, the repack runs there (native on CUDA)

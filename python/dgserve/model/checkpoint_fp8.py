@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 
 from dgserve.config import ModelConfig
-from dgserve.model import fp8, nvfp4
+from dgserve.model import fp8, fp8_w8a8, nvfp4
 from dgserve.model.checkpoint_layout import CheckpointError
 
 EXPERT_PARTS = ("weight", "weight_scale")
+FP8_EXPERTS = "experts.fp8"  # layers.{i}.experts.fp8: fp8_w8a8.Fp8Experts (replaces gate_up_proj / down_proj)
 _SCALE = ".weight_scale"
 
 
@@ -72,11 +73,22 @@ def dequantize_checked(
     return w
 
 
-def read_linear(hf: str, weight: torch.Tensor, scale_name: str, file: pathlib.Path, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized `dtype` weight of the FP8 Linear ``hf`` (its scale read from ``file``), on the CPU."""
+def read_linear(
+    hf: str,
+    weight: torch.Tensor,
+    scale_name: str,
+    file: pathlib.Path,
+    dtype: torch.dtype,
+    codes_on: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The dequantized `dtype` weight of the FP8 Linear ``hf`` (its scale read from ``file``), on the CPU; with
+    ``codes_on`` (W8A8) the checked codes and fp32 scales on that device as an ``fp8_w8a8.Fp8Linear``."""
     with safe_open(file, framework="pt") as f:
         scale = f.get_tensor(scale_name)
-    return dequantize_checked(weight, scale, (hf, scale_name), tuple(weight.shape)).to(dtype)  # type: ignore[arg-type]
+    w = dequantize_checked(weight, scale, (hf, scale_name), tuple(weight.shape))  # type: ignore[arg-type]
+    if codes_on is not None:
+        return fp8_w8a8.Fp8Linear(weight.to(codes_on), scale.float().to(codes_on), dtype)
+    return w.to(dtype)
 
 
 def read_experts(
@@ -86,16 +98,20 @@ def read_experts(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> dict[str, torch.Tensor]:
+    keep_codes: bool = False,
+) -> dict[str, Any]:
     """Layer ``layer``'s FP8 experts dequantized into gate_up_proj [E, 2I, H] and down_proj [E, H, I] (`dtype`, on
-    `device`), one expert projection in fp32 at a time; each shard is opened once."""
+    `device`), one expert projection in fp32 at a time; each shard is opened once. ``keep_codes`` (W8A8): the checked
+    codes and fp32 scales in the same fused layout, as ``layers.{i}.experts.fp8`` (an ``fp8_w8a8.Fp8Experts``)."""
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
     rows = {"gate_proj": slice(0, I), "up_proj": slice(I, 2 * I), "down_proj": slice(0, H)}
+    kind = torch.float8_e4m3fn if keep_codes else dtype
     out = {
-        "gate_up_proj": torch.empty(E, 2 * I, H, dtype=dtype, device=device),
-        "down_proj": torch.empty(E, H, I, dtype=dtype, device=device),
+        "gate_up_proj": torch.empty(E, 2 * I, H, dtype=kind, device=device),
+        "down_proj": torch.empty(E, H, I, dtype=kind, device=device),
     }
+    scales = {"gate_up_proj": torch.empty(E, 2 * I, device=device), "down_proj": torch.empty(E, H, device=device)}
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = defaultdict(dict)
     by_file: dict[pathlib.Path, list[tuple[int, str, str]]] = defaultdict(list)
     for (e, proj, part), name in names.items():
@@ -110,6 +126,13 @@ def read_experts(
                 got = parts.pop((e, proj))
                 ids = (names[(e, proj, "weight")], names[(e, proj, "weight_scale")])
                 w = dequantize_checked(got["weight"], got["weight_scale"], ids, shapes[proj])
-                dst = out["down_proj" if proj == "down_proj" else "gate_up_proj"]
-                dst[e, rows[proj]] = w.to(device=device, dtype=dtype)
+                fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+                if keep_codes:
+                    out[fused][e, rows[proj]] = got["weight"].to(device)
+                    scales[fused][e, rows[proj]] = got["weight_scale"].float().reshape(-1).to(device)
+                else:
+                    out[fused][e, rows[proj]] = w.to(device=device, dtype=dtype)
+    if keep_codes:
+        ex = fp8_w8a8.Fp8Experts(out["gate_up_proj"], scales["gate_up_proj"], out["down_proj"], scales["down_proj"])
+        return {f"layers.{layer}.{FP8_EXPERTS}": ex}
     return {f"layers.{layer}.experts.{k}": v for k, v in out.items()}

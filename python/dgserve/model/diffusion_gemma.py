@@ -35,6 +35,7 @@ from .layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from .stacked import decode_stacked, row_signals, stackable
 from .vision import VisionConfig, VisionTower, tile_workspace_bytes
 
 
@@ -54,8 +55,7 @@ class DiffusionGemma:
         self.vision = vision  # the image tower (model/vision.py); None: the checkpoint declares none
         self.dtype = dtype
         self.device = torch.device(device)
-        # decoder rows in one batched pass (model/batched.py) on accelerators; one by one on CPU, where
-        # GEMM row results may depend on the row count and batch invariance must be bitwise (docs/exactness.md)
+        # accelerators: rows in one batched pass (model/batched.py); CPU: canvases stacked, bitwise (model/stacked.py)
         self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
         # canvases per tile of the LM head, the self-conditioning softmax and the sampler: their [n, C, V] fp32
         # temporaries are bounded by a tile, not by the batch. 1 on CPU: every GEMM keeps a fixed
@@ -85,14 +85,22 @@ class DiffusionGemma:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         nvfp4_packed: bool | None = None,
+        fp8_w8a8: bool | None = None,
+        hf_overrides: dict | str | None = None,
     ) -> DiffusionGemma:
         """Load a Hugging Face-format checkpoint directory (config.json + *.safetensors).
 
         nvfp4_packed: serve ModelOpt NVFP4 experts in the packed W4A16 layout through ``ops.nvfp4_moe_experts``
-        (default: on CUDA) instead of dequantizing them to ``dtype`` at load."""
-        config = ModelConfig.from_pretrained(path)
+        (default: on CUDA) instead of dequantizing them to ``dtype`` at load. fp8_w8a8: serve compressed-tensors FP8
+        weights as W8A8 (default: ``model.fp8_w8a8.decide``, CUDA sm_89+) instead of dequantizing them at load.
+        hf_overrides: a JSON object deep-merged into config.json first (``ModelConfig.from_pretrained``)."""
+        from dgserve.model import fp8_w8a8 as w8a8_path
+        from dgserve.model.quant_format import FP8, detect_format
+
+        config = ModelConfig.from_pretrained(path, hf_overrides)
         packed = torch.device(device).type == "cuda" if nvfp4_packed is None else nvfp4_packed
-        weights = load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed)
+        w8a8 = detect_format(os.fspath(path)) == FP8 and w8a8_path.decide(device, dtype, fp8_w8a8)[0] == w8a8_path.W8A8
+        weights = load_weights(path, config, dtype=dtype, device=device, nvfp4_packed=packed, fp8_w8a8=w8a8)
         vc = VisionConfig.from_pretrained(path)
         vision = None if vc is None else VisionTower.load(path, vc, config.hidden_size, dtype, device)
         return cls(config, weights, dtype, device, vision=vision)
@@ -184,18 +192,21 @@ class DiffusionGemma:
         self_cond_logits: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         self_cond_probs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         tiled: bool = False,
+        self_cond_signal: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
-        feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute). Give at most one.
-        Either may also be a sequence of B per-row tensors [C, V] or None (rows at a block's first step).
+        feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute); self_cond_signal [B, C, H] md:
+        the self-conditioning signal already made from them (``self_conditioning_rows``: what the engine keeps
+        between steps, docs/memory.md). Give at most one. Each may also be a sequence of B per-row tensors
+        ([C, V], or [C, H] for the signal) or None (rows at a block's first step).
         tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
         (``logits_tiles``), so the whole [B, C, V] never exists (the engine's step).
         The cache keeps its lengths: the canvas K/V go to scratch positions after each row's length, which the
         next ``prefill`` overwrites (the cache grows in place first when they would not fit).
         """
-        hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs)
+        hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs, self_cond_signal)
         if tiled:
             return self.logits_tiles(hidden)
         B, C = hidden.shape[:2]
@@ -206,12 +217,17 @@ class DiffusionGemma:
 
     @torch.inference_mode()
     def denoise_hidden(
-        self, cache: SlotCache, canvas_ids: torch.Tensor, self_cond_logits=None, self_cond_probs=None
+        self,
+        cache: SlotCache,
+        canvas_ids: torch.Tensor,
+        self_cond_logits=None,
+        self_cond_probs=None,
+        self_cond_signal=None,
     ) -> torch.Tensor:
         """The decoder pass of ``denoise`` up to the final hidden states [B, C, H] (before the final norm and
         the LM head): ``logits_tiles`` turns them into logits a tile of canvases at a time."""
-        if self_cond_logits is not None and self_cond_probs is not None:
-            raise ValueError("give at most one of self_cond_logits and self_cond_probs")
+        if sum(t is not None for t in (self_cond_logits, self_cond_probs, self_cond_signal)) > 1:
+            raise ValueError("give at most one of self_cond_logits, self_cond_probs and self_cond_signal")
         canvas_ids = torch.as_tensor(canvas_ids).to(self.device)
         B, C = canvas_ids.shape
         if cache.num_slots != B:
@@ -220,12 +236,19 @@ class DiffusionGemma:
         cache.reserve(max_len + C, C)  # room for the canvas's scratch keys after each row's length
         sc_l = [None if self_cond_logits is None else self_cond_logits[b] for b in range(B)]
         sc_p = [None if self_cond_probs is None else self_cond_probs[b] for b in range(B)]
-        if self.batch_rows and B > 1 and self._uniform_sc(sc_l, sc_p):
+        sc_s = [None if self_cond_signal is None else self_cond_signal[b] for b in range(B)]
+        if self.batch_rows and B > 1:
             if not cache.zero:
                 raise ValueError("the batched decoder pass needs a zero-filled cache (SlotCache(..., zero=True))")
             lengths = torch.tensor(cache.lengths, dtype=torch.int64, device=self.device)
-            return decode_slots(self, cache, lengths, max_len, canvas_ids, sc_l, sc_p)
-        return torch.stack([self.decode_row_hidden(cache.view(b), canvas_ids[b], sc_l[b], sc_p[b]) for b in range(B)])
+            return decode_slots(self, cache, lengths, max_len, canvas_ids, sc_l, sc_p, sc_s)
+        if B > 1 and stackable(self):  # one stacked pass, each canvas its own bits (model/stacked.py)
+            return decode_stacked(
+                self, [cache.view(b) for b in range(B)], canvas_ids, row_signals(self, sc_l, sc_p, sc_s)
+            )
+        return torch.stack(
+            [self.decode_row_hidden(cache.view(b), canvas_ids[b], sc_l[b], sc_p[b], sc_s[b]) for b in range(B)]
+        )
 
     def logits_tiles(self, hidden: torch.Tensor):
         """hidden [B, C, H] → yields (rows: slice of B, fp32 logits [n, C, V]) for tiles of ``canvas_tile``
@@ -233,14 +256,34 @@ class DiffusionGemma:
         B, C, H = hidden.shape
         for b0 in range(0, B, self.canvas_tile):
             n = min(self.canvas_tile, B - b0)
-            with torch.inference_mode():
-                logits = self.output_logits(hidden[b0 : b0 + n].reshape(n * C, H)).view(n, C, -1)
-            yield slice(b0, b0 + n), logits
+            # not held here past the yield: the caller frees the tile once it has used it
+            yield slice(b0, b0 + n), self._tile_logits(hidden[b0 : b0 + n].reshape(n * C, H)).view(n, C, -1)
 
-    @staticmethod
-    def _uniform_sc(sc_l: list, sc_p: list) -> bool:
-        """The batched pass needs self-conditioning rows to be all logits or all probabilities."""
-        return not (any(t is not None for t in sc_l) and any(t is not None for t in sc_p))
+    @torch.inference_mode()
+    def _tile_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``output_logits`` of one tile's hidden states [n·C, H], in inference mode (the generator above yields
+        between tiles, so it holds no mode across them)."""
+        return self.output_logits(x)
+
+    @torch.inference_mode()
+    def self_conditioning_rows(self, processed: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
+        """The next step's self-conditioning signal [C, H] md for canvases ``rows`` of one LM-head tile's processed
+        logits [n, C, V] fp32 (docs/memory.md, "Self-conditioning state"): ``self_conditioning`` of rnd(processed),
+        in groups of ``canvas_tile`` canvases (on CPU one at a time: the per-canvas decoder's ops and shapes)."""
+        C, V = processed.shape[1:]
+        out: list[torch.Tensor] = []
+        for t0 in range(0, len(rows), self.canvas_tile):
+            part = list(rows[t0 : t0 + self.canvas_tile])
+            if part == list(range(part[0], part[-1] + 1)):  # consecutive canvases: a view, rounded in one op
+                lg = processed[part[0] : part[-1] + 1].reshape(len(part) * C, V).to(self.dtype)
+            else:  # rounded row by row into one buffer (no fp32 copy of the rows)
+                lg = torch.empty(len(part) * C, V, dtype=self.dtype, device=processed.device)
+                for j, i in enumerate(part):
+                    lg[j * C : (j + 1) * C] = processed[i]
+            probs = torch.softmax(lg, dim=-1, dtype=torch.float32)  # ``self_conditioning``'s op, lg freed first
+            del lg
+            out += list(self.self_conditioning(None, probs).view(len(part), C, -1).unbind(0))
+        return out
 
     # ------------------------------------------------------------------ one row
 
@@ -270,24 +313,38 @@ class DiffusionGemma:
             groups = torch.where(is_img, torch.cumsum(starts.long(), 0), -1)  # [T]: image k's run → k, text → -1
         else:
             x = self.embed_tokens(ids)
+        # RoPE tables and masks depend on the layer's kind only (sliding or full): made once per pass, not per layer
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[tuple[bool, int], torch.Tensor] = {}
         for i, lw in enumerate(self.layers):
-            hd = cfg.head_dim(i)
-            cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
+            hd, sliding = cfg.head_dim(i), cfg.is_sliding(i)
+            if sliding not in ropes:
+                ropes[sliding] = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
+            cos, sin = ropes[sliding]
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
             keys, values, k0 = row.encode_kv(i, k, v)  # keys: cached then new, chronological
             if i == len(self.layers) - 1:
                 break  # the last layer's output is never used: only its K/V matter
-            kpos = torch.arange(k0, p0 + T, device=self.device)
-            visible = kpos[None, :] <= pos[:, None]
-            if cfg.is_sliding(i):
-                visible &= kpos[None, :] > pos[:, None] - cfg.sliding_window
-            if groups is not None:  # keys before this pass are never in a group of it
-                kg = torch.cat([groups.new_full((p0 - k0,), -1), groups])
-                visible |= (groups[:, None] == kg[None, :]) & (groups[:, None] >= 0)
-            attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, visible)
+            if (sliding, k0) not in masks:
+                masks[sliding, k0] = self._encoder_mask(pos, p0, k0, sliding, groups)
+            attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, masks[sliding, k0])
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.encoder_layer_scalar)
         row.commit(T)
+
+    def _encoder_mask(
+        self, pos: torch.Tensor, p0: int, k0: int, sliding: bool, groups: torch.Tensor | None
+    ) -> torch.Tensor:
+        """visible [T, keys] for the encoder's queries at ``pos`` (p0 ..) over keys at positions k0 ..: causal (within
+        the window on sliding layers), and bidirectional within each image's run of placeholders (``groups``)."""
+        kpos = torch.arange(k0, p0 + pos.shape[0], device=self.device)
+        visible = kpos[None, :] <= pos[:, None]
+        if sliding:
+            visible &= kpos[None, :] > pos[:, None] - self.config.sliding_window
+        if groups is not None:  # keys before this pass are never in a group of it
+            kg = torch.cat([groups.new_full((p0 - k0,), -1), groups])
+            visible |= (groups[:, None] == kg[None, :]) & (groups[:, None] >= 0)
+        return visible
 
     def decode_row(
         self, row: SlotView, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
@@ -296,14 +353,22 @@ class DiffusionGemma:
         return self.output_logits(self.decode_row_hidden(row, canvas, sc_logits, sc_probs))
 
     def decode_row_hidden(
-        self, row: SlotView, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None
+        self,
+        row: SlotView,
+        canvas: torch.Tensor,
+        sc_logits: torch.Tensor | None,
+        sc_probs: torch.Tensor | None,
+        sc_signal: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``decode_row`` up to the final hidden states [C, H]."""
+        """``decode_row`` up to the final hidden states [C, H]; sc_signal [C, H]: the self-conditioning signal
+        already made (``self_conditioning_rows``), added as is."""
         cfg, eps = self.config, self.config.rms_norm_eps
         C, P = canvas.shape[0], row.length
         pos = torch.arange(P, P + C, device=self.device)
         x = self.embed_tokens(canvas)
-        if sc_logits is not None or sc_probs is not None:
+        if sc_signal is not None:
+            x = x + sc_signal.to(self.device)
+        elif sc_logits is not None or sc_probs is not None:
             x = x + self.self_conditioning(sc_logits, sc_probs)
         x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
         for i, lw in enumerate(self.layers):
@@ -328,7 +393,7 @@ class DiffusionGemma:
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32."""
-        z = F.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        z = ops.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
         cap = self.config.final_logit_softcapping
         if cap:  # tanh(z / cap) * cap in place: the same values, no extra [T, V] temporaries
             z.div_(cap).tanh_().mul_(cap)

@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dgserve import ops
 from dgserve.config import ModelConfig
-from dgserve.model import nvfp4
+from dgserve.model import fp8_w8a8, nvfp4
 
 
 @dataclass
@@ -45,6 +44,7 @@ class LayerWeights:
     layer_scalar: torch.Tensor  # [1] decoder pass
     encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: docs/generation.md)
     experts_packed: nvfp4.PackedExperts | None = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
+    experts_fp8: fp8_w8a8.Fp8Experts | None = None  # FP8 experts kept as E4M3 for W8A8 (checkpoint_fp8.FP8_EXPERTS)
 
     @classmethod
     def from_state(cls, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -75,6 +75,7 @@ class LayerWeights:
             layer_scalar=g("layer_scalar"),
             encoder_layer_scalar=g("encoder_layer_scalar"),
             experts_packed=w.get(p + "experts.packed"),  # type: ignore[arg-type]  # a PackedExperts (checkpoint.PACKED)
+            experts_fp8=w.get(p + "experts.fp8"),  # type: ignore[arg-type]  # an Fp8Experts (W8A8)
         )
 
 
@@ -87,14 +88,19 @@ def rope_inv_freq(config: ModelConfig, layer: int) -> torch.Tensor:
     """inv_freq [hd/2] fp32, computed on the CPU exactly as transformers builds its buffer.
 
     sliding ("default"): 1 / θ^(2j / hd). full ("proportional"): 1 / θ^(2j / hd) for j < n_rot =
-    floor(prf·hd/2), zero beyond (those dimensions pass through); the denominator is the full head dim.
+    floor(prf·hd/2), zero beyond (those dimensions pass through); the denominator is the full head dim. Full
+    layers' frequencies are then divided by the RoPE ``factor`` (1 unless a checkpoint or --hf-overrides scales
+    them; 'linear' is 'proportional' with prf 1).
     """
     hd = config.head_dim(layer)
     if config.is_sliding(layer):
         return 1.0 / (config.rope_theta_sliding ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     n_rot = int(config.partial_rotary_factor_full * hd // 2)
     rotated = 1.0 / (config.rope_theta_full ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.int64).float() / hd))
-    return torch.cat([rotated, torch.zeros(hd // 2 - n_rot, dtype=torch.float32)])
+    inv_freq = torch.cat([rotated, torch.zeros(hd // 2 - n_rot, dtype=torch.float32)])
+    if config.rope_factor_full != 1.0:  # 'proportional' / 'linear' scaling: transformers' `inv_freq /= factor`
+        inv_freq /= config.rope_factor_full
+    return inv_freq
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -123,8 +129,8 @@ def project_kv(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin)
     layers (K = V). Keys are normed before RoPE; values are never rotated.
     """
     T = h.shape[0]
-    kr = F.linear(h, lw.k_proj).view(T, -1, hd)
-    vr = F.linear(h, lw.v_proj).view(T, -1, hd) if lw.v_proj is not None else kr
+    kr = ops.linear(h, lw.k_proj).view(T, -1, hd)
+    vr = ops.linear(h, lw.v_proj).view(T, -1, hd) if lw.v_proj is not None else kr
     k = apply_rope(ops.rms_norm(kr, lw.k_norm, eps), cos, sin)
     v = ops.rms_norm(vr, None, eps)
     return k.transpose(0, 1), v.transpose(0, 1)
@@ -132,7 +138,7 @@ def project_kv(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin)
 
 def project_q(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin) -> torch.Tensor:
     """Queries for h [T, H] → [nh, T, hd]: RoPE(q_norm(q_proj h))."""
-    q = F.linear(h, lw.q_proj).view(h.shape[0], -1, hd)
+    q = ops.linear(h, lw.q_proj).view(h.shape[0], -1, hd)
     return apply_rope(ops.rms_norm(q, lw.q_norm, eps), cos, sin).transpose(0, 1)
 
 
@@ -152,7 +158,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
     """Residual update after attention: x + RMSNorm(attn·Woᵀ; post_attention_layernorm)."""
-    return x + ops.rms_norm(F.linear(attn, lw.o_proj), lw.post_attention_layernorm, eps)
+    return x + ops.rms_norm(ops.linear(attn, lw.o_proj), lw.post_attention_layernorm, eps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,6 +176,8 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     xe = ops.rms_norm(r, lw.pre_feedforward_layernorm_2, eps)
     if lw.experts_packed is not None:  # NVFP4 served as NVFP4: the W4A16 grouped GEMMs
         moe = ops.nvfp4_moe_experts(xe, lw.experts_packed, weights, ids)
+    elif lw.experts_fp8 is not None:  # FP8 served as FP8: W8A8 expert GEMMs (docs/kernels.md, "FP8 checkpoints")
+        moe = fp8_w8a8.moe_experts(xe, lw.experts_fp8, weights, ids)
     else:
         assert lw.experts_gate_up is not None and lw.experts_down is not None, "a layer without expert weights"
         moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)

@@ -34,12 +34,14 @@ class RuntimePlan:
     dtype: str  # "float32" | "bfloat16"
     dtype_reason: str
     # "dense <dtype>" | "nvfp4 (W4A16 packed)" | "nvfp4 (dequantized to <dtype>)" | "fp8 (dequantized to <dtype>)"
+    # | "fp8 (W8A8 scaled_mm, <dtype> out)"
     expert_format: str
     native_ops_mode: str  # auto | off | strict
     native_ops: tuple[str, ...]  # native ops serving the device in this process (before the self-check)
     weight_bytes: int | None  # estimated bytes of the weights as served (None: no checkpoint found)
     device_free_bytes: int | None  # free bytes on a CUDA device (None: CPU or no device)
     problem: str | None = None  # why this plan cannot be served (raised by check_plan)
+    fp8_path: str | None = None  # FP8 checkpoints: why W8A8 or dequantized (fp8_w8a8.decide); None otherwise
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,9 +77,12 @@ def has_nvfp4_experts(path: str | os.PathLike[str]) -> bool:
     return headers is not None and any(nvfp4.EXPERT_NAME.match(n) for n in headers)
 
 
-def estimate_weight_bytes(headers: dict[str, tuple[str, tuple[int, ...]]], dtype: str, packed_nvfp4: bool) -> int:
+def estimate_weight_bytes(
+    headers: dict[str, tuple[str, tuple[int, ...]]], dtype: str, packed_nvfp4: bool, fp8_codes: bool = False
+) -> int:
     """Bytes of the weights once loaded: floating tensors in ``dtype``; NVFP4 experts as stored when packed (codes,
-    scales, fp32 globals), else dequantized to ``dtype`` (two weights per code byte)."""
+    scales, fp32 globals), else dequantized to ``dtype`` (two weights per code byte); FP8 weights one byte each when
+    kept as codes (W8A8), else in ``dtype``."""
     from dgserve.model import nvfp4
 
     size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
@@ -94,6 +99,9 @@ def estimate_weight_bytes(headers: dict[str, tuple[str, tuple[int, ...]]], dtype
                 total += n * _BYTES.get(st, 4)
             elif m["part"] == "weight":
                 total += 2 * n * size
+            continue
+        if st == "F8_E4M3" and fp8_codes:
+            total += n
             continue
         total += n * size if st.startswith(("F", "BF")) else n * _BYTES.get(st, 4)
     return total
@@ -131,13 +139,20 @@ def plan_runtime(
     nvfp4_ckpt = bool(headers) and has_nvfp4_experts(path)
     packed = (kind == "cuda") if packed_nvfp4 is None else packed_nvfp4
     quant, problem = _quant_format(path)
-    if quant == "fp8":  # compressed-tensors FP8 dynamic: dequantized at load (docs/kernels.md, "FP8 checkpoints")
-        fmt, nvfp4_ckpt = f"fp8 (dequantized to {name})", False
+    fp8_why = None
+    if quant == "fp8":  # compressed-tensors FP8 dynamic (docs/kernels.md, "FP8 checkpoints")
+        from dgserve.model import fp8_w8a8
+
+        path_kind, fp8_why = fp8_w8a8.decide(device, getattr(torch, name))
+        w8a8 = path_kind == fp8_w8a8.W8A8
+        fmt = f"fp8 (W8A8 scaled_mm, {name} out)" if w8a8 else f"fp8 (dequantized to {name})"
+        nvfp4_ckpt = False
     elif nvfp4_ckpt:
         fmt = "nvfp4 (W4A16 packed)" if packed else f"nvfp4 (dequantized to {name})"
     else:
         fmt = f"dense {name}"
-    weight_bytes = estimate_weight_bytes(headers, name, nvfp4_ckpt and packed) if headers else None
+    fp8_codes = quant == "fp8" and fmt.startswith("fp8 (W8A8")
+    weight_bytes = estimate_weight_bytes(headers, name, nvfp4_ckpt and packed, fp8_codes) if headers else None
     free = _free_bytes(device)
     if problem is None and kind == "cuda" and free is not None and weight_bytes is not None:
         budget = int(free * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
@@ -148,7 +163,16 @@ def plan_runtime(
                 "KV cache)" + ("; use --dtype bfloat16 (the default on CUDA)" if name == "float32" else "")
             )
     return RuntimePlan(
-        str(device), name, reason, fmt, native_ops, tuple(ops.active_native_ops(device)), weight_bytes, free, problem
+        str(device),
+        name,
+        reason,
+        fmt,
+        native_ops,
+        tuple(ops.active_native_ops(device)),
+        weight_bytes,
+        free,
+        problem,
+        fp8_why,
     )
 
 

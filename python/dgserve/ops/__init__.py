@@ -8,6 +8,9 @@ reference (the oracle). Layers call these functions, never ``_C`` directly. Exac
 op's module docstring and docs/exactness.md; the kernels: docs/kernels.md.
 
 - ``rms_norm``: CPU bit-identical (torch's sum order reproduced); CUDA one fused kernel per row, within an ulp.
+- ``linear``: the batch-invariant GEMM (CPU: fixed k order per element, bit-identical to the reference; CUDA:
+  cuBLAS); ``gelu_tanh_mul``: the gating with one fixed scalar formula (CPU); ``gated_mlp``: the dense MLP built from
+  the two (batch-invariant on the CPU).
 - ``canvas_noise``: bit-identical everywhere (integer only).
 - ``gumbel_noise``: the contract's float32 log ``dg_logf``: exactly the noise the native ``diffusion_step`` adds,
   within 1 ulp of max(|g|, 1) of the reference's ``torch.log`` noise.
@@ -33,7 +36,10 @@ from __future__ import annotations
 from . import native, reference
 from .canvas_noise import canvas_noise
 from .diffusion_step import diffusion_step
+from .gated_mlp import gated_mlp
+from .gelu_tanh_mul import gelu_tanh_mul
 from .gumbel_noise import gumbel_noise
+from .linear import linear
 from .moe_align import moe_align
 from .moe_combine import moe_combine
 from .moe_experts import moe_experts
@@ -52,7 +58,7 @@ from .native import (
 )
 from .nvfp4_moe_experts import nvfp4_moe_experts
 from .nvfp4_repack import nvfp4_decode, nvfp4_repack
-from .reference import DiffusionStepOut, MoeAlignOut, entropy_bound_accept, gated_mlp, step_temperature
+from .reference import DiffusionStepOut, MoeAlignOut, entropy_bound_accept, step_temperature
 from .rms_norm import rms_norm
 
 __all__ = [
@@ -65,8 +71,10 @@ __all__ = [
     "diffusion_step",
     "entropy_bound_accept",
     "gated_mlp",
+    "gelu_tanh_mul",
     "gumbel_noise",
     "has_native",
+    "linear",
     "missing_cuda_ops",
     "moe_align",
     "moe_combine",

@@ -1,11 +1,12 @@
 """``moe_experts``: the grouped expert MLP with the fp32 combine (docs/kernels.md, MoE dispatch); native core in
 ``csrc/ops/moe_experts.h``.
 
-- CPU: native ``moe_align`` + torch's GEMMs, one pair of F.linear per expert over its contiguous group in expert
-  order (``reference.moe_expert_outputs``) + native ``moe_combine``: CPU GEMM results depend on the BLAS's blocking
-  for each shape, so exactly the reference's calls are the only way to stay bit-identical (and parity with
-  transformers depends on it); the native align and combine around them are exact. ``_C.moe_experts`` on the CPU
-  is the kernels' mirror the tests check, not a serving path.
+- CPU: native ``moe_align``, then per expert over its contiguous group the batch-invariant ``linear`` (gate/up),
+  ``gelu_tanh_mul`` and ``linear`` (down), then native ``moe_combine``. A torch GEMM's row results depend on the
+  BLAS's blocking for each row count, and an expert's row count depends on the whole batch; ``linear`` computes
+  each row alone in a fixed order, so a token's output is bit-identical alone and in any batch (docs/exactness.md,
+  "Batch invariance"), within fp32 rounding of the reference (torch GEMMs). ``_C.moe_experts`` on the CPU is the
+  CUDA kernels' mirror the tests check, not a serving path.
 - CUDA (bf16): native align → ``_C.moe_experts`` (grouped GEMM1 with gate/up and GELU-tanh fused, grouped GEMM2
   with the routing weight in its epilogue) → native combine, no host synchronisation; within bf16 tolerance of
   the reference (docs/exactness.md).
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from . import native, reference
+from .gelu_tanh_mul import gelu_tanh_mul
+from .linear import linear
 from .moe_align import CUDA_ALIGN_BLOCK, CUDA_MAX_EXPERTS, moe_align
 from .moe_combine import moe_combine
 
@@ -69,8 +72,8 @@ def moe_experts(
 
     Returns
     -------
-    new tensor [T, H] md. CPU: bit-identical to the reference. CUDA, bf16: the native grouped GEMMs (other CUDA
-    inputs use the reference).
+    new tensor [T, H] md. CPU: batch-invariant, within fp32 rounding of the reference. CUDA, bf16: the native
+    grouped GEMMs (other CUDA inputs use the reference).
     """
     if not moe_experts_native_ok(x, gate_up, down, weights, ids):
         return reference.moe_experts(x, gate_up, down, weights, ids)
@@ -93,6 +96,25 @@ def moe_experts(
         return moe_combine(y.view(T, K, H), None, x.dtype)
     if x.device.type == "cpu":
         align = moe_align(ids, E, 1)
-        y = reference.moe_expert_outputs(x, gate_up, down, align, K)
+        y = expert_outputs_cpu(x, gate_up, down, align, K)
         return moe_combine(y.view(T, K, H), weights, x.dtype)
     return reference.moe_experts(x, gate_up, down, weights, ids)
+
+
+def expert_outputs_cpu(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, align: reference.MoeAlignOut, top_k: int
+) -> torch.Tensor:
+    """``reference.moe_expert_outputs`` with the batch-invariant pieces: un-weighted expert outputs f32 [T·K, H] in
+    (token, slot) order, each expert's group through ``linear``, ``gelu_tanh_mul``, ``linear``."""
+    P = x.shape[0] * top_k
+    inter = gate_up.shape[1] // 2
+    offsets = align.offsets.tolist()
+    pairs = align.sorted_pairs[: offsets[-1]].long()
+    xs = x[pairs.clamp(max=max(P - 1, 0)) // top_k]
+    y = torch.empty(P, x.shape[-1], dtype=torch.float32, device=x.device)
+    for e, n in enumerate(align.counts.tolist()):
+        if n:
+            s = offsets[e]
+            gu = linear(xs[s : s + n], gate_up[e])
+            y[pairs[s : s + n]] = linear(gelu_tanh_mul(gu[:, :inter], gu[:, inter:]), down[e]).float()
+    return y

@@ -1,7 +1,8 @@
 """``moe_route``: the MoE router (docs/generation.md); native core in ``csrc/ops/moe_route.h``.
 
-The router prologue (scale-free RMSNorm via ``rms_norm``, × scale, × H^-0.5) and the projection GEMM stay torch ops
-(a GEMM's bits are the BLAS's); ``_C.moe_route`` fuses what follows, from the scores [T, E]:
+The router prologue (scale-free RMSNorm via ``rms_norm``, × scale, × H^-0.5) stays torch ops and the projection is
+``linear`` (the batch-invariant GEMM on the CPU, cuBLAS on CUDA); ``_C.moe_route`` fuses what follows, from the
+scores [T, E]:
 
 - CPU: torch's fp32 softmax, then the native top-k (torch's CPU topk replayed: same libstdc++ selection and
   comparator, so the same order at ties), renormalisation (torch's sum order) and per-expert scale: bit-identical
@@ -13,9 +14,9 @@ The router prologue (scale-free RMSNorm via ``rms_norm``, × scale, × H^-0.5) a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import native, reference
+from .linear import linear
 from .moe_align import moe_native_device
 from .rms_norm import rms_norm
 
@@ -92,7 +93,7 @@ def moe_route(
         return reference.moe_route(residual, router_scale, proj_w, per_expert_scale, top_k, eps)
     h = rms_norm(residual, None, eps)  # bit-identical to reference.rms_norm
     h = h * router_scale * (residual.shape[-1] ** -0.5)  # the reference's two md roundings
-    logits = F.linear(h, proj_w)  # [..., E] md: torch's GEMM
+    logits = linear(h, proj_w)  # [..., E] md: the batch-invariant GEMM on the CPU (cuBLAS on CUDA)
     lead, E = logits.shape[:-1], logits.shape[-1]
     logits = logits.reshape(-1, E)
     if residual.device.type == "cpu":

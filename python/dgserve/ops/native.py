@@ -72,10 +72,13 @@ def switch_on_native(op: str | None = None) -> None:
             _switched_off.pop(op, None)
 
 
-# op -> devices its native path serves (dtype limits in each op's docstring). The GEMMs of moe_experts on CPU
-# stay torch ops on purpose (bit-identity with torch; see dgserve.ops.moe_experts).
+# op -> devices its native path serves (dtype limits in each op's docstring). moe_experts on CPU runs native align,
+# linear, gelu_tanh_mul and combine (see dgserve.ops.moe_experts). linear's CUDA kernel (_C.linear on CUDA tensors)
+# is built and tested, but ops.linear serves CUDA tensors with cuBLAS (see dgserve.ops.linear).
 NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("cpu", "cuda"),
+    "linear": ("cpu",),
+    "gelu_tanh_mul": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
     "diffusion_step": ("cpu", "cuda"),

@@ -207,6 +207,24 @@ def _experts_args(device, T=40, H=64, I=32, E=16, K=4):
     return [t.to(device) for t in (x, gate_up, down, w, _ids("cpu", T, E, K))]
 
 
+def check_linear(device) -> str | None:
+    g = _gen(21)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(19, 37, generator=g).to(dtype), torch.randn(23, 37, generator=g).to(dtype)
+        problem = _exact(f"linear ({dtype})", ops.linear(x.to(device), w.to(device)).cpu(), reference.linear(x, w))
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_gelu_tanh_mul(device) -> str | None:
+    g = _gen(22)
+    gate, up = torch.randn(7, 300, generator=g) * 4, torch.randn(7, 300, generator=g)
+    got, want = ops.gelu_tanh_mul(gate.to(device), up.to(device)).cpu(), reference.gelu_tanh_mul(gate, up)
+    err = ((got - want).abs() / (gate * up).abs().clamp_min(1e-30)).max().item()  # torch's own GELU cancels below 0
+    return None if err <= 1e-6 else f"gelu_tanh_mul is {err:.2e} of |gate·up| from the reference (tolerance 1e-6)"
+
+
 def check_moe_experts(device) -> str | None:
     args = _experts_args(device)
     err = _rel_l2(ops.moe_experts(*args), reference.moe_experts(*args))
@@ -270,6 +288,8 @@ def check_rms_norm(device) -> str | None:
 
 CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "rms_norm": check_rms_norm,
+    "linear": check_linear,
+    "gelu_tanh_mul": check_gelu_tanh_mul,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,
     "diffusion_step": check_diffusion_step,

@@ -35,6 +35,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y = rnd(Σ_k f32(x[..., k])·f32(W[n, k]))``: x [..., K] md, weight [N, K] md → [..., N] md.
+
+    The batch-invariant GEMM's exact order (docs/kernels.md, "linear: the batch-invariant GEMM"): fp32, ``acc = 0``,
+    then ``acc = acc + x_k·w_k`` for k = 0 .. K-1, the product and the sum each rounded to fp32 (no fused
+    multiply-add), one rounding to md at the end. Slow (K small torch ops): the oracle and the last-resort fallback.
+    """
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
+    for k in range(x.shape[-1]):
+        acc = acc + xf[..., k : k + 1] * wf[:, k]
+    return acc.to(x.dtype)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``rnd(rnd(gelu_tanh(gate)) ⊙ up)``: the gating of the gated MLP and the experts; gate, up [..., I] md.
+
+    torch's ``gelu(approximate="tanh")``; the native op computes the same function with one fixed scalar formula,
+    within a few fp32 ulp of this (docs/kernels.md, "gelu_tanh_mul: the gating").
+    """
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def gated_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     """``(gelu_tanh(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ`` in the model dtype. x [T, H] → [T, H]."""
     return F.linear(F.gelu(F.linear(x, gate_w), approximate="tanh") * F.linear(x, up_w), down_w)
@@ -55,12 +78,13 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: residual [..., H] (md) → (weights [..., K] fp32, expert ids [..., K] int64).
 
-    ``z = rnd(rnd(RMSNorm_noscale(r) ⊙ scale) · H^-0.5)``; ``π = softmax_fp32(rnd(z·Wrᵀ))``;
+    ``z = rnd(rnd(RMSNorm_noscale(r) ⊙ scale) · H^-0.5)``; ``π = softmax_fp32(linear(z, Wr))`` (the
+    batch-invariant GEMM's order);
     top-k (descending), renormalised in fp32, then × per_expert_scale[e] (after renormalisation).
     """
     h = rms_norm(residual, None, eps)
     h = h * router_scale * (residual.shape[-1] ** -0.5)
-    probs = torch.softmax(F.linear(h, proj_w), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(linear(h, proj_w), dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights * per_expert_scale[ids]

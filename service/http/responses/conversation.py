@@ -22,7 +22,8 @@ class Conversation:
     """Input items as OpenAI chat messages, after a stored conversation (``prior``). A ``function_call`` joins the
     assistant message before it (or opens one), a ``function_call_output`` is a tool message that must answer a
     call of the turn it follows, a ``reasoning`` item is the next assistant message's ``reasoning_content``; system
-    and developer messages only open the conversation (the chat template has one system turn). ``names``: the name
+    and developer messages open the conversation as its system turn (the chat template has one), and one after the
+    turns began is a user turn. ``names``: the name
     the prompt knows a call of a ``namespace`` and a ``name`` by (``tools.ResponsesTools.prompt_name``)."""
 
     def __init__(self, prior: tuple[dict, ...] = (), names: Callable[[str, str], str] | None = None):
@@ -92,10 +93,10 @@ class Conversation:
         known(item, {"type", "role", "content", "id", "status"}, field)
         content = _content(item.get("content"), f"{field}.content")
         if role in ("system", "developer"):
-            # system messages only open the conversation, so it has begun when its last message is not one
-            if self.messages and self.messages[-1]["role"] != "system":
-                raise ValueError(f"{field}.role: a {role} message is only allowed before the conversation's turns")
-            role = "system"
+            # the chat template's one system turn opens the conversation; one that comes after the conversation's
+            # turns (Codex CLI's instructions after it compacts) is a user turn with the same text
+            # (docs/responses-api.md, "The request")
+            role = "system" if not self.messages or self.messages[-1]["role"] == "system" else "user"
         self._append({"role": role, "content": content})
 
     def _function_call(self, item: dict, field: str) -> None:

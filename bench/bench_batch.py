@@ -1,0 +1,158 @@
+"""CPU decoder throughput by concurrency: the stacked pass (model/stacked.py) vs the per-canvas path, side by side.
+
+    python bench/bench_batch.py [--concurrency 1,4,16,32] [--rounds 3] [--blocks 2] [--steps 8] [--prompt-len 16]
+                                [--threads N] [--profile 16]
+
+The shipped model (python/dgserve/models/small, fp32) in one Engine; per concurrency n, n requests with seeds 1..n,
+fixed work (``--steps`` denoising steps per block, adaptive stopping off, EOS ignored) through ``generate_batch``.
+Each round runs both paths back to back, alternating which goes first; the per-canvas path is the runner's decoder
+with ``decode_stacked`` swapped for ``decode_row_hidden`` canvas by canvas (what the CPU ran before). Committed
+tokens/s is the best of the rounds; the tokens of both paths must be equal (docs/exactness.md, "Batch invariance").
+One JSON line per concurrency (tok/s of both paths and their ratio), then the ratio of tok/s at the largest
+concurrency to that at 1.
+
+``--profile n``: one denoising step of n requests (stacked) under torch.profiler, with ``ops.linear`` and
+``attend`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the shares of the
+step's wall time in ``linear`` (the projections, the experts, the LM head), in attention and elsewhere, and the
+aten ops with the most self time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from dgserve import Engine, SamplingParams
+from dgserve.engine import model_runner
+
+SMALL = Path(__file__).resolve().parents[1] / "python" / "dgserve" / "models" / "small"
+STACKED = model_runner.decode_stacked
+
+
+def _per_canvas(model, rows, canvases, signals):
+    """The per-canvas decoder: ``decode_row_hidden`` canvas by canvas (the reference path)."""
+    return torch.stack([model.decode_row_hidden(r, canvases[b], None, None, signals[b]) for b, r in enumerate(rows)])
+
+
+def _run(engine: Engine, n: int, args, stacked: bool) -> tuple[float, list[list[int]]]:
+    model_runner.decode_stacked = STACKED if stacked else _per_canvas  # type: ignore[attr-defined]
+    fixed = dict(max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30)
+    plist = [SamplingParams(max_new_tokens=args.blocks * 16, seed=1 + i, **fixed) for i in range(n)]
+    prompt = list(range(5, 5 + args.prompt_len))
+    t0 = time.perf_counter()
+    res = engine.generate_batch([prompt] * n, plist)
+    secs = time.perf_counter() - t0
+    toks = [r.token_ids for r in res]
+    return sum(len(t) for t in toks) / secs, toks
+
+
+def _labelled(label: str, fn):
+    """fn inside a torch.profiler range named ``label`` (the native ops are pybind calls the profiler does not see)."""
+    from torch.profiler import record_function
+
+    def wrapped(*a, **k):
+        with record_function(label):
+            return fn(*a, **k)
+
+    return wrapped
+
+
+def _profile(engine: Engine, n: int, args) -> None:
+    """One denoising step of n requests (stacked) under torch.profiler: the shares of its wall time in ``linear``
+    (every projection, the experts, the LM head), in attention (``attend``) and outside both."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from dgserve import ops
+    from dgserve.model import stacked
+
+    experts = sys.modules["dgserve.ops.moe_experts"]
+    saved = (ops.linear, experts.linear, stacked.attend)
+    ops.linear = _labelled("@linear", ops.linear)  # type: ignore[assignment]
+    experts.linear = _labelled("@linear", experts.linear)  # type: ignore[attr-defined]
+    stacked.attend = _labelled("@attend", stacked.attend)  # type: ignore[assignment]
+    model_runner.decode_stacked = STACKED  # type: ignore[attr-defined]
+    fixed = dict(max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30)
+    prompt = list(range(5, 5 + args.prompt_len))
+    for i in range(n):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=16, seed=1 + i, **fixed))
+    engine.step()  # admission, prefill, first step
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        wall = (time.perf_counter() - t0) * 1e6
+    while engine.has_unfinished():
+        engine.step()
+    ops.linear, experts.linear, stacked.attend = saved  # type: ignore[assignment]
+    by = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    self_by = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    lin, att = by.get("@linear", 0.0), by.get("@attend", 0.0)
+    top = sorted(((k, v) for k, v in self_by.items() if not k.startswith("@")), key=lambda kv: -kv[1])[:10]
+    row = {"profile_streams": n, "step_wall_ms": round(wall / 1e3, 1), "linear_share": round(lin / wall, 3)}
+    row |= {"attention_share": round(att / wall, 3), "other_share": round(1 - (lin + att) / wall, 3)}
+    row["top_aten_self_ms"] = {k: round(v / 1e3, 1) for k, v in top}
+    print(json.dumps(row))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    conc = [int(c) for c in args.concurrency.split(",") if c]
+    engine = Engine.from_pretrained(SMALL, max_model_len=512, scheduler_config=_sched(max(conc + [args.profile])))
+    head = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    print(json.dumps({"bench": "batch", **head, "steps": args.steps, "blocks": args.blocks}))
+    _run(engine, 2, args, True)  # warm-up both paths
+    _run(engine, 2, args, False)
+    best: dict[int, dict[bool, float]] = {}
+    for n in conc:
+        best[n] = {True: 0.0, False: 0.0}
+        for r in range(args.rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            toks = {}
+            for stacked in order:
+                tps, toks[stacked] = _run(engine, n, args, stacked)
+                best[n][stacked] = max(best[n][stacked], tps)
+            assert toks[True] == toks[False], f"stacked and per-canvas tokens differ at {n} streams"
+        s, p = best[n][True], best[n][False]
+        print(
+            json.dumps(
+                {"streams": n, "stacked_tok_s": round(s, 1), "per_canvas_tok_s": round(p, 1), "ratio": round(s / p, 3)}
+            )
+        )
+    lo, hi = min(conc), max(conc)
+    print(
+        json.dumps(
+            {
+                f"stacked_{hi}_over_{lo}": round(best[hi][True] / best[lo][True], 2),
+                f"per_canvas_{hi}_over_{lo}": round(best[hi][False] / best[lo][False], 2),
+            }
+        )
+    )
+    if args.profile:
+        _profile(engine, args.profile, args)
+
+
+def _sched(n: int):
+    from dgserve.engine.scheduler import SchedulerConfig
+
+    return SchedulerConfig(max_num_seqs=max(n, 1))
+
+
+if __name__ == "__main__":
+    main()

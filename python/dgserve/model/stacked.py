@@ -1,0 +1,94 @@
+"""The decoder pass of several canvases at once on the CPU (docs/exactness.md, "Batch invariance").
+
+B canvases of C tokens are stacked into one [B·C, H] pass: every row-wise op of a layer (the norms, the q/k/v/o
+projections, the dense MLP, the MoE router and experts) runs once over all B·C rows. Those ops are batch-invariant on
+the CPU (each output element one fixed fp32 sequence, whatever the number of rows), so every canvas gets the bits of
+its own one-canvas pass (``DiffusionGemma.decode_row_hidden``). What is not row-wise stays per canvas, as the
+one-canvas pass does it: RoPE's cos/sin (torch vectorises them over the whole tensor, so they are made on each
+canvas's own [C, hd] positions), the canvas K/V hand-off to each row's cache slot (``SlotView.decode_kv``) and
+attention (each canvas attends to its own cache).
+
+Public contract:
+    if stackable(model):   # CPU, experts in the model dtype
+        hidden[B, C, H] = decode_stacked(model, rows, canvases[B, C], signals)   # rows: SlotViews; signals: [C, H]|None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dgserve import ops
+
+from .cache import SlotView
+from .layers import attend, attention_output, feed_forward, project_kv, project_q, rope_cos_sin
+
+
+def stackable(model) -> bool:
+    """Whether ``decode_stacked`` gives each canvas its own bits on this model: on the CPU, with the experts in the
+    model dtype (``ops.moe_experts``: per-expert ``linear``); NVFP4 or FP8 experts served as such keep the
+    per-canvas pass."""
+    return model.device.type == "cpu" and all(
+        lw.experts_packed is None and lw.experts_fp8 is None for lw in model.layers
+    )
+
+
+def _stacked_rope(model, rows: Sequence[SlotView], C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (cos, sin) [B·C, hd]: each canvas's own [C, hd] table (``rope_cos_sin`` of its positions, as its
+    one-canvas pass makes them), concatenated. Layers of one kind and head dim share their inv_freq, so the tables
+    are made once per (kind, head dim)."""
+    cfg, dev = model.config, model.device
+    made: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        key = (cfg.is_sliding(i), cfg.head_dim(i))
+        if key not in made:
+            cs = [
+                rope_cos_sin(model.inv_freq[i], torch.arange(r.length, r.length + C, device=dev), model.dtype)
+                for r in rows
+            ]
+            made[key] = torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
+        out.append(made[key])
+    return out
+
+
+def row_signals(model, logits: Sequence, probs: Sequence, signals: Sequence) -> list[torch.Tensor | None]:
+    """Per canvas, its self-conditioning signal [C, H] or None: the signal given, else ``self_conditioning`` of its
+    logits or probs (what ``decode_row_hidden`` adds), else None."""
+    return [
+        s if s is not None or (lg is None and p is None) else model.self_conditioning(lg, p)
+        for lg, p, s in zip(logits, probs, signals, strict=True)
+    ]
+
+
+@torch.inference_mode()
+def decode_stacked(
+    model,
+    rows: Sequence[SlotView],
+    canvases: torch.Tensor,
+    signals: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """``decode_row_hidden`` of B canvases [B, C] at once → final hidden states [B, C, H], canvas b bit for bit its
+    own one-canvas pass. model: the DiffusionGemma (untyped: it imports this module); rows[b]: canvas b's cache slot
+    (its canvas K/V go to scratch after its length; the caller has reserved room, ``SlotCache.reserve``);
+    signals[b]: its self-conditioning signal [C, H] md, or None."""
+    cfg, eps = model.config, model.config.rms_norm_eps
+    B, C = canvases.shape
+    if len(rows) != B or len(signals) != B:
+        raise ValueError(f"{B} canvases but {len(rows)} cache rows and {len(signals)} signals")
+    x = model.embed_tokens(canvases.reshape(-1).to(model.device))
+    for b, s in enumerate(signals):
+        if s is not None:  # in place: the values of the one-canvas pass's ``x + signal``
+            x[b * C : (b + 1) * C] += s.to(model.device)
+    x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
+    per = [slice(b * C, (b + 1) * C) for b in range(B)]
+    for i, (lw, (cos, sin)) in enumerate(zip(model.layers, _stacked_rope(model, rows, C), strict=True)):
+        hd = cfg.head_dim(i)
+        h = ops.rms_norm(x, lw.input_layernorm, eps)
+        k, v = project_kv(h, lw, hd, eps, cos, sin)
+        q = project_q(h, lw, hd, eps, cos, sin)
+        # per canvas: its K/V after its cache's, then attention over everything its slot holds
+        attn = torch.cat([attend(q[:, s], *rows[b].decode_kv(i, k[:, s], v[:, s]), None) for b, s in enumerate(per)])
+        x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
+    return x.view(B, C, -1)
