@@ -28,7 +28,9 @@ from .cache import SlotCache, SlotView
 from .layers import (
     LayerWeights,
     attend,
+    attend_encoder,
     attention_output,
+    encoder_mask,
     feed_forward,
     project_kv,
     project_q,
@@ -327,24 +329,10 @@ class DiffusionGemma:
             if i == len(self.layers) - 1:
                 break  # the last layer's output is never used: only its K/V matter
             if (sliding, k0) not in masks:
-                masks[sliding, k0] = self._encoder_mask(pos, p0, k0, sliding, groups)
-            attn = attend(project_q(h, lw, hd, eps, cos, sin), keys, values, masks[sliding, k0])
+                masks[sliding, k0] = encoder_mask(pos, p0, k0, cfg.sliding_window if sliding else None, groups)
+            attn = attend_encoder(project_q(h, lw, hd, eps, cos, sin), keys, values, masks[sliding, k0])
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.encoder_layer_scalar)
         row.commit(T)
-
-    def _encoder_mask(
-        self, pos: torch.Tensor, p0: int, k0: int, sliding: bool, groups: torch.Tensor | None
-    ) -> torch.Tensor:
-        """visible [T, keys] for the encoder's queries at ``pos`` (p0 ..) over keys at positions k0 ..: causal (within
-        the window on sliding layers), and bidirectional within each image's run of placeholders (``groups``)."""
-        kpos = torch.arange(k0, p0 + pos.shape[0], device=self.device)
-        visible = kpos[None, :] <= pos[:, None]
-        if sliding:
-            visible &= kpos[None, :] > pos[:, None] - self.config.sliding_window
-        if groups is not None:  # keys before this pass are never in a group of it
-            kg = torch.cat([groups.new_full((p0 - k0,), -1), groups])
-            visible |= (groups[:, None] == kg[None, :]) & (groups[:, None] >= 0)
-        return visible
 
     def decode_row(
         self, row: SlotView, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_probs: torch.Tensor | None

@@ -156,6 +156,35 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out.transpose(0, 1).reshape(T, nh * hd)
 
 
+def encoder_mask(pos: torch.Tensor, p0: int, k0: int, window: int | None, groups: torch.Tensor | None) -> torch.Tensor:
+    """visible [T, keys] for the encoder's queries at ``pos`` (p0 ..) over keys at positions k0 ..: causal (within
+    ``window`` on sliding layers, None on full ones), and bidirectional within each image's run of placeholders
+    (``groups`` [T]: image k's run → k, text → -1)."""
+    kpos = torch.arange(k0, p0 + pos.shape[0], device=pos.device)
+    visible = kpos[None, :] <= pos[:, None]
+    if window is not None:
+        visible &= kpos[None, :] > pos[:, None] - window
+    if groups is not None:  # keys before this pass are never in a group of it
+        kg = torch.cat([groups.new_full((p0 - k0,), -1), groups])
+        visible |= (groups[:, None] == kg[None, :]) & (groups[:, None] >= 0)
+    return visible
+
+
+def attend_encoder(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The encoder's attention: as ``attend`` (mask [T, S] bool, True = visible), through PyTorch's fused
+    ``scaled_dot_product_attention`` in fp32 — transformers' default path, which fp32 logits are compared against
+    (docs/exactness.md, "Why the forward pass has a tolerance"). Other dtypes keep ``attend``'s eager path, whose
+    md rounding of the probabilities is what bf16 is compared against. The decoder always uses ``attend``."""
+    if q.dtype != torch.float32:
+        return attend(q, keys, values, visible)
+    nh, T, hd = q.shape
+    group = nh // keys.shape[0]  # query head h uses KV head h // group, as in ``attend``
+    if group > 1:  # repeated as transformers' ``repeat_kv`` does: 4-D inputs take PyTorch's fused CPU kernel
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    out = torch.nn.functional.scaled_dot_product_attention(q[None], keys[None], values[None], visible, scale=1.0)[0]
+    return out.transpose(0, 1).reshape(T, nh * hd)
+
+
 def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
     """Residual update after attention: x + RMSNorm(attn·Woᵀ; post_attention_layernorm)."""
     return x + ops.rms_norm(ops.linear(attn, lw.o_proj), lw.post_attention_layernorm, eps)
