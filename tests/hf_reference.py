@@ -267,3 +267,19 @@ def clear_reference(model, prompt_ids, seed: int, case: Case, **kw):
     out = hf_generate(model, prompt_ids, seed, **_case_knobs(case), margins=margins, **kw)
     assert margins.worst() > 1, f"seed {seed} case {case} prompt {list(prompt_ids)}: near-tie {margins}"
     return out
+
+
+def first_step_logits(model, hf, prompt_len: int = 11, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, transformers') fp32 logits of one denoising step: a seeded random prompt of ``prompt_len`` ids
+    prefilled, then a seeded random canvas, on dgserve's ``model`` and transformers' ``hf``."""
+    from transformers.cache_utils import DynamicCache
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        hf.model.encoder(input_ids=prompt, past_key_values=cache)
+        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
+    return model.denoise(model.prefill(prompt), canvas), ref

@@ -10,10 +10,9 @@ import shutil
 import pytest
 import torch
 from fp8_checkpoint import dequantized_copy, quantization_config, write_fp8_checkpoint
-from hf_reference import case_params, clear_reference
+from hf_reference import case_params, clear_reference, first_step_logits
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers.cache_utils import DynamicCache
 
 from dgserve import DiffusionGemma, Engine
 from dgserve.config import ConfigError, ModelConfig
@@ -147,16 +146,8 @@ def test_bf16_scales_load(fp8_ckpt, tmp_path):
 
 def test_fp8_logits_match_transformers_on_dequantized_weights(fp8_ckpt, tmp_path, hf_model_loader):
     model = DiffusionGemma.from_pretrained(fp8_ckpt[1])  # fp32, dequantized at load
-    cfg = model.config
     hf = hf_model_loader(dequantized_copy(fp8_ckpt[1], tmp_path), torch.float32, attn="sdpa")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 11), generator=g)
-    canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
-    with torch.no_grad():
-        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
-        hf.model.encoder(input_ids=prompt, past_key_values=cache)
-        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
-    ours = model.denoise(model.prefill(prompt), canvas)
+    ours, ref = first_step_logits(model, hf)
     assert (ours - ref).abs().max().item() <= 1e-4
 
 

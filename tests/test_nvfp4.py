@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
+from hf_reference import first_step_logits
 
 from dgserve import DiffusionGemma
 from dgserve.config import ModelConfig
@@ -127,14 +127,7 @@ def test_nvfp4_logits_match_transformers_on_dequantized_weights(quantized, tmp_p
     cfg = model.config
     save_weights(tmp_path, cfg, load_weights(dst, cfg), dtype=torch.float32)  # the same weights, plain fp32
     hf = hf_model_loader(tmp_path, torch.float32, attn="sdpa")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 11), generator=g)
-    canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
-    with torch.no_grad():
-        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
-        hf.model.encoder(input_ids=prompt, past_key_values=cache)
-        ref = hf(decoder_input_ids=canvas, past_key_values=cache).logits
-    ours = model.denoise(model.prefill(prompt), canvas)
+    ours, ref = first_step_logits(model, hf)
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
