@@ -67,7 +67,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
+        if not func.is_view:  # a view shares its input's storage: a weight's transpose costs nothing
+            tree_map_only(torch.Tensor, self._track, out)
         return out
 
 

@@ -144,7 +144,7 @@ void linear(const Tensor& x, const Tensor& weight, const Tensor& out) {
   check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
   TORCH_CHECK_VALUE(x.size(1) == 0 || x.stride(1) == 1, op, ": `x` needs a contiguous last dim, got shape ",
                     shape_str(x), " strides ", x.strides());
-  check_arg(weight, op, "weight", {x.scalar_type()}, 2);
+  check_arg(weight, op, "weight", {x.scalar_type()}, 2, /*contiguous=*/false);  // any strides (linear.h)
   TORCH_CHECK_VALUE(weight.size(1) == x.size(1), op, ": `weight` must have shape [N, ", x.size(1), "], got ",
                     shape_str(weight));
   check_arg(out, op, "out", {x.scalar_type()}, 2, /*contiguous=*/false);
@@ -152,8 +152,8 @@ void linear(const Tensor& x, const Tensor& weight, const Tensor& out) {
   TORCH_CHECK_VALUE(out.size(1) == 0 || out.stride(1) == 1, op, ": `out` needs a contiguous last dim");
   check_same_device(x, weight, op, "weight");
   check_same_device(x, out, op, "out");
-  dg::LinearParams p{dg_dtype(x),   x.data_ptr(), x.stride(0),    weight.data_ptr(), out.data_ptr(),
-                     out.stride(0), x.size(0),    weight.size(0), x.size(1)};
+  dg::LinearParams p{dg_dtype(x), x.data_ptr(),   x.stride(0), weight.data_ptr(), out.data_ptr(),  out.stride(0),
+                     x.size(0),   weight.size(0), x.size(1),   weight.stride(0),  weight.stride(1)};
   dispatch(op, x, dg::linear_cpu, DG_CUDA(dg::linear_cuda), p);
 }
 

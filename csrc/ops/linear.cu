@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(256) linear_kernel(LinearParams p) {
       const int rc = e / kK, kk = e % kK;
       const int64_t k = k0 + kk, t = t0 + rc, n = n0 + rc;
       xs[kk][rc] = (k < p.in_features && t < p.rows) ? to_float(x[t * p.x_row_stride + k]) : 0.0f;
-      ws[kk][rc] = (k < p.in_features && n < p.out_features) ? to_float(w[n * p.in_features + k]) : 0.0f;
+      ws[kk][rc] = (k < p.in_features && n < p.out_features) ? to_float(w[n * p.w_n_stride + k * p.w_k_stride]) : 0.0f;
     }
     __syncthreads();
     const int kn = p.in_features - k0 < kK ? (int)(p.in_features - k0) : kK;

@@ -2,7 +2,8 @@
 // "linear: the batch-invariant GEMM").
 //
 //   x: [T, K] fp32 | bf16, element (t, k) at x[t * x_row_stride + k]
-//   w: [N, K] same dtype as x, contiguous (element (n, k) at w[n * K + k])
+//   w: [N, K] same dtype as x, element (n, k) at w[n * w_n_stride + k * w_k_stride] (any strides: [N, K]
+//      contiguous is (K, 1); the transpose of a contiguous [K, N], e.g. an embedding read as x·E, is (1, N))
 //   y: [T, N] same dtype, element (t, n) at y[t * y_row_stride + n]; must not alias x or w
 //   acc = 0; for k = 0 .. K-1: acc = acc + f32(x[t, k]) * f32(w[n, k])   (a product, then a sum, each rounded
 //   to fp32: no fused multiply-add anywhere); y[t, n] = rnd(acc), one rounding to the dtype at the end.
@@ -23,12 +24,14 @@ struct LinearParams {
   DType dtype;             // of x, w and y
   const void* x;
   int64_t x_row_stride;    // elements
-  const void* w;           // [N, K] contiguous
+  const void* w;           // [N, K]
   void* y;
   int64_t y_row_stride;    // elements
   int64_t rows;            // T
   int64_t out_features;    // N
   int64_t in_features;     // K
+  int64_t w_n_stride;      // elements between w[n, k] and w[n + 1, k]
+  int64_t w_k_stride;      // elements between w[n, k] and w[n, k + 1]
 };
 
 Status linear_cpu(const LinearParams& p);

@@ -30,17 +30,19 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 struct Ctx {
   const float* xp;  // packed x: [panels][K][16]
   int64_t ps;       // panel stride, K * 16
-  const float* w;   // [N, K] fp32
+  const float* w;   // [N, K] fp32, element (n, k) at w[n * sn + k * sk]
+  int64_t sn, sk;
   int64_t K;
   void* y;
   int64_t ldy;
   int64_t T;
 };
 
-// One tile: panels xp[0 .. RB-1] (stride ps) x weight rows w[0 .. NB-1] (K floats each) → st[(r*NB + j)*16 + l].
-// The loops over r and j unroll fully, so the RB*NB accumulators stay in registers.
+// One tile: panels xp[0 .. RB-1] (stride ps) x weight rows w[0 .. NB-1] (element (j, k) at w[j * sn + k * sk])
+// → st[(r*NB + j)*16 + l]. The loops over r and j unroll fully, so the RB*NB accumulators stay in registers.
 template <int RB, int NB>
-__attribute__((always_inline)) inline void tile(const float* xp, int64_t ps, const float* w, int64_t K, float* st) {
+__attribute__((always_inline)) inline void tile(const float* xp, int64_t ps, const float* w, int64_t sn, int64_t sk,
+                                                int64_t K, float* st) {
   v16 acc[RB][NB];
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) {
@@ -53,7 +55,7 @@ __attribute__((always_inline)) inline void tile(const float* xp, int64_t ps, con
     for (int r = 0; r < RB; ++r) xv[r] = *(const v16u*)(xp + r * ps + k * kLanes);
 #pragma GCC unroll 16
     for (int j = 0; j < NB; ++j) {
-      const float wj = w[j * K + k];
+      const float wj = w[j * sn + k * sk];
 #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r) acc[r][j] = acc[r][j] + xv[r] * wj;  // a product, then a sum (no fma)
     }
@@ -85,11 +87,11 @@ __attribute__((always_inline)) inline void columns(const Ctx& c, int64_t p0, int
   const float* xp = c.xp + p0 * c.ps;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
-    tile<RB, NB>(xp, c.ps, c.w + n * c.K, c.K, st);
+    tile<RB, NB>(xp, c.ps, c.w + n * c.sn, c.sn, c.sk, c.K, st);
     store<T, RB, NB>(st, c, p0 * kLanes, n);
   }
   for (; n < n1; ++n) {
-    tile<RB, 1>(xp, c.ps, c.w + n * c.K, c.K, st);
+    tile<RB, 1>(xp, c.ps, c.w + n * c.sn, c.sn, c.sk, c.K, st);
     store<T, RB, 1>(st, c, p0 * kLanes, n);
   }
 }
@@ -154,19 +156,29 @@ void linear_typed(const LinearParams& p) {
   const int64_t panels = (T_ + kLanes - 1) / kLanes;
   std::vector<float> xp((size_t)(panels * K * kLanes));
   pack_rows<T>(static_cast<const T*>(p.x), p.x_row_stride, T_, K, panels, xp.data());
-  std::vector<float> wide;  // bf16 weights widened once per call (exact)
+  std::vector<float> wide;  // bf16 weights widened once per call (exact), in their own layout
   const float* w = nullptr;
+  int64_t sn = p.w_n_stride, sk = p.w_k_stride;
   if constexpr (sizeof(T) == sizeof(float)) {
     w = reinterpret_cast<const float*>(p.w);
   } else {
     wide.resize((size_t)(N * K));
     const T* wb = static_cast<const T*>(p.w);
     float* wd = wide.data();
+    // widened with the same orientation: k-contiguous ([N, K]) unless the weight is n-contiguous ([K, N])
+    const bool k_major = sn == 1 && sk != 1;
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
-    for (int64_t i = 0; i < N * K; ++i) wd[i] = to_float(wb[i]);
+    for (int64_t a = 0; a < (k_major ? K : N); ++a) {
+      for (int64_t b = 0; b < (k_major ? N : K); ++b) {
+        const int64_t n = k_major ? b : a, k = k_major ? a : b;
+        wd[a * (k_major ? N : K) + b] = to_float(wb[n * p.w_n_stride + k * p.w_k_stride]);
+      }
+    }
     w = wd;
+    sn = k_major ? 1 : K;
+    sk = k_major ? N : 1;
   }
-  const Ctx c{xp.data(), K * kLanes, w, K, p.y, p.y_row_stride, T_};
+  const Ctx c{xp.data(), K * kLanes, w, sn, sk, K, p.y, p.y_row_stride, T_};
   run_items<T>(c, panels, N);
 }
 

@@ -89,6 +89,26 @@ def test_leading_dims_strided_rows_and_empty_shapes(C):
     assert torch.equal(ops.linear(torch.randn(4, 0), torch.randn(6, 0)), torch.zeros(4, 6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 5, 3), (17, 49, 65), (33, 192, 2048)], ids=lambda s: "x".join(map(str, s)))
+def test_strided_weights_are_read_in_place(C, shape, dtype):
+    """A weight of any strides gives the reference's bits: the transpose of a contiguous [K, N] (x·E for an
+    embedding E, the self-conditioning GEMM), a column-strided view, and both at once; a row keeps its bits in any
+    batch."""
+    T, N, K = shape
+    x, w = _xw(T, N, K, dtype)
+    want = reference.linear(x, w)
+    transposed = w.t().contiguous().t()  # strides (1, N)
+    assert transposed.stride() == (1, N)
+    wide = torch.zeros(N, 2 * K, dtype=dtype)
+    wide[:, ::2] = w  # strides (2K, 2)
+    padded = torch.zeros(K + 3, N, dtype=dtype)
+    padded[:K] = w.t()  # strides (1, N) over a taller buffer, offset 0
+    for weight in (transposed, wide[:, ::2], padded[:K].t()):
+        assert torch.equal(ops.linear(x, weight), want), weight.stride()
+    assert torch.equal(ops.linear(x[: (T + 1) // 2], transposed), want[: (T + 1) // 2])
+
+
 def test_binding_rejects_bad_arguments(C):
     x, w = _xw(4, 6, 8, torch.float32)
     out = torch.empty(4, 6)
@@ -117,4 +137,6 @@ def test_cuda_kernel_gives_the_reference_bits(C, shape, dtype):
     x, w = _xw(*shape, dtype)
     out = torch.empty(shape[0], shape[1], dtype=dtype, device="cuda")
     C.linear(x.cuda(), w.cuda(), out)
+    assert torch.equal(out.cpu(), reference.linear(x, w))
+    C.linear(x.cuda(), w.t().contiguous().cuda().t(), out)  # a transposed weight, read in place
     assert torch.equal(out.cpu(), reference.linear(x, w))

@@ -40,6 +40,11 @@ from .layers import (
 from .stacked import decode_stacked, row_signals, stackable
 from .vision import VisionConfig, VisionTower, tile_workspace_bytes
 
+# fp32 logits per tile of canvases on the CPU: small enough to stay in cache, and below one canvas at the real
+# vocabulary (16 MiB with a 16-position canvas), so there the tile is one canvas and the step's peak does not grow
+# with the batch
+CPU_TILE_BYTES = 8 << 20
+
 
 class DiffusionGemma:
     """The model over explicit weight tensors (no nn.Module: inference only, weights never trained here)."""
@@ -60,9 +65,12 @@ class DiffusionGemma:
         # accelerators: rows in one batched pass (model/batched.py); CPU: canvases stacked, bitwise (model/stacked.py)
         self.batch_rows = self.device.type != "cpu" if batch_rows is None else batch_rows
         # canvases per tile of the LM head, the self-conditioning softmax and the sampler: their [n, C, V] fp32
-        # temporaries are bounded by a tile, not by the batch. 1 on CPU: every GEMM keeps a fixed
-        # shape per canvas (docs/exactness.md); 4 on accelerators (~0.27 GB of fp32 logits per canvas at V = 262,144).
-        self.canvas_tile = 1 if self.device.type == "cpu" else 4
+        # temporaries are bounded by a tile, not by the batch (docs/memory.md). CPU: as many canvases as fit
+        # CPU_TILE_BYTES of fp32 logits (one at the real vocabulary; the whole batch of the shipped model), every op
+        # of the tile row-count invariant (docs/exactness.md, "Batch invariance"); accelerators: 4 (~0.27 GB of
+        # fp32 logits per canvas at V = 262,144).
+        C, V = config.canvas_length, config.vocab_size
+        self.canvas_tile = max(1, CPU_TILE_BYTES // (4 * C * V)) if self.device.type == "cpu" else 4
         # images per pass of the vision tower (docs/images.md, "Where images are encoded"): 1 on CPU, each image's
         # GEMMs keep their own shape (a request's soft tokens never depend on the others'); on accelerators a tile
         # padded to its largest image, its working memory set aside in the KV cache budget (``tile_workspace_bytes``)
@@ -271,7 +279,7 @@ class DiffusionGemma:
     def self_conditioning_rows(self, processed: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
         """The next step's self-conditioning signal [C, H] md for canvases ``rows`` of one LM-head tile's processed
         logits [n, C, V] fp32 (docs/memory.md, "Self-conditioning state"): ``self_conditioning`` of rnd(processed),
-        in groups of ``canvas_tile`` canvases (on CPU one at a time: the per-canvas decoder's ops and shapes)."""
+        in groups of ``canvas_tile`` canvases (each canvas's bits those of its own call: ``self_conditioning``)."""
         C, V = processed.shape[1:]
         out: list[torch.Tensor] = []
         for t0 in range(0, len(rows), self.canvas_tile):
@@ -282,7 +290,7 @@ class DiffusionGemma:
                 lg = torch.empty(len(part) * C, V, dtype=self.dtype, device=processed.device)
                 for j, i in enumerate(part):
                     lg[j * C : (j + 1) * C] = processed[i]
-            probs = torch.softmax(lg, dim=-1, dtype=torch.float32)  # ``self_conditioning``'s op, lg freed first
+            probs = self._softmax_canvases(lg, C)  # ``self_conditioning``'s op, lg freed first
             del lg
             out += list(self.self_conditioning(None, probs).view(len(part), C, -1).unbind(0))
         return out
@@ -374,15 +382,30 @@ class DiffusionGemma:
         if sc_probs is None:
             if sc_logits is None:
                 raise ValueError("self_conditioning needs sc_logits or sc_probs")
-            sc_probs = torch.softmax(sc_logits.to(self.device), dim=-1, dtype=torch.float32)
-        soft = torch.matmul(sc_probs.to(self.dtype), self.embed) * self.embed_scale
+            sc_probs = self._softmax_canvases(sc_logits.to(self.device), self.config.canvas_length)
+        # rnd(probs)·Emb as ``linear`` with Emb read transposed in place: row-count invariant on the CPU, so the
+        # signal of a canvas is the same whatever tile it is made in (docs/exactness.md, "Batch invariance")
+        soft = ops.linear(sc_probs.to(self.dtype), self.embed.t()) * self.embed_scale
         n = ops.rms_norm(soft, self.sc_pre_norm, self.config.rms_norm_eps)
         return ops.gated_mlp(n, self.sc_gate, self.sc_up, self.sc_down)
 
+    def _softmax_canvases(self, logits: torch.Tensor, C: int) -> torch.Tensor:
+        """fp32 softmax over the last dim of logits [n·C, V]; on the CPU one canvas (C rows) per call, so each canvas
+        gets the bits of its own call whatever n (torch's loops place their vector tails by the tensor's size)."""
+        if self.device.type != "cpu" or logits.shape[0] <= C:
+            return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for c0 in range(0, logits.shape[0], C):
+            out[c0 : c0 + C] = torch.softmax(logits[c0 : c0 + C], dim=-1, dtype=torch.float32)
+        return out
+
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32."""
+        """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32. On the CPU the softcap runs one
+        canvas (``canvas_length`` rows) at a time: a canvas's logits are the bits of its own call in any tile."""
         z = ops.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
         cap = self.config.final_logit_softcapping
         if cap:  # tanh(z / cap) * cap in place: the same values, no extra [T, V] temporaries
-            z.div_(cap).tanh_().mul_(cap)
+            rows = self.config.canvas_length if self.device.type == "cpu" else z.shape[0]
+            for part in z.split(max(rows, 1)):
+                part.div_(cap).tanh_().mul_(cap)
         return z

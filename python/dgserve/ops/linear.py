@@ -45,7 +45,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Parameters
     ----------
     x : [..., K] md
-    weight : [N, K] md
+    weight : [N, K] md, any strides (``E.t()`` computes x·E without a copy)
 
     Returns
     -------
@@ -60,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if K > 1 and x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = x2.new_empty((x2.shape[0], N))
-        native._C.linear(x2, weight if weight.is_contiguous() else weight.contiguous(), out)
+        native._C.linear(x2, weight, out)  # any strides: a transposed view (x·E for E [K, N]) is read in place
         return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
     if not x.is_cpu:
         return F.linear(x, weight)
