@@ -12,7 +12,7 @@ One JSON line per concurrency (tok/s of both paths and their ratio), then the ra
 concurrency to that at 1.
 
 ``--profile n``: one denoising step of n requests (stacked) under torch.profiler, with ``ops.linear`` and
-``attend`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the shares of the
+``ops.decode_attention`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the shares of the
 step's wall time in ``linear`` (the projections, the experts, the LM head), in attention and elsewhere, and the
 aten ops with the most self time.
 """
@@ -64,19 +64,19 @@ def _labelled(label: str, fn):
 
 def _profile(engine: Engine, n: int, args) -> None:
     """One denoising step of n requests (stacked) under torch.profiler: the shares of its wall time in ``linear``
-    (every projection, the experts, the LM head), in attention (``attend``) and outside both."""
+    (every projection, the experts, the LM head), in attention (``ops.decode_attention``) and outside both."""
     import sys
 
     from torch.profiler import ProfilerActivity, profile
 
     from dgserve import ops
-    from dgserve.model import stacked
 
-    experts = sys.modules["dgserve.ops.moe_experts"]
-    saved = (ops.linear, experts.linear, stacked.attend)
+    experts, mlp = sys.modules["dgserve.ops.moe_experts"], sys.modules["dgserve.ops.gated_mlp"]
+    saved = (ops.linear, experts.linear, mlp.linear, ops.decode_attention)
     ops.linear = _labelled("@linear", ops.linear)  # type: ignore[assignment]
     experts.linear = _labelled("@linear", experts.linear)  # type: ignore[attr-defined]
-    stacked.attend = _labelled("@attend", stacked.attend)  # type: ignore[assignment]
+    mlp.linear = _labelled("@linear", mlp.linear)  # type: ignore[attr-defined]
+    ops.decode_attention = _labelled("@attend", ops.decode_attention)  # type: ignore[assignment]
     model_runner.decode_stacked = STACKED  # type: ignore[attr-defined]
     fixed = dict(max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30)
     prompt = list(range(5, 5 + args.prompt_len))
@@ -90,7 +90,7 @@ def _profile(engine: Engine, n: int, args) -> None:
         wall = (time.perf_counter() - t0) * 1e6
     while engine.has_unfinished():
         engine.step()
-    ops.linear, experts.linear, stacked.attend = saved  # type: ignore[assignment]
+    ops.linear, experts.linear, mlp.linear, ops.decode_attention = saved  # type: ignore[assignment]
     by = {e.key: e.cpu_time_total for e in prof.key_averages()}
     self_by = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     lin, att = by.get("@linear", 0.0), by.get("@attend", 0.0)

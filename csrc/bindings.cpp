@@ -11,6 +11,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "ops/canvas_noise.h"
+#include "ops/decode_attention.h"
 #include "ops/diffusion_step.h"
 #include "ops/gelu_tanh_mul.h"
 #include "ops/gumbel_noise.h"
@@ -175,6 +176,55 @@ void gelu_tanh_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
   {
     py::gil_scoped_release no_gil;
     status = dg::gelu_tanh_mul_cpu(p);
+  }
+  raise_if_error(status, op);
+}
+
+// ---- decode_attention (contract: ops/decode_attention.h) ----------------------------------------------------
+
+void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                      int64_t canvas_length, const Tensor& out) {
+  const char* op = "decode_attention";
+  check_arg(q, op, "q", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(q.device().is_cpu(), op, ": `q` must be a CPU tensor (the op has no CUDA path)");
+  TORCH_CHECK_VALUE(q.stride(2) == 1, op, ": `q` [nh, T, hd] needs a contiguous last dim");
+  const int64_t nh = q.size(0), T = q.size(1), hd = q.size(2), B = (int64_t)keys.size();
+  TORCH_CHECK_VALUE(values.size() == keys.size(), op, ": ", keys.size(), " key tensors but ", values.size(),
+                    " value tensors");
+  TORCH_CHECK_VALUE(canvas_length >= 1 && T == B * canvas_length, op, ": `q` has ", T, " rows, not ", B,
+                    " canvases of ", canvas_length);
+  check_arg(out, op, "out", {q.scalar_type()}, 2, /*contiguous=*/false);
+  check_shape(out, op, "out", {T, nh * hd});
+  TORCH_CHECK_VALUE(out.stride(1) == 1 && out.device().is_cpu(), op, ": `out` needs a contiguous last dim (CPU)");
+  int64_t nkv = B ? keys[0].size(0) : 1;
+  std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor& k = keys[b];
+    const Tensor& v = values[b];
+    check_arg(k, op, "keys", {q.scalar_type()}, 3, /*contiguous=*/false);
+    check_arg(v, op, "values", {q.scalar_type()}, 3, /*contiguous=*/false);
+    TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu(), op, ": keys and values must be CPU tensors");
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == nkv && k.size(2) == hd && k.size(1) >= 1, op, ": canvas ",
+                      b, "'s keys and values must be [", nkv, ", S >= 1, ", hd, "], got ", shape_str(k), " and ",
+                      shape_str(v));
+    TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1, op, ": keys and values need a contiguous last dim");
+    TORCH_CHECK_VALUE(nh % nkv == 0, op, ": ", nh, " query heads are not a multiple of ", nkv, " KV heads");
+    int64_t* sp = spans.data() + b * dg::kDecodeAttentionSpanFields;
+    sp[0] = (int64_t)(intptr_t)k.data_ptr();
+    sp[1] = (int64_t)(intptr_t)v.data_ptr();
+    sp[2] = k.size(1);
+    sp[3] = k.stride(0);
+    sp[4] = k.stride(1);
+    sp[5] = v.stride(0);
+    sp[6] = v.stride(1);
+  }
+  dg::DecodeAttentionParams p{
+      dg_dtype(q),   q.data_ptr(), q.stride(0), q.stride(1), spans.data(), out.data_ptr(), out.stride(0), B,
+      canvas_length, nh,           nkv,         hd};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::decode_attention_cpu(p);
   }
   raise_if_error(status, op);
 }
@@ -634,6 +684,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "batch-invariant y [T, N] = x [T, K] · weight [N, K]^T (fp32|bf16, fp32 accumulation in k order, one "
         "rounding) into out",
         py::arg("x"), py::arg("weight"), py::arg("out"));
+  m.def("decode_attention", &decode_attention,
+        "the decoder's attention of B canvases (q [nh, B*C, hd]) each over its own keys/values [nkv, S_b, hd] into "
+        "out [B*C, nh*hd]; a fixed order per element, batch-invariant (CPU)",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_length"), py::arg("out"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul,
         "out [rows, cols] = rnd(rnd(gelu_tanh(gate)) * up), one fixed scalar GELU-tanh formula (CPU)", py::arg("gate"),
         py::arg("up"), py::arg("out"));

@@ -27,7 +27,6 @@ from .batched import decode_slots
 from .cache import SlotCache, SlotView
 from .layers import (
     LayerWeights,
-    attend,
     attend_encoder,
     attention_output,
     encoder_mask,
@@ -373,7 +372,7 @@ class DiffusionGemma:
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
             k, v = row.decode_kv(i, k, v)  # everything the cache holds, then the canvas: visible to every query
-            attn = attend(project_q(h, lw, hd, eps, cos, sin), k, v, None)
+            attn = ops.decode_attention(project_q(h, lw, hd, eps, cos, sin), [k], [v], C)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
         return x
 

@@ -174,7 +174,7 @@ def attend_encoder(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     """The encoder's attention: as ``attend`` (mask [T, S] bool, True = visible), through PyTorch's fused
     ``scaled_dot_product_attention`` in fp32 — transformers' default path, which fp32 logits are compared against
     (docs/exactness.md, "Why the forward pass has a tolerance"). Other dtypes keep ``attend``'s eager path, whose
-    md rounding of the probabilities is what bf16 is compared against. The decoder always uses ``attend``."""
+    md rounding of the probabilities is what bf16 is compared against. The decoder uses ``ops.decode_attention``."""
     if q.dtype != torch.float32:
         return attend(q, keys, values, visible)
     nh, T, hd = q.shape

@@ -22,7 +22,7 @@ import torch
 from dgserve import ops
 
 from .cache import SlotView
-from .layers import attend, attention_output, feed_forward, project_kv, project_q, rope_cos_sin
+from .layers import attention_output, feed_forward, project_kv, project_q, rope_cos_sin
 
 
 def stackable(model) -> bool:
@@ -88,7 +88,8 @@ def decode_stacked(
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         k, v = project_kv(h, lw, hd, eps, cos, sin)
         q = project_q(h, lw, hd, eps, cos, sin)
-        # per canvas: its K/V after its cache's, then attention over everything its slot holds
-        attn = torch.cat([attend(q[:, s], *rows[b].decode_kv(i, k[:, s], v[:, s]), None) for b, s in enumerate(per)])
+        # per canvas: its K/V after its cache's; then one attention call, each canvas over everything its slot holds
+        kv = [rows[b].decode_kv(i, k[:, s], v[:, s]) for b, s in enumerate(per)]
+        attn = ops.decode_attention(q, [kb for kb, _ in kv], [vb for _, vb in kv], C)
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)

@@ -11,6 +11,9 @@ op's module docstring and docs/exactness.md; the kernels: docs/kernels.md.
 - ``linear``: the batch-invariant GEMM (CPU: fixed k order per element, bit-identical to the reference; CUDA:
   cuBLAS); ``gelu_tanh_mul``: the gating with one fixed scalar formula (CPU); ``gated_mlp``: the dense MLP built from
   the two (batch-invariant on the CPU).
+- ``decode_attention``: the decoder's attention of several canvases in one call, each over its own keys (CPU: two
+  ``linear`` GEMMs around a fixed-order softmax per canvas and head, batch-invariant, within fp32 rounding of the
+  reference; elsewhere the reference).
 - ``canvas_noise``: bit-identical everywhere (integer only).
 - ``gumbel_noise``: the contract's float32 log ``dg_logf``: exactly the noise the native ``diffusion_step`` adds,
   within 1 ulp of max(|g|, 1) of the reference's ``torch.log`` noise.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 from . import native, reference
 from .canvas_noise import canvas_noise
+from .decode_attention import decode_attention
 from .diffusion_step import diffusion_step
 from .gated_mlp import gated_mlp
 from .gelu_tanh_mul import gelu_tanh_mul
@@ -68,6 +72,7 @@ __all__ = [
     "active_native_ops",
     "canvas_noise",
     "cuda_build_problem",
+    "decode_attention",
     "diffusion_step",
     "entropy_bound_accept",
     "gated_mlp",

@@ -79,6 +79,7 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("cpu", "cuda"),
     "linear": ("cpu",),
     "gelu_tanh_mul": ("cpu",),
+    "decode_attention": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
     "diffusion_step": ("cpu", "cuda"),

@@ -225,6 +225,16 @@ def check_gelu_tanh_mul(device) -> str | None:
     return None if err <= 1e-6 else f"gelu_tanh_mul is {err:.2e} of |gate·up| from the reference (tolerance 1e-6)"
 
 
+def check_decode_attention(device) -> str | None:
+    g = _gen(23)
+    q = torch.randn(4, 2 * 5, 24, generator=g)
+    keys = [torch.randn(2, n, 24, generator=g) for n in (7, 21)]
+    values = [torch.randn(2, n, 24, generator=g) for n in (7, 21)]
+    got = ops.decode_attention(q.to(device), [k.to(device) for k in keys], [v.to(device) for v in values], 5)
+    err = _rel_l2(got, reference.decode_attention(q, keys, values, 5))
+    return None if err <= 1e-5 else f"decode_attention is {err:.2e} rel L2 from the reference (tolerance 1e-5)"
+
+
 def check_moe_experts(device) -> str | None:
     args = _experts_args(device)
     err = _rel_l2(ops.moe_experts(*args), reference.moe_experts(*args))
@@ -290,6 +300,7 @@ CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "rms_norm": check_rms_norm,
     "linear": check_linear,
     "gelu_tanh_mul": check_gelu_tanh_mul,
+    "decode_attention": check_decode_attention,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,
     "diffusion_step": check_diffusion_step,

@@ -9,6 +9,7 @@ dtype ``md``. The formulas are those of docs/generation.md and docs/seeded-noise
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for k in range(x.shape[-1]):
         acc = acc + xf[..., k : k + 1] * wf[:, k]
     return acc.to(x.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], canvas_length: int
+) -> torch.Tensor:
+    """The decoder's attention of B canvases, each over its own keys: q [nh, B·C, hd] md; keys[b], values[b]
+    [nkv, S_b, hd] md (query head h reads KV head h // (nh / nkv)) → [B·C, nh·hd] md.
+
+    Per canvas, eager attention with scale 1.0 and no mask: scores rnd(q·kᵀ), softmax in fp32, rounded to md, then
+    rnd(p·v) (docs/kernels.md, "decode_attention: the decoder's attention"). The native op computes the same with
+    one fixed sequence per element and the contract's exp: within fp32 rounding of this, not bit-identical."""
+    nh, _, hd = q.shape
+    C = canvas_length
+    outs = []
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        nkv = k.shape[0]
+        group = nh // nkv  # query head h uses KV head h // group
+        qg = q[:, b * C : (b + 1) * C].reshape(nkv, group * C, hd)
+        scores = torch.matmul(qg, k.transpose(1, 2)).view(nh, C, -1)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(p.reshape(nkv, group * C, -1), v).view(nh, C, hd)
+        outs.append(out.transpose(0, 1).reshape(C, nh * hd))
+    return torch.cat(outs) if outs else q.new_empty(0, nh * hd)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

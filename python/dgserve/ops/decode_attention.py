@@ -1,0 +1,57 @@
+"""``decode_attention``: the decoder's attention for B canvases at once, each canvas's C queries over its own keys and
+values (its cache slot's visible positions, then its canvas), scale 1.0, no mask (docs/kernels.md,
+"decode_attention: the decoder's attention"); native core in ``csrc/ops/decode_attention.h``.
+
+- CPU, fp32/bf16: ``_C.decode_attention``, one call for every canvas and head: per canvas and head the two
+  batch-invariant GEMMs of ``linear`` around a softmax of one fixed sequence per row (the contract's exp,
+  ``exp_nonpositive``), so a canvas's result is bit-identical alone and beside any others (docs/exactness.md,
+  "Batch invariance"). Within fp32 rounding of the reference, not bit-identical to it (torch's exp and GEMM order).
+- Elsewhere (CUDA, other dtypes, autograd, no extension): the reference, canvas by canvas (accelerators batch
+  their rows in ``model/batched.py`` instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import native, reference
+
+
+def decode_attention_native_ok(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
+    """Whether ``decode_attention`` may run ``_C.decode_attention``: CPU fp32/bf16 q [nh, T, hd] and keys/values of
+    its dtype with a unit last stride, no autograd, extension built and not switched off."""
+    return (
+        native.has_native("decode_attention")
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.dim() == 3
+        and q.stride(-1) == 1
+        and all(t.dtype == q.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in (*keys, *values))
+        and not native.wants_grad(q, *keys, *values)
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], canvas_length: int
+) -> torch.Tensor:
+    """The attention of B = len(keys) canvases; see ``reference.decode_attention``.
+
+    Parameters
+    ----------
+    q : [nh, B·C, hd] md (canvas b's queries are rows b·C .. b·C + C − 1; a transposed view is read in place)
+    keys, values : B tensors [nkv, S_b, hd] md (views of a cache slot: everything canvas b attends to, in order)
+    canvas_length : C
+
+    Returns
+    -------
+    new tensor [B·C, nh·hd] md. CPU: batch-invariant, within fp32 rounding of the reference.
+    """
+    if len(keys) != len(values) or q.shape[1] != len(keys) * canvas_length:
+        raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {len(keys)} canvases of {canvas_length}")
+    if decode_attention_native_ok(q, keys, values):
+        out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
+        native._C.decode_attention(q, list(keys), list(values), canvas_length, out)
+        return out
+    return reference.decode_attention(q, keys, values, canvas_length)
