@@ -12,9 +12,9 @@ One JSON line per concurrency (tok/s of both paths and their ratio), then the ra
 concurrency to that at 1.
 
 ``--profile n``: one denoising step of n requests (stacked) under torch.profiler, with ``ops.linear`` and
-``ops.decode_attention`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the shares of the
-step's wall time in ``linear`` (the projections, the experts, the LM head), in attention and elsewhere, and the
-aten ops with the most self time.
+``ops.decode_attention`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the
+shares of the step's wall time in ``linear`` (the projections, the experts, the LM head), in attention and
+elsewhere, and the aten ops with the most self time.
 """
 
 from __future__ import annotations

@@ -233,6 +233,18 @@ def test_every_per_request_phase_is_guarded(engine, monkeypatch, phase, method, 
         return real(req, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, method, failing)
+    # the stacked encoder pass (several requests' chunks as one) fails with the victim among them: each request's
+    # prefill then runs alone, where the victim's fails
+    stacked = {"prefill": "prefill_stacked", "start_block": "encode_pending"}.get(method)
+    if stacked is not None:
+        real_stacked = getattr(engine.runner, stacked)
+
+        def failing_stacked(work):
+            if any((w[0] if isinstance(w, tuple) else w) is victim for w in work):
+                raise error
+            return real_stacked(work)
+
+        monkeypatch.setattr(engine.runner, stacked, failing_stacked)
     assert _run(engine, [victim, other]) == [victim]
     if isinstance(error, ValueError):
         assert victim.error is error

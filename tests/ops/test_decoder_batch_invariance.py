@@ -1,8 +1,9 @@
 """The decoder's row-wise ops are batch-invariant on the CPU (docs/exactness.md, "Batch invariance"): several canvases
 stacked as one [B·C, H] pass through rms_norm, the projections, the attention output, the feed-forward (dense MLP,
 router, experts) and the LM head give every canvas the bits of its own one-canvas pass (``decode_row_hidden``,
-``output_logits``). Attention stays per canvas, and RoPE's cos/sin are made per canvas (their torch cos/sin are
-vectorised over the whole tensor)."""
+``output_logits``). Attention is one ``decode_attention`` call (each canvas over its own slot), and RoPE's cos/sin
+are made per canvas (their torch cos/sin are vectorised over the whole tensor). The encoder stacks the same way:
+several rows' token chunks in one ``encode_stacked`` pass leave each slot as its own ``encode_row`` does."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from dgserve.model import SlotCache
 from dgserve.model.default_model import SHIPPED
 from dgserve.model.diffusion_gemma import DiffusionGemma
-from dgserve.model.stacked import decode_stacked
+from dgserve.model.stacked import decode_stacked, encode_stacked
 from dgserve.model.tiny import make_random_checkpoint, preset
 
 
@@ -46,3 +47,35 @@ def test_stacked_canvases_give_each_canvas_its_own_bits(C, tmp_path, which):
         for b in range(len(prompts)):
             assert torch.equal(logits[b], model.output_logits(alone[b])), b
     assert not torch.equal(alone[0], alone[1])  # the canvases differ, so equal bits are not a coincidence
+
+
+@pytest.mark.parametrize("which", ["moe16", "shipped"])
+def test_stacked_encoder_gives_each_row_its_own_cache(C, tmp_path, which):
+    """``encode_stacked`` of 4 rows' chunks (lengths 1 to 40, after cached prefixes of 0 to 100 positions that wrap
+    the sliding rings) leaves every slot's keys, values and length as 4 separate ``encode_row`` calls do."""
+    if which == "shipped":
+        model = DiffusionGemma.from_pretrained(SHIPPED)
+    else:
+        config = preset("tiny", num_experts=16, top_k_experts=3)
+        model = DiffusionGemma.from_pretrained(make_random_checkpoint(tmp_path / "tiny", config, seed=3))
+    cfg = model.config
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (16, 5, 40, 1)]
+    prefixes = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (0, 30, 7, 100)]
+
+    def cache_with_prefixes() -> SlotCache:
+        c = SlotCache(cfg, 4, 256, 128, torch.float32, torch.device("cpu"), zero=True)
+        for b, p in enumerate(prefixes):
+            if len(p):
+                model.encode_row(p, c.view(b))
+        return c
+
+    with torch.inference_mode():
+        alone, stacked = cache_with_prefixes(), cache_with_prefixes()
+        for b, ids in enumerate(chunks):
+            model.encode_row(ids, alone.view(b))
+        encode_stacked(model, [stacked.view(b) for b in range(4)], chunks)
+    assert stacked.lengths == alone.lengths == [16, 35, 47, 101]
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(stacked.keys[layer], alone.keys[layer]), layer
+        assert torch.equal(stacked.values[layer], alone.values[layer]), layer

@@ -43,8 +43,8 @@ import torch
 from dgserve.engine import request_checks as checks
 from dgserve.engine.admission import Admission
 from dgserve.engine.cache_config import CacheConfig
-from dgserve.engine.image_batch import default_image_token_cost, encode_planned
-from dgserve.engine.isolation import alone, cached_prefix, grammar_failure, shared
+from dgserve.engine.image_batch import chunk_images, default_image_token_cost, encode_planned
+from dgserve.engine.isolation import alone, cached_prefix, grammar_failure, shared, together
 from dgserve.engine.loading import eos_ids, load_checkpoint, runtime_info
 from dgserve.engine.model_runner import ModelRunner
 from dgserve.engine.prefix_cache import KV, PrefixCacheStats
@@ -332,10 +332,17 @@ class Engine:
         self._alone("resumption", plan.resumed, self.runner.resume, out)
         # the images of every planned chunk in one tower call; its failure leaves each request to encode its own
         feats = encode_planned(self.model, plan.prefill)
-        for (req, start, end), emb in zip(plan.prefill, feats, strict=True):
-            work = functools.partial(self.runner.prefill, start=start, end=end, image_embeds=emb)
-            self._alone("prefill", [req], work, out)
-        self._alone("block start", [r for r in plan.decode if r.block is None], self.runner.start_block, out)
+        chunks = list(zip(plan.prefill, feats, strict=True))
+        stacked = self._prefill_stacked([c for c, emb in chunks if emb is None], out)
+        for (req, start, end), emb in chunks:
+            if req not in stacked:
+                work = functools.partial(self.runner.prefill, start=start, end=end, image_embeds=emb)
+                self._alone("prefill", [req], work, out)
+        starting = [r for r in plan.decode if r.block is None]
+        pending = [r for r in starting if r.pending is not None and not r.finished]
+        if len(pending) > 1 and self.runner.can_stack():  # their committed blocks in one stacked pass
+            together("block start", pending, lambda: self.runner.encode_pending(pending))
+        self._alone("block start", starting, self.runner.start_block, out)
         with self._lock:  # a grammar that failed before the block's first step: that request ends here
             active = [r for r in plan.decode if not r.finished and not self._failed_alone(r, out)]
         if active:
@@ -354,6 +361,19 @@ class Engine:
                     self._finished.add(req.key)
         shared("slot release", self.runner.release_finished)
         return out
+
+    def _prefill_stacked(self, chunks: list[tuple[Request, int, int]], out: StepOutput) -> set[Request]:
+        """The planned text-only prompt chunks (no image among their tokens) of requests in flight, encoded in one
+        stacked pass when there are several and the runner can (``ModelRunner.prefill_stacked``), then each offered
+        to the prefix cache alone; the requests so encoded. When the pass fails, none is (each is encoded alone)."""
+        text = [(r, s, e) for r, s, e in chunks if not r.finished and not chunk_images(r, s, e)]
+        if len(text) < 2 or not self.runner.can_stack():
+            return set()
+        if not together("prefill", [r for r, _, _ in text], lambda: self.runner.prefill_stacked(text)):
+            return set()
+        for req, start, end in text:
+            self._alone("prefill", [req], functools.partial(self.runner.offer_prefix, start=start, end=end), out)
+        return {r for r, _, _ in text}
 
     def _alone(
         self, phase: str, reqs: Sequence[Request], work: Callable[[Request], object], out: StepOutput

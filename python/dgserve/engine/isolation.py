@@ -6,14 +6,18 @@ Public contract:
     error = grammar_failure(req)         # the error of the request's grammar once it failed, else None
     hit = cached_prefix(match, req)      # match(req), the prefix cache's hit; its exception → [] (no reuse)
     value = shared(phase, work)          # work(); its exception → SharedWorkError naming the phase
+    ran = together(phase, reqs, work)    # several requests' own work as one; its exception → False (then each alone)
 
 A request's own work (admission into a slot, its prompt chunks, the start of a block, the commit of a block) runs
 through ``alone``: an exception there ends that request, with the exception itself when it is a ValueError (the
 request's input caused it: INVALID_ARGUMENT / 400 naming the field), else with a ``RequestFailedError`` (INTERNAL
 for that request only), and the others go on. The work shared by every running request (scheduling, slot
 bookkeeping, the batched denoising pass) runs through ``shared``: an exception there belongs to no single request
-and is an engine fault. Log lines name the request, the phase and the exception's type, never its message (which
-may quote the request's content); tracebacks are at DEBUG.
+and is an engine fault. Several requests' own work done as one (the stacked encoder pass of their prompt chunks or
+committed blocks) runs through ``together``: when it raises, nothing is ended and each request's work runs again on
+its own, through ``alone``, so a failure still ends only the request that causes it. Log lines name the request,
+the phase and the exception's type, never its message (which may quote the request's content); tracebacks are at
+DEBUG.
 """
 
 from __future__ import annotations
@@ -83,6 +87,19 @@ def shared(phase: str, work: Callable[[], _T]) -> _T:
         raise SharedWorkError(
             f"engine fault in {phase}, work shared by every running request (no single request's): {type(e).__name__}"
         ) from e
+
+
+def together(phase: str, reqs: Sequence[Request], work: Callable[[], object]) -> bool:
+    """``work()``, the own work of every request in ``reqs`` done as one: True when it ran; when it raises, the
+    failure is logged (type only) and False is returned, and the caller runs each request's work alone. ``work`` must
+    leave every request as it was when it raises (the stacked encoder commits only once its whole pass has run)."""
+    try:
+        work()
+    except Exception as e:
+        log.warning("%s of %d requests as one pass failed (%s); each runs alone", phase, len(reqs), type(e).__name__)
+        log.debug("%s as one pass failed", phase, exc_info=e)
+        return False
+    return True
 
 
 def cached_prefix(match: Callable[[Request], list[_T]], req: Request) -> list[_T]:

@@ -45,7 +45,7 @@ from dgserve.engine.sampler import Sampler, StepKnobs
 from dgserve.model import DiffusionGemma
 from dgserve.model.batched import decode_slots
 from dgserve.model.cache import SlotCache
-from dgserve.model.stacked import decode_stacked, stackable
+from dgserve.model.stacked import decode_stacked, encode_stacked, stackable
 from dgserve.ops.bits import to_signed64
 
 log = logging.getLogger("dgserve")
@@ -247,6 +247,48 @@ class ModelRunner:
         if image_embeds is None:
             image_embeds = self._image_features(req, start, end)
         self._encode(req, req.prompt_ids[start:end], image_embeds)
+        self.offer_prefix(req, start, end)
+
+    def can_stack(self) -> bool:
+        """Whether several requests' encoder passes may run as one (``prefill_stacked``, ``encode_pending``): the
+        stacked CPU pass, each row bit for bit its own (model/stacked.py)."""
+        return stackable(self.model)
+
+    @torch.inference_mode()
+    def prefill_stacked(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """``prefill`` of several requests' text-only prompt chunks (no image among their tokens) in one stacked
+        encoder pass (``encode_stacked``): each slot gets the bits of its own ``prefill``. All or nothing: when it
+        raises, no slot's length has moved and each chunk can be encoded on its own. Each chunk is then offered to
+        the prefix cache (``offer_prefix``), request by request."""
+        for req, start, _ in chunks:
+            assert req.slot is not None and self.cache.lengths[req.slot] == start, "prompt chunks are encoded in order"
+        self._encode_stacked([(req, req.prompt_ids[start:end]) for req, start, end in chunks])
+
+    @torch.inference_mode()
+    def encode_pending(self, reqs: list[Request]) -> None:
+        """The committed blocks the requests' next ``start_block`` would encode one by one, encoded in one stacked
+        pass; each request's ``pending`` is then cleared (all or nothing, as ``prefill_stacked``)."""
+        for req in reqs:
+            assert req.slot is not None and req.pending is not None, "encode_pending needs a pending block"
+            req.encode_seconds = 0.0
+        self._encode_stacked([(req, req.pending) for req in reqs])  # type: ignore[misc]
+        for req in reqs:
+            req.pending = None
+
+    def _encode_stacked(self, work: list[tuple[Request, list[int]]]) -> None:
+        """``_encode`` of several requests' tokens in one stacked pass; each is charged the pass's time."""
+        t0 = time.perf_counter()
+        dev = self.model.device
+        rows = [self.cache.view(req.slot) for req, _ in work]  # type: ignore[arg-type]
+        encode_stacked(self.model, rows, [torch.tensor(ids, dtype=torch.int64, device=dev) for _, ids in work])
+        dt = time.perf_counter() - t0
+        for req, _ in work:
+            req.encode_seconds += dt
+
+    def offer_prefix(self, req: Request, start: int, end: int) -> None:
+        """A fully encoded prompt chunk start .. end − 1 of ``req`` goes to the prefix cache (copied out of the
+        slot once; a chunk already cached is only touched)."""
+        assert req.slot is not None
         c, off = divmod(start, self.prefill_chunk)
         if self.prefix is None or off or end - start != self.prefill_chunk or c >= len(req.prefix_hashes):
             return

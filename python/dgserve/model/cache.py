@@ -141,6 +141,33 @@ class SlotCache:
             if n1 < T:
                 K[:, base : base + T - n1], V[:, base : base + T - n1] = k[:, n1:], v[:, n1:]
 
+    def canvas_index(self, layer: int, slots: Sequence[int], C: int) -> list[torch.Tensor]:
+        """Where ``write_canvases`` puts the canvases of ``slots`` on ``layer``: per ring copy (one on full layers, two
+        on sliding ones), row indices [nkv·B·C] into the layer's buffer seen as [S·nkv·cap, hd], in the order of
+        k [nkv, B·C, hd] (canvas b's C positions after slot b's length). Layers of one kind and shape share them."""
+        K = self.keys[layer]
+        nkv, cap = K.shape[1], K.shape[2]
+        lengths = [self.lengths[s] for s in slots]
+        if not self.sliding[layer] and max(lengths, default=0) + C > self.slot_len:
+            raise ValueError(f"slot cache: positions up to {max(lengths) + C} exceed the slot's {self.slot_len}")
+        if self.sliding[layer] and C > self.ring:
+            raise ValueError(f"slot cache: a pass of {C} positions exceeds the ring's chunk of {self.chunk}")
+        pos = torch.tensor(lengths, dtype=torch.int64)[:, None] + torch.arange(C)  # [B, C]
+        head = torch.tensor(list(slots), dtype=torch.int64)[None, :, None] * nkv + torch.arange(nkv)[:, None, None]
+        bases = (0, self.ring) if self.sliding[layer] else (0,)
+        j = pos % self.ring if self.sliding[layer] else pos
+        return [(head * cap + j[None] + base).reshape(-1).to(self.device) for base in bases]
+
+    def write_canvases(self, layer: int, index: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [nkv, B·C, hd] → the scratch positions ``canvas_index`` gave (the same values ``write`` of each canvas
+        would put there, in one copy per ring copy)."""
+        hd = k.shape[-1]
+        kf, vf = k.reshape(-1, hd), v.reshape(-1, hd)
+        K, V = self.keys[layer].view(-1, hd), self.values[layer].view(-1, hd)
+        for idx in index:
+            K.index_copy_(0, idx, kf)
+            V.index_copy_(0, idx, vf)
+
     def read(self, slot: int, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [nkv, end − start, hd] of positions start .. end−1 in chronological order (no copy)."""
         if self.sliding[layer]:

@@ -5,16 +5,23 @@ projections, the dense MLP, the MoE router and experts) runs once over all B·C 
 the CPU (each output element one fixed fp32 sequence, whatever the number of rows), so every canvas gets the bits of
 its own one-canvas pass (``DiffusionGemma.decode_row_hidden``). What is not row-wise stays per canvas, as the
 one-canvas pass does it: RoPE's cos/sin (torch vectorises them over the whole tensor, so they are made on each
-canvas's own [C, hd] positions), the canvas K/V hand-off to each row's cache slot (``SlotView.decode_kv``) and
-attention (each canvas attends to its own cache).
+canvas's own [C, hd] positions). The canvas K/V go to each row's cache slot in one copy per layer
+(``SlotCache.write_canvases``: the values ``SlotView.decode_kv`` writes), and attention is one ``ops.decode_attention``
+call, each canvas over its own slot's view.
+
+The encoder is stacked the same way (``encode_stacked``): several rows' token chunks (prompt chunks, committed blocks;
+text only) in one pass, the row-wise ops over all their tokens, RoPE tables, the K/V hand-off, the causal masks and
+attention per row as ``DiffusionGemma.encode_row`` makes them, so each row's cache gets the bits of its own pass.
 
 Public contract:
     if stackable(model):   # CPU, experts in the model dtype
         hidden[B, C, H] = decode_stacked(model, rows, canvases[B, C], signals)   # rows: SlotViews; signals: [C, H]|None
+        encode_stacked(model, rows, ids)   # ids[b]: row b's tokens [T_b] after what it holds; each row commits T_b
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +29,7 @@ import torch
 from dgserve import ops
 
 from .cache import SlotView
-from .layers import attention_output, feed_forward, project_kv, project_q, rope_cos_sin
+from .layers import attend_encoder, attention_output, encoder_mask, feed_forward, project_kv, project_q, rope_cos_sin
 
 
 def stackable(model) -> bool:
@@ -83,13 +90,66 @@ def decode_stacked(
             x[b * C : (b + 1) * C] += s.to(model.device)
     x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
     per = [slice(b * C, (b + 1) * C) for b in range(B)]
+    cache = rows[0].cache
+    one_cache = all(r.cache is cache for r in rows)
+    slots = [r.slot for r in rows]
+    index: dict[tuple, list[torch.Tensor]] = {}  # canvas K/V destinations per layer kind and shape
     for i, (lw, (cos, sin)) in enumerate(zip(model.layers, _stacked_rope(model, rows, C), strict=True)):
         hd = cfg.head_dim(i)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         k, v = project_kv(h, lw, hd, eps, cos, sin)
         q = project_q(h, lw, hd, eps, cos, sin)
-        # per canvas: its K/V after its cache's; then one attention call, each canvas over everything its slot holds
-        kv = [rows[b].decode_kv(i, k[:, s], v[:, s]) for b, s in enumerate(per)]
+        # every canvas's K/V after its cache's (one copy per ring copy), then one attention call, each canvas over
+        # everything its slot holds
+        if one_cache:
+            kind = (cache.sliding[i], *cache.keys[i].shape[1:])
+            if kind not in index:
+                index[kind] = cache.canvas_index(i, slots, C)
+            cache.write_canvases(i, index[kind], k, v)
+            kv = [cache.read(s, i, cache.visible_start(i, cache.lengths[s]), cache.lengths[s] + C) for s in slots]
+        else:
+            kv = [rows[b].decode_kv(i, k[:, s], v[:, s]) for b, s in enumerate(per)]
         attn = ops.decode_attention(q, [kb for kb, _ in kv], [vb for _, vb in kv], C)
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
+
+
+@torch.inference_mode()
+def encode_stacked(model, rows: Sequence[SlotView], ids: Sequence[torch.Tensor]) -> None:
+    """``encode_row`` of B rows' text chunks at once: ids[b] [T_b] at positions rows[b].length.. of row b's slot;
+    each row's K/V and length afterwards are bit for bit those of its own ``encode_row``. The lengths move only
+    once the whole pass has run (a pass that fails leaves every row as it was, its scratch writes uncommitted)."""
+    cfg, eps, dev = model.config, model.config.rms_norm_eps, model.device
+    if len(rows) != len(ids):
+        raise ValueError(f"{len(rows)} rows but {len(ids)} token chunks")
+    lens = [int(t.shape[0]) for t in ids]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    per = [slice(a, b) for a, b in itertools.pairwise(starts)]
+    p0 = [r.length for r in rows]
+    pos = [torch.arange(p, p + n, device=dev) for p, n in zip(p0, lens, strict=True)]
+    x = model.embed_tokens(torch.cat([t.to(dev) for t in ids]))
+    ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer kind, each row's own table, concatenated
+    masks: dict[tuple[int, bool, int], torch.Tensor] = {}
+    last = len(model.layers) - 1
+    for i, lw in enumerate(model.layers):
+        hd, sliding = cfg.head_dim(i), cfg.is_sliding(i)
+        if sliding not in ropes:
+            cs = [rope_cos_sin(model.inv_freq[i], p, model.dtype) for p in pos]
+            ropes[sliding] = torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
+        cos, sin = ropes[sliding]
+        h = ops.rms_norm(x, lw.input_layernorm, eps)
+        k, v = project_kv(h, lw, hd, eps, cos, sin)
+        kv = [rows[b].encode_kv(i, k[:, s], v[:, s]) for b, s in enumerate(per)]  # keys: cached then new
+        if i == last:
+            break  # the last layer's output is never used: only its K/V matter
+        q = project_q(h, lw, hd, eps, cos, sin)
+        parts = []
+        for b, (s, (keys, values, k0)) in enumerate(zip(per, kv, strict=True)):
+            if (b, sliding, k0) not in masks:
+                masks[b, sliding, k0] = encoder_mask(pos[b], p0[b], k0, cfg.sliding_window if sliding else None, None)
+            parts.append(attend_encoder(q[:, s], keys, values, masks[b, sliding, k0]))
+        x = feed_forward(attention_output(x, torch.cat(parts), lw, eps), lw, cfg, lw.encoder_layer_scalar)
+    for r, n in zip(rows, lens, strict=True):
+        r.commit(n)

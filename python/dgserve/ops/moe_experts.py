@@ -110,11 +110,11 @@ def expert_outputs_cpu(
     inter = gate_up.shape[1] // 2
     offsets = align.offsets.tolist()
     pairs = align.sorted_pairs[: offsets[-1]].long()
-    xs = x[pairs.clamp(max=max(P - 1, 0)) // top_k]
+    xs = x.index_select(0, pairs.clamp(max=max(P - 1, 0)) // top_k)  # index_select: a plain row copy
     y = torch.empty(P, x.shape[-1], dtype=torch.float32, device=x.device)
     for e, n in enumerate(align.counts.tolist()):
         if n:
             s = offsets[e]
             gu = linear(xs[s : s + n], gate_up[e])
-            y[pairs[s : s + n]] = linear(gelu_tanh_mul(gu[:, :inter], gu[:, inter:]), down[e]).float()
+            y.index_copy_(0, pairs[s : s + n], linear(gelu_tanh_mul(gu[:, :inter], gu[:, inter:]), down[e]).float())
     return y
