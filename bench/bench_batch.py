@@ -1,7 +1,7 @@
 """CPU decoder throughput by concurrency: the stacked pass (model/stacked.py) vs the per-canvas path, side by side.
 
     python bench/bench_batch.py [--concurrency 1,4,16,32] [--rounds 3] [--blocks 2] [--steps 8] [--prompt-len 16]
-                                [--threads N] [--profile 16]
+                                [--threads N] [--profile 16] [--efficiency 1,16,32]
 
 The shipped model (python/dgserve/models/small, fp32) in one Engine; per concurrency n, n requests with seeds 1..n,
 fixed work (``--steps`` denoising steps per block, adaptive stopping off, EOS ignored) through ``generate_batch``.
@@ -15,6 +15,10 @@ concurrency to that at 1.
 ``ops.decode_attention`` wrapped in named ranges (the native ops are pybind calls the profiler does not see): the
 shares of the step's wall time in ``linear`` (the projections, the experts, the LM head), in attention and
 elsewhere, and the aten ops with the most self time.
+
+``--efficiency 1,16,32``: per stream count, a steady-state denoising step's FLOPs (every ``linear`` and
+``decode_attention`` call, counted as it runs) over its wall time, against this machine's GEMM peak as ``ops.linear``
+reaches it, measured in the same run.
 """
 
 from __future__ import annotations
@@ -101,6 +105,63 @@ def _profile(engine: Engine, n: int, args) -> None:
     print(json.dumps(row))
 
 
+def _peak_gflops() -> float:
+    """This machine's GEMM peak as ``ops.linear`` reaches it, measured now: the best of 30 calls at 512 × 384 × 192
+    (the shipped model's largest GEMM shape at 32 streams) on the torch thread count in force."""
+    from dgserve import ops
+
+    x, w = torch.randn(512, 192), torch.randn(384, 192)
+    best = float("inf")
+    for _ in range(30):
+        t0 = time.perf_counter()
+        ops.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 512 * 384 * 192 / best / 1e9
+
+
+def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
+    """Steady-state denoising steps of n requests (stacked): the FLOPs of every ``linear`` and ``decode_attention``
+    call, counted as they run, over the step's wall time (best of 4 steps), against the measured GEMM peak."""
+    import sys
+
+    from dgserve import ops
+
+    counted = [0.0]
+    experts, mlp = sys.modules["dgserve.ops.moe_experts"], sys.modules["dgserve.ops.gated_mlp"]
+    saved = (ops.linear, experts.linear, mlp.linear, ops.decode_attention)
+
+    def linear(x, w, _f=ops.linear):
+        counted[0] += 2.0 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+        return _f(x, w)
+
+    def attention(q, keys, values, C, _f=ops.decode_attention):
+        counted[0] += sum(4.0 * q.shape[0] * C * k.shape[1] * q.shape[2] for k in keys)  # scores and p·v
+        return _f(q, keys, values, C)
+
+    ops.linear = experts.linear = mlp.linear = linear  # type: ignore[assignment]
+    ops.decode_attention = attention  # type: ignore[assignment]
+    model_runner.decode_stacked = STACKED  # type: ignore[attr-defined]
+    fixed = dict(max_denoising_steps=64, ignore_eos=True, confidence_threshold=1e-30)
+    for i in range(n):
+        engine.add_request(list(range(5, 5 + args.prompt_len)), SamplingParams(max_new_tokens=16, seed=1 + i, **fixed))
+    engine.step()  # admission, prefill, first step
+    best, flops = float("inf"), 0.0
+    for _ in range(4):
+        counted[0] = 0.0
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, flops = dt, counted[0]
+    while engine.has_unfinished():
+        engine.step()
+    ops.linear, experts.linear, mlp.linear, ops.decode_attention = saved  # type: ignore[assignment]
+    row = {"streams": n, "step_ms": round(best * 1e3, 1), "gflop_per_step": round(flops / 1e9, 3)}
+    row |= {"gflop_s": round(flops / best / 1e9, 1), "peak_gflop_s": round(peak, 1)}
+    row["fraction_of_peak"] = round(flops / best / 1e9 / peak, 3)
+    print(json.dumps(row))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,4,16,32")
@@ -110,11 +171,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--efficiency", default="", help="stream counts whose step GFLOP/s to report, e.g. 1,16,32")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     conc = [int(c) for c in args.concurrency.split(",") if c]
-    engine = Engine.from_pretrained(SMALL, max_model_len=512, scheduler_config=_sched(max(conc + [args.profile])))
+    most = max(conc + [args.profile] + [int(c) for c in args.efficiency.split(",") if c])
+    engine = Engine.from_pretrained(SMALL, max_model_len=512, scheduler_config=_sched(most))
     head = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     print(json.dumps({"bench": "batch", **head, "steps": args.steps, "blocks": args.blocks}))
     _run(engine, 2, args, True)  # warm-up both paths
@@ -146,6 +209,10 @@ def main() -> None:
     )
     if args.profile:
         _profile(engine, args.profile, args)
+    if args.efficiency:
+        peak = _peak_gflops()
+        for n in [int(c) for c in args.efficiency.split(",") if c]:
+            _efficiency(engine, n, args, peak)
 
 
 def _sched(n: int):
