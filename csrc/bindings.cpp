@@ -24,6 +24,7 @@
 #include "ops/nvfp4_moe_experts.h"
 #include "ops/nvfp4_repack.h"
 #include "ops/rms_norm.h"
+#include "ops/softcap.h"
 
 #if defined(DG_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -225,6 +226,22 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
   {
     py::gil_scoped_release no_gil;
     status = dg::decode_attention_cpu(p);
+  }
+  raise_if_error(status, op);
+}
+
+// ---- softcap (contract: ops/softcap.h) ------------------------------------------------------------------------
+
+void softcap(const Tensor& x, double cap) {
+  const char* op = "softcap";
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, op, ": `x` must have dtype float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.is_contiguous(), op, ": `x` must be contiguous, got strides ", x.strides());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": `x` must be a CPU tensor (the op has no CUDA path)");
+  dg::SoftcapParams p{x.data_ptr<float>(), x.numel(), (float)cap};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::softcap_cpu(p);
   }
   raise_if_error(status, op);
 }
@@ -688,6 +705,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the decoder's attention of B canvases (q [nh, B*C, hd]) each over its own keys/values [nkv, S_b, hd] into "
         "out [B*C, nh*hd]; a fixed order per element, batch-invariant (CPU)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_length"), py::arg("out"));
+  m.def("softcap", &softcap, "x = tanh(x / cap) * cap in place over fp32 x, one fixed tanh formula (CPU)", py::arg("x"),
+        py::arg("cap"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul,
         "out [rows, cols] = rnd(rnd(gelu_tanh(gate)) * up), one fixed scalar GELU-tanh formula (CPU)", py::arg("gate"),
         py::arg("up"), py::arg("out"));

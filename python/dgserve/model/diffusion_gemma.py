@@ -402,11 +402,12 @@ class DiffusionGemma:
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32. On the CPU the softcap runs one
-        canvas (``canvas_length`` rows) at a time: a canvas's logits are the bits of its own call in any tile."""
+        canvas (``canvas_length`` rows) at a time, so a canvas's logits are the bits of its own call in any tile even
+        where ``ops.softcap`` falls back to torch's tanh."""
         z = ops.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
         cap = self.config.final_logit_softcapping
-        if cap:  # tanh(z / cap) * cap in place: the same values, no extra [T, V] temporaries
+        if cap:  # tanh(z / cap) * cap in place (ops.softcap: one fixed tanh formula on the CPU), no [T, V] temporaries
             rows = self.config.canvas_length if self.device.type == "cpu" else z.shape[0]
             for part in z.split(max(rows, 1)):
-                part.div_(cap).tanh_().mul_(cap)
+                ops.softcap(part, cap)
         return z

@@ -80,6 +80,7 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("cpu",),
     "gelu_tanh_mul": ("cpu",),
     "decode_attention": ("cpu",),
+    "softcap": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
     "diffusion_step": ("cpu", "cuda"),

@@ -235,6 +235,13 @@ def check_decode_attention(device) -> str | None:
     return None if err <= 1e-5 else f"decode_attention is {err:.2e} rel L2 from the reference (tolerance 1e-5)"
 
 
+def check_softcap(device) -> str | None:
+    x = torch.cat([torch.randn(4000, generator=_gen(24)) * 40, torch.tensor([0.0, -0.0, 1e-30, 7.4, -7.6, 2e4])])
+    got, want = ops.softcap(x.clone().to(device), 30.0).cpu(), reference.softcap(x.clone(), 30.0)
+    err = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    return None if err <= 5e-7 else f"softcap is {err:.2e} relative from the reference (tolerance 5e-7)"
+
+
 def check_moe_experts(device) -> str | None:
     args = _experts_args(device)
     err = _rel_l2(ops.moe_experts(*args), reference.moe_experts(*args))
@@ -301,6 +308,7 @@ CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "linear": check_linear,
     "gelu_tanh_mul": check_gelu_tanh_mul,
     "decode_attention": check_decode_attention,
+    "softcap": check_softcap,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,
     "diffusion_step": check_diffusion_step,

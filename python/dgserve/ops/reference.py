@@ -73,6 +73,12 @@ def decode_attention(
     return torch.cat(outs) if outs else q.new_empty(0, nh * hd)
 
 
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``x ← tanh(x / cap)·cap`` in place (transformers' final logit soft-capping) → x: an IEEE division, torch's
+    tanh, a product (docs/kernels.md, "softcap: the logit soft-cap"). In place: no [T, V] temporaries."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``rnd(rnd(gelu_tanh(gate)) ⊙ up)``: the gating of the gated MLP and the experts; gate, up [..., I] md.
 
