@@ -18,7 +18,8 @@ elsewhere, and the aten ops with the most self time.
 
 ``--efficiency 1,16,32``: per stream count, a steady-state denoising step's FLOPs (every ``linear`` and
 ``decode_attention`` call, counted as it runs) over its wall time, against this machine's GEMM peak as ``ops.linear``
-reaches it, measured in the same run.
+reaches it, measured in the same run; and the step's shares in ``linear``, in attention and elsewhere, timed around
+those calls (no profiler: its per-op cost would inflate the many small ops outside them).
 """
 
 from __future__ import annotations
@@ -126,17 +127,23 @@ def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
 
     from dgserve import ops
 
-    counted = [0.0]
+    counted = [0.0, 0.0, 0.0]  # FLOPs, seconds in linear, seconds in attention
     experts, mlp = sys.modules["dgserve.ops.moe_experts"], sys.modules["dgserve.ops.gated_mlp"]
     saved = (ops.linear, experts.linear, mlp.linear, ops.decode_attention)
 
     def linear(x, w, _f=ops.linear):
         counted[0] += 2.0 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
-        return _f(x, w)
+        t0 = time.perf_counter()
+        y = _f(x, w)
+        counted[1] += time.perf_counter() - t0
+        return y
 
     def attention(q, keys, values, C, _f=ops.decode_attention):
         counted[0] += sum(4.0 * q.shape[0] * C * k.shape[1] * q.shape[2] for k in keys)  # scores and p·v
-        return _f(q, keys, values, C)
+        t0 = time.perf_counter()
+        y = _f(q, keys, values, C)
+        counted[2] += time.perf_counter() - t0
+        return y
 
     ops.linear = experts.linear = mlp.linear = linear  # type: ignore[assignment]
     ops.decode_attention = attention  # type: ignore[assignment]
@@ -145,20 +152,22 @@ def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
     for i in range(n):
         engine.add_request(list(range(5, 5 + args.prompt_len)), SamplingParams(max_new_tokens=16, seed=1 + i, **fixed))
     engine.step()  # admission, prefill, first step
-    best, flops = float("inf"), 0.0
+    best, flops, lin, att = float("inf"), 0.0, 0.0, 0.0
     for _ in range(4):
-        counted[0] = 0.0
+        counted[:] = [0.0, 0.0, 0.0]
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         if dt < best:
-            best, flops = dt, counted[0]
+            best, (flops, lin, att) = dt, counted
     while engine.has_unfinished():
         engine.step()
     ops.linear, experts.linear, mlp.linear, ops.decode_attention = saved  # type: ignore[assignment]
     row = {"streams": n, "step_ms": round(best * 1e3, 1), "gflop_per_step": round(flops / 1e9, 3)}
     row |= {"gflop_s": round(flops / best / 1e9, 1), "peak_gflop_s": round(peak, 1)}
     row["fraction_of_peak"] = round(flops / best / 1e9 / peak, 3)
+    row |= {"linear_share": round(lin / best, 3), "attention_share": round(att / best, 3)}
+    row["other_share"] = round(1 - (lin + att) / best, 3)
     print(json.dumps(row))
 
 

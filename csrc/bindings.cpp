@@ -24,6 +24,7 @@
 #include "ops/nvfp4_moe_experts.h"
 #include "ops/nvfp4_repack.h"
 #include "ops/rms_norm.h"
+#include "ops/rope.h"
 #include "ops/softcap.h"
 
 #if defined(DG_WITH_CUDA)
@@ -226,6 +227,33 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
   {
     py::gil_scoped_release no_gil;
     status = dg::decode_attention_cpu(p);
+  }
+  raise_if_error(status, op);
+}
+
+// ---- rope (contract: ops/rope.h) ------------------------------------------------------------------------------
+
+void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& out) {
+  const char* op = "rope";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": `x` must be a CPU tensor (the op has no CUDA path)");
+  const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
+  TORCH_CHECK_VALUE(hd % 2 == 0, op, ": the head dim must be even, got ", hd);
+  TORCH_CHECK_VALUE(hd <= 1 || x.stride(2) == 1, op, ": `x` needs a contiguous last dim");
+  check_arg(cos, op, "cos", {x.scalar_type()}, 2);
+  check_shape(cos, op, "cos", {T, hd});
+  check_arg(sin, op, "sin", {x.scalar_type()}, 2);
+  check_shape(sin, op, "sin", {T, hd});
+  check_arg(out, op, "out", {x.scalar_type()}, 3);
+  check_shape(out, op, "out", {T, H, hd});
+  TORCH_CHECK_VALUE(cos.device().is_cpu() && sin.device().is_cpu() && out.device().is_cpu(), op,
+                    ": every tensor must be on the CPU");
+  dg::RopeParams p{dg_dtype(x),    x.data_ptr(),   x.stride(0), x.stride(1), cos.data_ptr(),
+                   sin.data_ptr(), out.data_ptr(), T,           H,           hd};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::rope_cpu(p);
   }
   raise_if_error(status, op);
 }
@@ -705,6 +733,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the decoder's attention of B canvases (q [nh, B*C, hd]) each over its own keys/values [nkv, S_b, hd] into "
         "out [B*C, nh*hd]; a fixed order per element, batch-invariant (CPU)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_length"), py::arg("out"));
+  m.def("rope", &rope,
+        "out [T, heads, hd] = rotate-half RoPE of x with cos, sin [T, hd], rounded to the dtype after each product "
+        "and the sum (CPU)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"));
   m.def("softcap", &softcap, "x = tanh(x / cap) * cap in place over fp32 x, one fixed tanh formula (CPU)", py::arg("x"),
         py::arg("cap"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul,

@@ -111,10 +111,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd]; rotate-half RoPE with md rounding after each product and the sum."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+    """x [T, heads, hd]; rotate-half RoPE with md rounding after each product and the sum (``ops.rope``)."""
+    return ops.rope(x, cos, sin)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ op's module docstring and docs/exactness.md; the kernels: docs/kernels.md.
 - ``decode_attention``: the decoder's attention of several canvases in one call, each over its own keys (CPU: two
   ``linear`` GEMMs around a fixed-order softmax per canvas and head, batch-invariant, within fp32 rounding of the
   reference; elsewhere the reference).
+- ``rope``: the rotate-half rotary embedding in one pass (CPU), bit-identical to the reference.
 - ``softcap``: the final logit soft-cap in place with one fixed tanh formula (CPU), within 4 fp32 ulp of torch's.
 - ``canvas_noise``: bit-identical everywhere (integer only).
 - ``gumbel_noise``: the contract's float32 log ``dg_logf``: exactly the noise the native ``diffusion_step`` adds,
@@ -65,6 +66,7 @@ from .nvfp4_moe_experts import nvfp4_moe_experts
 from .nvfp4_repack import nvfp4_decode, nvfp4_repack
 from .reference import DiffusionStepOut, MoeAlignOut, entropy_bound_accept, step_temperature
 from .rms_norm import rms_norm
+from .rope import rope
 from .softcap import softcap
 
 __all__ = [
@@ -95,6 +97,7 @@ __all__ = [
     "nvfp4_repack",
     "reference",
     "rms_norm",
+    "rope",
     "softcap",
     "step_temperature",
     "switch_off_native",

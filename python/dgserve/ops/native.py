@@ -81,6 +81,7 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "gelu_tanh_mul": ("cpu",),
     "decode_attention": ("cpu",),
     "softcap": ("cpu",),
+    "rope": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
     "diffusion_step": ("cpu", "cuda"),

@@ -235,6 +235,18 @@ def check_decode_attention(device) -> str | None:
     return None if err <= 1e-5 else f"decode_attention is {err:.2e} rel L2 from the reference (tolerance 1e-5)"
 
 
+def check_rope(device) -> str | None:
+    g = _gen(25)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(9, 3, 10, generator=g).to(dtype)
+        cos, sin = torch.randn(9, 10, generator=g).to(dtype), torch.randn(9, 10, generator=g).to(dtype)
+        got = ops.rope(x.to(device), cos.to(device), sin.to(device))
+        problem = _exact(f"rope ({dtype})", got, reference.rope(x, cos, sin))
+        if problem is not None:
+            return problem
+    return None
+
+
 def check_softcap(device) -> str | None:
     x = torch.cat([torch.randn(4000, generator=_gen(24)) * 40, torch.tensor([0.0, -0.0, 1e-30, 7.4, -7.6, 2e4])])
     got, want = ops.softcap(x.clone().to(device), 30.0).cpu(), reference.softcap(x.clone(), 30.0)
@@ -309,6 +321,7 @@ CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "gelu_tanh_mul": check_gelu_tanh_mul,
     "decode_attention": check_decode_attention,
     "softcap": check_softcap,
+    "rope": check_rope,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,
     "diffusion_step": check_diffusion_step,

@@ -73,6 +73,14 @@ def decode_attention(
     return torch.cat(outs) if outs else q.new_empty(0, nh * hd)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [T, heads, hd] md, cos/sin [T, hd] md → ``x·cos + rot(x)·sin`` [T, heads, hd] md, rot(x) =
+    cat(−x[hd/2:], x[:hd/2]); md rounding after each product and the sum (docs/generation.md, "RoPE")."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``x ← tanh(x / cap)·cap`` in place (transformers' final logit soft-capping) → x: an IEEE division, torch's
     tanh, a product (docs/kernels.md, "softcap: the logit soft-cap"). In place: no [T, V] temporaries."""
