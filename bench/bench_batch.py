@@ -56,6 +56,28 @@ def _run(engine: Engine, n: int, args, stacked: bool) -> tuple[float, list[list[
     return sum(len(t) for t in toks) / secs, toks
 
 
+def _patched(replace: dict):
+    """Every loaded dgserve module's reference to an op function ``f`` (the package's re-export and each module that
+    imported it by name: the experts, the dense MLP, the router) replaced by ``replace[f]``; returns the undo list."""
+    import sys
+
+    by_id = {id(f): g for f, g in replace.items()}
+    undo = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("dgserve"):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if id(value) in by_id:
+                undo.append((mod, attr, value))
+                setattr(mod, attr, by_id[id(value)])
+    return undo
+
+
+def _restore(undo) -> None:
+    for mod, attr, value in undo:
+        setattr(mod, attr, value)
+
+
 def _labelled(label: str, fn):
     """fn inside a torch.profiler range named ``label`` (the native ops are pybind calls the profiler does not see)."""
     from torch.profiler import record_function
@@ -70,18 +92,17 @@ def _labelled(label: str, fn):
 def _profile(engine: Engine, n: int, args) -> None:
     """One denoising step of n requests (stacked) under torch.profiler: the shares of its wall time in ``linear``
     (every projection, the experts, the LM head), in attention (``ops.decode_attention``) and outside both."""
-    import sys
 
     from torch.profiler import ProfilerActivity, profile
 
     from dgserve import ops
 
-    experts, mlp = sys.modules["dgserve.ops.moe_experts"], sys.modules["dgserve.ops.gated_mlp"]
-    saved = (ops.linear, experts.linear, mlp.linear, ops.decode_attention)
-    ops.linear = _labelled("@linear", ops.linear)  # type: ignore[assignment]
-    experts.linear = _labelled("@linear", experts.linear)  # type: ignore[attr-defined]
-    mlp.linear = _labelled("@linear", mlp.linear)  # type: ignore[attr-defined]
-    ops.decode_attention = _labelled("@attend", ops.decode_attention)  # type: ignore[assignment]
+    undo = _patched(
+        {
+            ops.linear: _labelled("@linear", ops.linear),
+            ops.decode_attention: _labelled("@attend", ops.decode_attention),
+        }
+    )
     model_runner.decode_stacked = STACKED  # type: ignore[attr-defined]
     fixed = dict(max_denoising_steps=args.steps, ignore_eos=True, confidence_threshold=1e-30)
     prompt = list(range(5, 5 + args.prompt_len))
@@ -95,7 +116,7 @@ def _profile(engine: Engine, n: int, args) -> None:
         wall = (time.perf_counter() - t0) * 1e6
     while engine.has_unfinished():
         engine.step()
-    ops.linear, experts.linear, mlp.linear, ops.decode_attention = saved  # type: ignore[assignment]
+    _restore(undo)
     by = {e.key: e.cpu_time_total for e in prof.key_averages()}
     self_by = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     lin, att = by.get("@linear", 0.0), by.get("@attend", 0.0)
@@ -123,13 +144,10 @@ def _peak_gflops() -> float:
 def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
     """Steady-state denoising steps of n requests (stacked): the FLOPs of every ``linear`` and ``decode_attention``
     call, counted as they run, over the step's wall time (best of 4 steps), against the measured GEMM peak."""
-    import sys
 
     from dgserve import ops
 
     counted = [0.0, 0.0, 0.0]  # FLOPs, seconds in linear, seconds in attention
-    experts, mlp = sys.modules["dgserve.ops.moe_experts"], sys.modules["dgserve.ops.gated_mlp"]
-    saved = (ops.linear, experts.linear, mlp.linear, ops.decode_attention)
 
     def linear(x, w, _f=ops.linear):
         counted[0] += 2.0 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
@@ -145,8 +163,7 @@ def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
         counted[2] += time.perf_counter() - t0
         return y
 
-    ops.linear = experts.linear = mlp.linear = linear  # type: ignore[assignment]
-    ops.decode_attention = attention  # type: ignore[assignment]
+    undo = _patched({ops.linear: linear, ops.decode_attention: attention})
     model_runner.decode_stacked = STACKED  # type: ignore[attr-defined]
     fixed = dict(max_denoising_steps=64, ignore_eos=True, confidence_threshold=1e-30)
     for i in range(n):
@@ -162,7 +179,7 @@ def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
             best, (flops, lin, att) = dt, counted
     while engine.has_unfinished():
         engine.step()
-    ops.linear, experts.linear, mlp.linear, ops.decode_attention = saved  # type: ignore[assignment]
+    _restore(undo)
     row = {"streams": n, "step_ms": round(best * 1e3, 1), "gflop_per_step": round(flops / 1e9, 3)}
     row |= {"gflop_s": round(flops / best / 1e9, 1), "peak_gflop_s": round(peak, 1)}
     row["fraction_of_peak"] = round(flops / best / 1e9 / peak, 3)
