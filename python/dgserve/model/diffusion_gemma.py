@@ -395,9 +395,11 @@ class DiffusionGemma:
         gets the bits of its own call whatever n (torch's loops place their vector tails by the tensor's size)."""
         if self.device.type != "cpu" or logits.shape[0] <= C:
             return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        # torch.softmax(x, dtype=fp32) is _softmax of x in fp32; its out= form writes each canvas in place (no copy)
+        wide = logits if logits.dtype == torch.float32 else logits.float()
         out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         for c0 in range(0, logits.shape[0], C):
-            out[c0 : c0 + C] = torch.softmax(logits[c0 : c0 + C], dim=-1, dtype=torch.float32)
+            torch.ops.aten._softmax.out(wide[c0 : c0 + C], -1, False, out=out[c0 : c0 + C])
         return out
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
