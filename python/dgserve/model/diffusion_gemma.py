@@ -86,8 +86,6 @@ class DiffusionGemma:
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).to(self.device)
         # inv_freq built in fp32 on the CPU, then uploaded (docs/exactness.md)
         self.inv_freq = [rope_inv_freq(config, i).to(self.device) for i in range(config.num_hidden_layers)]
-        # the stacked decoder's RoPE tables of the last few batches, by (canvas start positions, C): model/stacked.py
-        self.rope_memo: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @classmethod
     def from_pretrained(

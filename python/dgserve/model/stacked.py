@@ -41,27 +41,10 @@ def stackable(model) -> bool:
     )
 
 
-# stacked RoPE tables kept per model: every step of a block has the same canvas positions, so a batch's tables are
-# made at its first step and reused until its rows change (a few batches: a new one evicts the oldest)
-ROPE_TABLES_KEPT = 2
-
-
 def _stacked_rope(model, rows: Sequence[SlotView], C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (cos, sin) [B·C, hd]: each canvas's own [C, hd] table (``rope_cos_sin`` of its positions, as its
     one-canvas pass makes them), concatenated. Layers of one kind and head dim share their inv_freq, so the tables
-    are made once per (kind, head dim); the same canvas positions get the same tables from ``model.rope_memo``."""
-    key = (tuple(r.length for r in rows), C)
-    memo = model.rope_memo
-    if key in memo:
-        return memo[key]
-    tables = _make_stacked_rope(model, rows, C)
-    while len(memo) >= ROPE_TABLES_KEPT:
-        memo.pop(next(iter(memo)))
-    memo[key] = tables
-    return tables
-
-
-def _make_stacked_rope(model, rows: Sequence[SlotView], C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    are made once per (kind, head dim). (Not kept between steps: they would be state per stream, docs/memory.md.)"""
     cfg, dev = model.config, model.device
     made: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
     out = []
