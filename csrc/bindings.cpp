@@ -185,7 +185,8 @@ void gelu_tanh_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
 // ---- decode_attention (contract: ops/decode_attention.h) ----------------------------------------------------
 
 void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                      int64_t canvas_length, const Tensor& out) {
+                      const Tensor& canvas_keys, const Tensor& canvas_values, int64_t canvas_length,
+                      const Tensor& out) {
   const char* op = "decode_attention";
   check_arg(q, op, "q", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
   TORCH_CHECK_VALUE(q.device().is_cpu(), op, ": `q` must be a CPU tensor (the op has no CUDA path)");
@@ -195,10 +196,19 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
                     " value tensors");
   TORCH_CHECK_VALUE(canvas_length >= 1 && T == B * canvas_length, op, ": `q` has ", T, " rows, not ", B,
                     " canvases of ", canvas_length);
+  check_arg(canvas_keys, op, "canvas_keys", {q.scalar_type()}, 3, /*contiguous=*/false);
+  check_arg(canvas_values, op, "canvas_values", {q.scalar_type()}, 3, /*contiguous=*/false);
+  const int64_t nkv = canvas_keys.size(0);
+  for (const Tensor* c : {&canvas_keys, &canvas_values}) {
+    TORCH_CHECK_VALUE(
+        c->size(0) == nkv && c->size(1) == T && c->size(2) == hd && c->stride(2) == 1 && c->device().is_cpu(), op,
+        ": canvas keys and values must be CPU [", nkv, ", ", T, ", ", hd, "] with a contiguous last dim, got ",
+        shape_str(*c));
+  }
+  TORCH_CHECK_VALUE(nkv >= 1 && nh % nkv == 0, op, ": ", nh, " query heads are not a multiple of ", nkv, " KV heads");
   check_arg(out, op, "out", {q.scalar_type()}, 2, /*contiguous=*/false);
   check_shape(out, op, "out", {T, nh * hd});
   TORCH_CHECK_VALUE(out.stride(1) == 1 && out.device().is_cpu(), op, ": `out` needs a contiguous last dim (CPU)");
-  int64_t nkv = B ? keys[0].size(0) : 1;
   std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
   for (int64_t b = 0; b < B; ++b) {
     const Tensor& k = keys[b];
@@ -206,11 +216,11 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
     check_arg(k, op, "keys", {q.scalar_type()}, 3, /*contiguous=*/false);
     check_arg(v, op, "values", {q.scalar_type()}, 3, /*contiguous=*/false);
     TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu(), op, ": keys and values must be CPU tensors");
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == nkv && k.size(2) == hd && k.size(1) >= 1, op, ": canvas ",
-                      b, "'s keys and values must be [", nkv, ", S >= 1, ", hd, "], got ", shape_str(k), " and ",
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == nkv && k.size(2) == hd, op, ": canvas ", b,
+                      "'s cached keys and values must be [", nkv, ", P, ", hd, "], got ", shape_str(k), " and ",
                       shape_str(v));
-    TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1, op, ": keys and values need a contiguous last dim");
-    TORCH_CHECK_VALUE(nh % nkv == 0, op, ": ", nh, " query heads are not a multiple of ", nkv, " KV heads");
+    TORCH_CHECK_VALUE(k.size(1) == 0 || (k.stride(2) == 1 && v.stride(2) == 1), op,
+                      ": keys and values need a contiguous last dim");
     int64_t* sp = spans.data() + b * dg::kDecodeAttentionSpanFields;
     sp[0] = (int64_t)(intptr_t)k.data_ptr();
     sp[1] = (int64_t)(intptr_t)v.data_ptr();
@@ -220,9 +230,25 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
     sp[5] = v.stride(0);
     sp[6] = v.stride(1);
   }
-  dg::DecodeAttentionParams p{
-      dg_dtype(q),   q.data_ptr(), q.stride(0), q.stride(1), spans.data(), out.data_ptr(), out.stride(0), B,
-      canvas_length, nh,           nkv,         hd};
+  dg::DecodeAttentionParams p{};
+  p.dtype = dg_dtype(q);
+  p.q = q.data_ptr();
+  p.q_head_stride = q.stride(0);
+  p.q_row_stride = q.stride(1);
+  p.spans = spans.data();
+  p.canvas_keys = canvas_keys.data_ptr();
+  p.canvas_values = canvas_values.data_ptr();
+  p.ck_head_stride = canvas_keys.stride(0);
+  p.ck_row_stride = canvas_keys.stride(1);
+  p.cv_head_stride = canvas_values.stride(0);
+  p.cv_row_stride = canvas_values.stride(1);
+  p.y = out.data_ptr();
+  p.y_row_stride = out.stride(0);
+  p.canvases = B;
+  p.canvas_length = canvas_length;
+  p.heads = nh;
+  p.kv_heads = nkv;
+  p.head_dim = hd;
   dg::Status status;
   {
     py::gil_scoped_release no_gil;
@@ -730,9 +756,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rounding) into out",
         py::arg("x"), py::arg("weight"), py::arg("out"));
   m.def("decode_attention", &decode_attention,
-        "the decoder's attention of B canvases (q [nh, B*C, hd]) each over its own keys/values [nkv, S_b, hd] into "
-        "out [B*C, nh*hd]; a fixed order per element, batch-invariant (CPU)",
-        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_length"), py::arg("out"));
+        "the decoder's attention of B canvases (q [nh, B*C, hd]) each over its cached keys/values [nkv, P_b, hd] "
+        "then its canvas's (rows of canvas_keys/values [nkv, B*C, hd]) into out [B*C, nh*hd]; a fixed order per "
+        "element, batch-invariant (CPU)",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_keys"), py::arg("canvas_values"),
+        py::arg("canvas_length"), py::arg("out"));
   m.def("rope", &rope,
         "out [T, heads, hd] = rotate-half RoPE of x with cos, sin [T, hd], rounded to the dtype after each product "
         "and the sum (CPU)",

@@ -1,6 +1,7 @@
 """The KV cache (model/cache.py): a slot's in-place writes, read back as views of the mirrored sliding rings,
 give the same bits as concatenating the cached keys with each pass's new ones (prompt chunks that wrap the rings,
-committed blocks, denoising scratch); the public prefill/denoise grow their cache in place and keep those bits."""
+committed blocks, the decoder's cached views); the public prefill/denoise grow their cache in place and keep those
+bits."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ class ConcatCache:
         self.keys[layer], self.values[layer] = keys[:, -keep:], values[:, -keep:]
         return keys, values, start
 
-    def decode_kv(self, layer, k, v):
-        return self._cat(layer, k, v)
+    def cached_kv(self, layer):
+        if self.keys[layer] is None:
+            nkv, hd = self.config.num_kv_heads(layer), self.config.head_dim(layer)
+            return torch.empty(nkv, 0, hd), torch.empty(nkv, 0, hd)
+        return self.keys[layer], self.values[layer]
 
     def commit(self, n):
         self.length += n
@@ -125,27 +129,3 @@ def test_row_count_must_match_the_cache():
         m.prefill(torch.zeros(3, 4, dtype=torch.int64), cache)
     with pytest.raises(ValueError, match="1 rows but the cache has 2"):
         m.denoise(cache, torch.zeros(1, m.config.canvas_length, dtype=torch.int64))
-
-
-def test_write_canvases_puts_every_canvas_where_write_would():
-    """The stacked decoder's one copy per layer (``canvas_index`` + ``write_canvases``) leaves every buffer exactly as
-    one ``write`` per canvas does: slots out of order, lengths that wrap the sliding rings, both ring copies."""
-    cfg = preset("tiny")
-    C, W = cfg.canvas_length, cfg.sliding_window
-    lengths = [0, 5, W - 1, W + 3, 3 * W + C - 2]
-    a = SlotCache(cfg, 6, max(lengths) + C, C, torch.float32, torch.device("cpu"), zero=True)
-    b = SlotCache(cfg, 6, max(lengths) + C, C, torch.float32, torch.device("cpu"), zero=True)
-    slots = [4, 0, 2, 5, 1]
-    for s, n in zip(slots, lengths, strict=True):
-        a.lengths[s] = b.lengths[s] = n
-    g = torch.Generator().manual_seed(3)
-    for layer in range(cfg.num_hidden_layers):
-        nkv, hd = cfg.num_kv_heads(layer), cfg.head_dim(layer)
-        k, v = torch.randn(nkv, len(slots) * C, hd, generator=g), torch.randn(nkv, len(slots) * C, hd, generator=g)
-        a.write_canvases(layer, a.canvas_index(layer, slots, C), k, v)
-        for i, s in enumerate(slots):
-            b.write(s, layer, b.lengths[s], k[:, i * C : (i + 1) * C], v[:, i * C : (i + 1) * C])
-        assert torch.equal(a.keys[layer], b.keys[layer]) and torch.equal(a.values[layer], b.values[layer]), layer
-    with pytest.raises(ValueError, match="exceed"):
-        a.lengths[3] = a.slot_len
-        a.canvas_index(next(i for i in range(cfg.num_hidden_layers) if not cfg.is_sliding(i)), [3], C)

@@ -1,10 +1,10 @@
-// decode_attention on the CPU (contract: decode_attention.h). One work item per canvas and KV head: its keys are
-// transposed once into [hd][S] fp32 (so a query's scores are 16-key vectors, one lane per key, each lane's sum over
-// d the contract's serial sequence), then per query row of the head group: the scores, the softmax (one fixed
-// sequence) and y = Σ_j p_j·v_j with the vectors across d (each lane's sum over j in order). No fused multiply-add
-// (build.py: -ffp-contract=off), the same lane arithmetic in every ISA build (cpu_vec.h): a canvas's result does not
-// depend on the other canvases, the thread count or the code path. Items run in parallel (OpenMP); buffers are
-// per thread.
+// decode_attention on the CPU (contract: decode_attention.h). One work item per canvas and KV head: its keys (the
+// cached ones, then the canvas's) are transposed once into [hd][S] fp32 (so a query's scores are 16-key vectors, one
+// lane per key, each lane's sum over d the contract's serial sequence), then per query row of the head group: the
+// scores, the softmax (one fixed sequence) and y = Σ_j p_j·v_j with the vectors across d (each lane's sum over j in
+// order). No fused multiply-add (build.py: -ffp-contract=off), the same lane arithmetic in every ISA build (cpu_vec.h):
+// a canvas's result does not depend on the other canvases, the thread count or the code path. Items run in parallel
+// (OpenMP); buffers are per thread.
 #include <string.h>
 
 #include <vector>
@@ -29,9 +29,9 @@ __attribute__((always_inline)) inline float round_to(float x) {
 }
 
 struct Scratch {
-  std::vector<float> kt;      // [hd][S padded to 16]: the KV head's keys, transposed
-  std::vector<float> v;       // [S][hd padded to 16]: its values, fp32
-  std::vector<float> p;       // [kRows][S padded]: the rows' scores, then probabilities
+  std::vector<float> kt;  // [hd][S padded to 16]: the KV head's keys, transposed
+  std::vector<float> v;  // [S][hd padded to 16]: its values, fp32
+  std::vector<float> p;  // [kRows][S padded]: the rows' scores, then probabilities
   void fit(int64_t S, int64_t hd) {
     const size_t sp = (size_t)((S + kLanes - 1) / kLanes * kLanes), hp = (size_t)((hd + kLanes - 1) / kLanes * kLanes);
     if (kt.size() < hd * sp) kt.resize(hd * sp);
@@ -101,20 +101,24 @@ template <class T>
 __attribute__((always_inline)) inline void item(const DecodeAttentionParams& pr, int64_t b, int64_t g, Scratch& s) {
   const int64_t C = pr.canvas_length, hd = pr.head_dim, group = pr.heads / pr.kv_heads;
   const int64_t* sp = pr.spans + b * kDecodeAttentionSpanFields;
-  const int64_t S = sp[2];
+  const int64_t P = sp[2], S = P + C;  // the cached positions, then the canvas's
   const int64_t Sp = (S + kLanes - 1) / kLanes * kLanes, Hp = (hd + kLanes - 1) / kLanes * kLanes;
   const T* keys = reinterpret_cast<const T*>(sp[0]) + g * sp[3];
   const T* values = reinterpret_cast<const T*>(sp[1]) + g * sp[5];
+  const T* ck = static_cast<const T*>(pr.canvas_keys) + g * pr.ck_head_stride + b * C * pr.ck_row_stride;
+  const T* cv = static_cast<const T*>(pr.canvas_values) + g * pr.cv_head_stride + b * C * pr.cv_row_stride;
   float* kt = s.kt.data();
   float* vv = s.v.data();
   for (int64_t d = 0; d < hd; ++d) {  // exact widening; padded keys are zero (their scores are never read)
     float* row = kt + d * Sp;
-    for (int64_t j = 0; j < S; ++j) row[j] = to_float(keys[j * sp[4] + d]);
+    for (int64_t j = 0; j < P; ++j) row[j] = to_float(keys[j * sp[4] + d]);
+    for (int64_t j = 0; j < C; ++j) row[P + j] = to_float(ck[j * pr.ck_row_stride + d]);
     for (int64_t j = S; j < Sp; ++j) row[j] = 0.0f;
   }
   for (int64_t j = 0; j < S; ++j) {
+    const T* src = j < P ? values + j * sp[6] : cv + (j - P) * pr.cv_row_stride;
     float* row = vv + j * Hp;
-    for (int64_t d = 0; d < hd; ++d) row[d] = to_float(values[j * sp[6] + d]);
+    for (int64_t d = 0; d < hd; ++d) row[d] = to_float(src[d]);
     for (int64_t d = hd; d < Hp; ++d) row[d] = 0.0f;
   }
   for (int64_t r0 = 0; r0 < group * C; r0 += kRows) {
@@ -128,7 +132,7 @@ void run(const DecodeAttentionParams& p) {
   const int64_t B = p.canvases, nkv = p.kv_heads;
   int64_t max_s = 1;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t S = p.spans[b * kDecodeAttentionSpanFields + 2];
+    const int64_t S = p.spans[b * kDecodeAttentionSpanFields + 2] + p.canvas_length;
     max_s = S > max_s ? S : max_s;
   }
   const int64_t work = B * p.heads * p.canvas_length * max_s * p.head_dim;
@@ -156,8 +160,8 @@ Status decode_attention_cpu(const DecodeAttentionParams& p) {
   DG_CHECK_ARG(p.heads % p.kv_heads == 0, "decode_attention: %lld query heads are not a multiple of %lld KV heads",
                (long long)p.heads, (long long)p.kv_heads);
   for (int64_t b = 0; b < p.canvases; ++b) {
-    DG_CHECK_ARG(p.spans[b * kDecodeAttentionSpanFields + 2] >= 1, "decode_attention: canvas %lld has no keys",
-                 (long long)b);
+    DG_CHECK_ARG(p.spans[b * kDecodeAttentionSpanFields + 2] >= 0,
+                 "decode_attention: canvas %lld has a negative number of cached keys", (long long)b);
   }
   if (p.canvases == 0 || p.canvas_length == 0) return Status::Ok();
   if (p.dtype == DType::kFloat32) {

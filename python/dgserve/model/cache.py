@@ -1,6 +1,6 @@
 """The encoder's KV cache: ``SlotCache`` holds the keys/values of a fixed number of rows (slots), written in
 place; ``SlotView`` is one slot seen as the cache of one row's passes (``length`` / ``encode_kv`` /
-``decode_kv`` / ``commit``). One layout serves both users:
+``cached_kv`` / ``commit``). One layout serves both users:
 
 * the ModelRunner: one slot per scheduler slot, preallocated once from the KV cache budget;
 * the public ``DiffusionGemma.prefill`` / ``denoise``: one slot per batch row, created by ``prefill`` and grown
@@ -14,8 +14,10 @@ R = W − 1 + chunk (chunk: the most positions one pass writes) stored twice ([S
 p % R and p % R + R), so any R consecutive positions are one contiguous slice in chronological order. The keys a
 pass attends to are therefore a view of the buffer, in exactly the order of a concatenation ``cat([cached, new])``
 (a softmax's fp32 sum depends on the order): no per-step concatenation, no copy proportional to the context. A
-denoising step writes its canvas K/V into the positions after the committed length (scratch: the length does not
-move), and the next encode overwrites them.
+denoising step reads the cached view (``cached_kv``) and its canvas's K/V where the projections left them
+(``ops.decode_attention``); the accelerators' batched pass (model/batched.py) writes its canvas K/V into the
+positions after the committed length instead (scratch: the length does not move, and the next encode overwrites
+them).
 """
 
 from __future__ import annotations
@@ -141,33 +143,6 @@ class SlotCache:
             if n1 < T:
                 K[:, base : base + T - n1], V[:, base : base + T - n1] = k[:, n1:], v[:, n1:]
 
-    def canvas_index(self, layer: int, slots: Sequence[int], C: int) -> list[torch.Tensor]:
-        """Where ``write_canvases`` puts the canvases of ``slots`` on ``layer``: per ring copy (one on full layers, two
-        on sliding ones), row indices [nkv·B·C] into the layer's buffer seen as [S·nkv·cap, hd], in the order of
-        k [nkv, B·C, hd] (canvas b's C positions after slot b's length). Layers of one kind and shape share them."""
-        K = self.keys[layer]
-        nkv, cap = K.shape[1], K.shape[2]
-        lengths = [self.lengths[s] for s in slots]
-        if not self.sliding[layer] and max(lengths, default=0) + C > self.slot_len:
-            raise ValueError(f"slot cache: positions up to {max(lengths) + C} exceed the slot's {self.slot_len}")
-        if self.sliding[layer] and C > self.ring:
-            raise ValueError(f"slot cache: a pass of {C} positions exceeds the ring's chunk of {self.chunk}")
-        pos = torch.tensor(lengths, dtype=torch.int64)[:, None] + torch.arange(C)  # [B, C]
-        head = torch.tensor(list(slots), dtype=torch.int64)[None, :, None] * nkv + torch.arange(nkv)[:, None, None]
-        bases = (0, self.ring) if self.sliding[layer] else (0,)
-        j = pos % self.ring if self.sliding[layer] else pos
-        return [(head * cap + j[None] + base).reshape(-1).to(self.device) for base in bases]
-
-    def write_canvases(self, layer: int, index: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [nkv, B·C, hd] → the scratch positions ``canvas_index`` gave (the same values ``write`` of each canvas
-        would put there, in one copy per ring copy)."""
-        hd = k.shape[-1]
-        kf, vf = k.reshape(-1, hd), v.reshape(-1, hd)
-        K, V = self.keys[layer].view(-1, hd), self.values[layer].view(-1, hd)
-        for idx in index:
-            K.index_copy_(0, idx, kf)
-            V.index_copy_(0, idx, vf)
-
     def read(self, slot: int, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [nkv, end − start, hd] of positions start .. end−1 in chronological order (no copy)."""
         if self.sliding[layer]:
@@ -256,11 +231,11 @@ class SlotView:
         keys, values = c.read(self.slot, layer, start, p0 + k.shape[1])
         return keys, values, start
 
-    def decode_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canvas k, v [nkv, C, hd] → everything the next pass sees followed by them (nothing is committed)."""
+    def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [nkv, P_vis, hd] of what the next pass sees of this slot on ``layer`` (the last W − 1 positions on
+        sliding layers, all on full ones), chronological; the decoder attends to them, then to its canvas's."""
         c, P = self.cache, self.length
-        c.write(self.slot, layer, P, k, v)  # scratch after the committed length: the next encode overwrites it
-        return c.read(self.slot, layer, c.visible_start(layer, P), P + k.shape[1])
+        return c.read(self.slot, layer, c.visible_start(layer, P), P)
 
     def commit(self, n: int) -> None:
         self.cache.lengths[self.slot] += n

@@ -371,8 +371,8 @@ class DiffusionGemma:
             cos, sin = rope_cos_sin(self.inv_freq[i], pos, self.dtype)
             h = ops.rms_norm(x, lw.input_layernorm, eps)
             k, v = project_kv(h, lw, hd, eps, cos, sin)
-            k, v = row.decode_kv(i, k, v)  # everything the cache holds, then the canvas: visible to every query
-            attn = ops.decode_attention(project_q(h, lw, hd, eps, cos, sin), [k], [v], C)
+            kc, vc = row.cached_kv(i)  # what the cache shows, then the canvas: visible to every query
+            attn = ops.decode_attention(project_q(h, lw, hd, eps, cos, sin), [kc], [vc], k, v, C)
             x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
         return x
 

@@ -5,9 +5,9 @@ projections, the dense MLP, the MoE router and experts) runs once over all B·C 
 the CPU (each output element one fixed fp32 sequence, whatever the number of rows), so every canvas gets the bits of
 its own one-canvas pass (``DiffusionGemma.decode_row_hidden``). What is not row-wise stays per canvas, as the
 one-canvas pass does it: RoPE's cos/sin (torch vectorises them over the whole tensor, so they are made on each
-canvas's own [C, hd] positions). The canvas K/V go to each row's cache slot in one copy per layer
-(``SlotCache.write_canvases``: the values ``SlotView.decode_kv`` writes), and attention is one ``ops.decode_attention``
-call, each canvas over its own slot's view.
+canvas's own [C, hd] positions). Attention is one ``ops.decode_attention`` call per layer: each canvas over what its
+own slot shows (``SlotView.cached_kv``), then its own canvas K/V, read from the stacked projections where they are
+(nothing is written to the cache).
 
 The encoder is stacked the same way (``encode_stacked``): several rows' token chunks (prompt chunks, committed blocks;
 text only) in one pass, the row-wise ops over all their tokens, RoPE tables, the K/V hand-off, the causal masks and
@@ -89,27 +89,14 @@ def decode_stacked(
         if s is not None:  # in place: the values of the one-canvas pass's ``x + signal``
             x[b * C : (b + 1) * C] += s.to(model.device)
     x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
-    per = [slice(b * C, (b + 1) * C) for b in range(B)]
-    cache = rows[0].cache
-    one_cache = all(r.cache is cache for r in rows)
-    slots = [r.slot for r in rows]
-    index: dict[tuple, list[torch.Tensor]] = {}  # canvas K/V destinations per layer kind and shape
     for i, (lw, (cos, sin)) in enumerate(zip(model.layers, _stacked_rope(model, rows, C), strict=True)):
         hd = cfg.head_dim(i)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         k, v = project_kv(h, lw, hd, eps, cos, sin)
         q = project_q(h, lw, hd, eps, cos, sin)
-        # every canvas's K/V after its cache's (one copy per ring copy), then one attention call, each canvas over
-        # everything its slot holds
-        if one_cache:
-            kind = (cache.sliding[i], *cache.keys[i].shape[1:])
-            if kind not in index:
-                index[kind] = cache.canvas_index(i, slots, C)
-            cache.write_canvases(i, index[kind], k, v)
-            kv = [cache.read(s, i, cache.visible_start(i, cache.lengths[s]), cache.lengths[s] + C) for s in slots]
-        else:
-            kv = [rows[b].decode_kv(i, k[:, s], v[:, s]) for b, s in enumerate(per)]
-        attn = ops.decode_attention(q, [kb for kb, _ in kv], [vb for _, vb in kv], C)
+        # one attention call: each canvas over what its slot shows, then its own K/V (read where they are)
+        cached = [r.cached_kv(i) for r in rows]
+        attn = ops.decode_attention(q, [kc for kc, _ in cached], [vc for _, vc in cached], k, v, C)
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
 

@@ -19,29 +19,45 @@ import torch
 from . import native, reference
 
 
-def decode_attention_native_ok(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
+def decode_attention_native_ok(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    canvas_keys: torch.Tensor,
+    canvas_values: torch.Tensor,
+) -> bool:
     """Whether ``decode_attention`` may run ``_C.decode_attention``: CPU fp32/bf16 q [nh, T, hd] and keys/values of
     its dtype with a unit last stride, no autograd, extension built and not switched off."""
+    tensors = (canvas_keys, canvas_values, *keys, *values)
     return (
         native.has_native("decode_attention")
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and q.dim() == 3
         and q.stride(-1) == 1
-        and all(t.dtype == q.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in (*keys, *values))
-        and not native.wants_grad(q, *keys, *values)
+        and all(
+            t.dtype == q.dtype and t.device.type == "cpu" and (t.stride(-1) == 1 or t.shape[1] == 0) for t in tensors
+        )
+        and not native.wants_grad(q, *tensors)
     )
 
 
 def decode_attention(
-    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], canvas_length: int
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    canvas_keys: torch.Tensor,
+    canvas_values: torch.Tensor,
+    canvas_length: int,
 ) -> torch.Tensor:
     """The attention of B = len(keys) canvases; see ``reference.decode_attention``.
 
     Parameters
     ----------
     q : [nh, B·C, hd] md (canvas b's queries are rows b·C .. b·C + C − 1; a transposed view is read in place)
-    keys, values : B tensors [nkv, S_b, hd] md (views of a cache slot: everything canvas b attends to, in order)
+    keys, values : B tensors [nkv, P_b, hd] md: what canvas b's cache slot shows it (views, P_b ≥ 0)
+    canvas_keys, canvas_values : [nkv, B·C, hd] md: the canvases' own keys and values (canvas b's are rows b·C ..),
+        which canvas b attends to after its cached ones; read where they are, never written to the cache
     canvas_length : C
 
     Returns
@@ -50,8 +66,8 @@ def decode_attention(
     """
     if len(keys) != len(values) or q.shape[1] != len(keys) * canvas_length:
         raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {len(keys)} canvases of {canvas_length}")
-    if decode_attention_native_ok(q, keys, values):
+    if decode_attention_native_ok(q, keys, values, canvas_keys, canvas_values):
         out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
-        native._C.decode_attention(q, list(keys), list(values), canvas_length, out)
+        native._C.decode_attention(q, list(keys), list(values), canvas_keys, canvas_values, canvas_length, out)
         return out
-    return reference.decode_attention(q, keys, values, canvas_length)
+    return reference.decode_attention(q, keys, values, canvas_keys, canvas_values, canvas_length)

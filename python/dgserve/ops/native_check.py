@@ -230,8 +230,11 @@ def check_decode_attention(device) -> str | None:
     q = torch.randn(4, 2 * 5, 24, generator=g)
     keys = [torch.randn(2, n, 24, generator=g) for n in (7, 21)]
     values = [torch.randn(2, n, 24, generator=g) for n in (7, 21)]
-    got = ops.decode_attention(q.to(device), [k.to(device) for k in keys], [v.to(device) for v in values], 5)
-    err = _rel_l2(got, reference.decode_attention(q, keys, values, 5))
+    ck, cv = torch.randn(2, 10, 24, generator=g), torch.randn(2, 10, 24, generator=g)
+    got = ops.decode_attention(
+        q.to(device), [k.to(device) for k in keys], [v.to(device) for v in values], ck.to(device), cv.to(device), 5
+    )
+    err = _rel_l2(got, reference.decode_attention(q, keys, values, ck, cv, 5))
     return None if err <= 1e-5 else f"decode_attention is {err:.2e} rel L2 from the reference (tolerance 1e-5)"
 
 

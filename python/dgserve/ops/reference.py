@@ -51,21 +51,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(
-    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], canvas_length: int
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    canvas_keys: torch.Tensor,
+    canvas_values: torch.Tensor,
+    canvas_length: int,
 ) -> torch.Tensor:
     """The decoder's attention of B canvases, each over its own keys: q [nh, B·C, hd] md; keys[b], values[b]
-    [nkv, S_b, hd] md (query head h reads KV head h // (nh / nkv)) → [B·C, nh·hd] md.
+    [nkv, P_b, hd] md, canvas b's cached positions; canvas_keys, canvas_values [nkv, B·C, hd] md, the canvases' own
+    (canvas b's are rows b·C ..), which canvas b attends to after its cached ones (query head h reads KV head
+    h // (nh / nkv)) → [B·C, nh·hd] md.
 
-    Per canvas, eager attention with scale 1.0 and no mask: scores rnd(q·kᵀ), softmax in fp32, rounded to md, then
-    rnd(p·v) (docs/kernels.md, "decode_attention: the decoder's attention"). The native op computes the same with
-    one fixed sequence per element and the contract's exp: within fp32 rounding of this, not bit-identical."""
+    Per canvas, eager attention over cat(cached, canvas) with scale 1.0 and no mask: scores rnd(q·kᵀ), softmax in
+    fp32, rounded to md, then rnd(p·v) (docs/kernels.md, "decode_attention: the decoder's attention"). The native op
+    computes the same with one fixed sequence per element and the contract's exp: within fp32 rounding of this."""
     nh, _, hd = q.shape
     C = canvas_length
     outs = []
-    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+    for b, (kc, vc) in enumerate(zip(keys, values, strict=True)):
+        rows = slice(b * C, (b + 1) * C)
+        k = torch.cat([kc, canvas_keys[:, rows]], dim=1)
+        v = torch.cat([vc, canvas_values[:, rows]], dim=1)
         nkv = k.shape[0]
         group = nh // nkv  # query head h uses KV head h // group
-        qg = q[:, b * C : (b + 1) * C].reshape(nkv, group * C, hd)
+        qg = q[:, rows].reshape(nkv, group * C, hd)
         scores = torch.matmul(qg, k.transpose(1, 2)).view(nh, C, -1)
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(p.reshape(nkv, group * C, -1), v).view(nh, C, hd)
