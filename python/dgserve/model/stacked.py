@@ -42,20 +42,26 @@ def stackable(model) -> bool:
 
 
 def _stacked_rope(model, rows: Sequence[SlotView], C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (cos, sin) [B·C, hd]: each canvas's own [C, hd] table (``rope_cos_sin`` of its positions, as its
-    one-canvas pass makes them), concatenated. Layers of one kind and head dim share their inv_freq, so the tables
-    are made once per (kind, head dim). (Not kept between steps: they would be state per stream, docs/memory.md.)"""
+    """Per layer, (cos, sin) [B·C, hd]: each canvas's own [C, hd] table, the bits ``rope_cos_sin`` makes from its
+    positions in its one-canvas pass. The angles (an fp32 product per element) and the roundings to md are made for
+    all canvases at once; cos and sin, torch loops whose vector tails sit by the tensor's size, run one canvas at a
+    time on [C, hd] blocks, as ``rope_cos_sin`` runs them. Layers of one kind and head dim share their inv_freq, so
+    the tables are made once per (kind, head dim). (Not kept between steps: they would be state per stream.)"""
     cfg, dev = model.config, model.device
+    pos = (torch.tensor([r.length for r in rows], dtype=torch.int64)[:, None] + torch.arange(C)).reshape(-1).to(dev)
     made: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
     out = []
     for i in range(cfg.num_hidden_layers):
         key = (cfg.is_sliding(i), cfg.head_dim(i))
         if key not in made:
-            cs = [
-                rope_cos_sin(model.inv_freq[i], torch.arange(r.length, r.length + C, device=dev), model.dtype)
-                for r in rows
-            ]
-            made[key] = torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
+            freqs = pos[:, None].float() * model.inv_freq[i][None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [B·C, hd] fp32
+            cos, sin = torch.empty_like(emb), torch.empty_like(emb)
+            for b in range(len(rows)):
+                block = slice(b * C, (b + 1) * C)
+                torch.cos(emb[block], out=cos[block])
+                torch.sin(emb[block], out=sin[block])
+            made[key] = cos.to(model.dtype), sin.to(model.dtype)
         out.append(made[key])
     return out
 
