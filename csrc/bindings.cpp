@@ -5,6 +5,7 @@
 // Outputs are allocated by the caller (dgserve.ops) and passed in.
 #include <torch/extension.h>
 
+#include <array>
 #include <sstream>
 #include <string>
 
@@ -184,52 +185,25 @@ void gelu_tanh_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
 
 // ---- decode_attention (contract: ops/decode_attention.h) ----------------------------------------------------
 
-void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                      const Tensor& canvas_keys, const Tensor& canvas_values, int64_t canvas_length,
-                      const Tensor& out) {
-  const char* op = "decode_attention";
-  check_arg(q, op, "q", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
-  TORCH_CHECK_VALUE(q.device().is_cpu(), op, ": `q` must be a CPU tensor (the op has no CUDA path)");
-  TORCH_CHECK_VALUE(q.stride(2) == 1, op, ": `q` [nh, T, hd] needs a contiguous last dim");
-  const int64_t nh = q.size(0), T = q.size(1), hd = q.size(2), B = (int64_t)keys.size();
-  TORCH_CHECK_VALUE(values.size() == keys.size(), op, ": ", keys.size(), " key tensors but ", values.size(),
-                    " value tensors");
-  TORCH_CHECK_VALUE(canvas_length >= 1 && T == B * canvas_length, op, ": `q` has ", T, " rows, not ", B,
-                    " canvases of ", canvas_length);
-  check_arg(canvas_keys, op, "canvas_keys", {q.scalar_type()}, 3, /*contiguous=*/false);
-  check_arg(canvas_values, op, "canvas_values", {q.scalar_type()}, 3, /*contiguous=*/false);
-  const int64_t nkv = canvas_keys.size(0);
-  for (const Tensor* c : {&canvas_keys, &canvas_values}) {
-    TORCH_CHECK_VALUE(
-        c->size(0) == nkv && c->size(1) == T && c->size(2) == hd && c->stride(2) == 1 && c->device().is_cpu(), op,
-        ": canvas keys and values must be CPU [", nkv, ", ", T, ", ", hd, "] with a contiguous last dim, got ",
-        shape_str(*c));
-  }
-  TORCH_CHECK_VALUE(nkv >= 1 && nh % nkv == 0, op, ": ", nh, " query heads are not a multiple of ", nkv, " KV heads");
+// Canvas b's cached keys and values as one span record (ops/decode_attention.h).
+void put_span(int64_t* sp, const Tensor& k, const Tensor& v) {
+  sp[0] = (int64_t)(intptr_t)k.data_ptr();
+  sp[1] = (int64_t)(intptr_t)v.data_ptr();
+  sp[2] = k.size(1);
+  sp[3] = k.stride(0);
+  sp[4] = k.stride(1);
+  sp[5] = v.stride(0);
+  sp[6] = v.stride(1);
+}
+
+// The checks on q, the canvas keys and values and out, then the core over `spans`.
+void run_decode_attention(const char* op, const Tensor& q, int64_t B, const std::vector<int64_t>& spans,
+                          const Tensor& canvas_keys, const Tensor& canvas_values, int64_t canvas_length,
+                          const Tensor& out) {
+  const int64_t nh = q.size(0), T = q.size(1), hd = q.size(2), nkv = canvas_keys.size(0);
   check_arg(out, op, "out", {q.scalar_type()}, 2, /*contiguous=*/false);
   check_shape(out, op, "out", {T, nh * hd});
   TORCH_CHECK_VALUE(out.stride(1) == 1 && out.device().is_cpu(), op, ": `out` needs a contiguous last dim (CPU)");
-  std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
-  for (int64_t b = 0; b < B; ++b) {
-    const Tensor& k = keys[b];
-    const Tensor& v = values[b];
-    check_arg(k, op, "keys", {q.scalar_type()}, 3, /*contiguous=*/false);
-    check_arg(v, op, "values", {q.scalar_type()}, 3, /*contiguous=*/false);
-    TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu(), op, ": keys and values must be CPU tensors");
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == nkv && k.size(2) == hd, op, ": canvas ", b,
-                      "'s cached keys and values must be [", nkv, ", P, ", hd, "], got ", shape_str(k), " and ",
-                      shape_str(v));
-    TORCH_CHECK_VALUE(k.size(1) == 0 || (k.stride(2) == 1 && v.stride(2) == 1), op,
-                      ": keys and values need a contiguous last dim");
-    int64_t* sp = spans.data() + b * dg::kDecodeAttentionSpanFields;
-    sp[0] = (int64_t)(intptr_t)k.data_ptr();
-    sp[1] = (int64_t)(intptr_t)v.data_ptr();
-    sp[2] = k.size(1);
-    sp[3] = k.stride(0);
-    sp[4] = k.stride(1);
-    sp[5] = v.stride(0);
-    sp[6] = v.stride(1);
-  }
   dg::DecodeAttentionParams p{};
   p.dtype = dg_dtype(q);
   p.q = q.data_ptr();
@@ -255,6 +229,82 @@ void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const st
     status = dg::decode_attention_cpu(p);
   }
   raise_if_error(status, op);
+}
+
+// q [nh, B*C, hd] and the canvas keys/values [nkv, B*C, hd]: dtype, device, shapes; returns nkv.
+int64_t check_decode_queries(const char* op, const Tensor& q, int64_t B, const Tensor& canvas_keys,
+                             const Tensor& canvas_values, int64_t canvas_length) {
+  check_arg(q, op, "q", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(q.device().is_cpu(), op, ": `q` must be a CPU tensor (the op has no CUDA path)");
+  TORCH_CHECK_VALUE(q.stride(2) == 1, op, ": `q` [nh, T, hd] needs a contiguous last dim");
+  const int64_t nh = q.size(0), T = q.size(1), hd = q.size(2);
+  TORCH_CHECK_VALUE(canvas_length >= 1 && T == B * canvas_length, op, ": `q` has ", T, " rows, not ", B,
+                    " canvases of ", canvas_length);
+  check_arg(canvas_keys, op, "canvas_keys", {q.scalar_type()}, 3, /*contiguous=*/false);
+  check_arg(canvas_values, op, "canvas_values", {q.scalar_type()}, 3, /*contiguous=*/false);
+  const int64_t nkv = canvas_keys.size(0);
+  for (const Tensor* c : {&canvas_keys, &canvas_values}) {
+    TORCH_CHECK_VALUE(
+        c->size(0) == nkv && c->size(1) == T && c->size(2) == hd && c->stride(2) == 1 && c->device().is_cpu(), op,
+        ": canvas keys and values must be CPU [", nkv, ", ", T, ", ", hd, "] with a contiguous last dim, got ",
+        shape_str(*c));
+  }
+  TORCH_CHECK_VALUE(nkv >= 1 && nh % nkv == 0, op, ": ", nh, " query heads are not a multiple of ", nkv, " KV heads");
+  return nkv;
+}
+
+// Cached keys and values given per canvas, as views [nkv, P_b, hd].
+void decode_attention(const Tensor& q, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                      const Tensor& canvas_keys, const Tensor& canvas_values, int64_t canvas_length,
+                      const Tensor& out) {
+  const char* op = "decode_attention";
+  const int64_t B = (int64_t)keys.size();
+  TORCH_CHECK_VALUE(values.size() == keys.size(), op, ": ", keys.size(), " key tensors but ", values.size(),
+                    " value tensors");
+  const int64_t nkv = check_decode_queries(op, q, B, canvas_keys, canvas_values, canvas_length);
+  const int64_t hd = q.size(2);
+  std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor& k = keys[b];
+    const Tensor& v = values[b];
+    check_arg(k, op, "keys", {q.scalar_type()}, 3, /*contiguous=*/false);
+    check_arg(v, op, "values", {q.scalar_type()}, 3, /*contiguous=*/false);
+    TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu(), op, ": keys and values must be CPU tensors");
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == nkv && k.size(2) == hd, op, ": canvas ", b,
+                      "'s cached keys and values must be [", nkv, ", P, ", hd, "], got ", shape_str(k), " and ",
+                      shape_str(v));
+    TORCH_CHECK_VALUE(k.size(1) == 0 || (k.stride(2) == 1 && v.stride(2) == 1), op,
+                      ": keys and values need a contiguous last dim");
+    put_span(spans.data() + b * dg::kDecodeAttentionSpanFields, k, v);
+  }
+  run_decode_attention(op, q, B, spans, canvas_keys, canvas_values, canvas_length, out);
+}
+
+// Cached keys and values given as the cache's buffers [slots, nkv, cap, hd] and per canvas (slot, start, count):
+// canvas b's are positions start .. start+count-1 of slot `slot` (no view made per canvas).
+void decode_attention_slots(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                            const std::vector<std::array<int64_t, 3>>& slots, const Tensor& canvas_keys,
+                            const Tensor& canvas_values, int64_t canvas_length, const Tensor& out) {
+  const char* op = "decode_attention";
+  const int64_t B = (int64_t)slots.size();
+  const int64_t nkv = check_decode_queries(op, q, B, canvas_keys, canvas_values, canvas_length);
+  check_arg(key_cache, op, "keys", {q.scalar_type()}, 4);
+  check_arg(value_cache, op, "values", {q.scalar_type()}, 4);
+  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes() && key_cache.size(1) == nkv &&
+                        key_cache.size(3) == q.size(2) && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+                    op, ": the key and value caches must be CPU [slots, ", nkv, ", cap, ", q.size(2), "], got ",
+                    shape_str(key_cache), " and ", shape_str(value_cache));
+  std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t slot = slots[b][0], start = slots[b][1], count = slots[b][2];
+    TORCH_CHECK_VALUE(
+        slot >= 0 && slot < key_cache.size(0) && start >= 0 && count >= 0 && start + count <= key_cache.size(2), op,
+        ": canvas ", b, "'s span (slot ", slot, ", start ", start, ", count ", count, ") lies outside the cache ",
+        shape_str(key_cache));
+    put_span(spans.data() + b * dg::kDecodeAttentionSpanFields, key_cache.select(0, slot).narrow(1, start, count),
+             value_cache.select(0, slot).narrow(1, start, count));
+  }
+  run_decode_attention(op, q, B, spans, canvas_keys, canvas_values, canvas_length, out);
 }
 
 // ---- rope (contract: ops/rope.h) ------------------------------------------------------------------------------
@@ -761,6 +811,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "element, batch-invariant (CPU)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("canvas_keys"), py::arg("canvas_values"),
         py::arg("canvas_length"), py::arg("out"));
+  m.def("decode_attention", &decode_attention_slots,
+        "the same with the cached keys/values as the cache's buffers [slots, nkv, cap, hd] and per canvas its "
+        "(slot, start, count)",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("canvas_keys"),
+        py::arg("canvas_values"), py::arg("canvas_length"), py::arg("out"));
   m.def("rope", &rope,
         "out [T, heads, hd] = rotate-half RoPE of x with cos, sin [T, hd], rounded to the dtype after each product "
         "and the sum (CPU)",

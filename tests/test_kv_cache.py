@@ -129,3 +129,18 @@ def test_row_count_must_match_the_cache():
         m.prefill(torch.zeros(3, 4, dtype=torch.int64), cache)
     with pytest.raises(ValueError, match="1 rows but the cache has 2"):
         m.denoise(cache, torch.zeros(1, m.config.canvas_length, dtype=torch.int64))
+
+
+def test_cached_span_names_the_positions_of_the_cached_view():
+    """``SlotCache.cached_span`` (the stacked decoder's form for ``ops.decode_attention``) points at exactly the
+    positions ``SlotView.cached_kv`` views, on full layers and on sliding rings before and after they wrap."""
+    cfg = preset("tiny")
+    W = cfg.sliding_window
+    c = SlotCache(cfg, 3, 200, 16, torch.float32, torch.device("cpu"))
+    c.keys = [torch.randn(k.shape) for k in c.keys]
+    for length in (0, 3, W - 1, W + 5, 3 * W + 7):
+        c.lengths[1] = length
+        for layer in range(cfg.num_hidden_layers):
+            slot, start, count = c.cached_span(1, layer)
+            kc, _ = c.view(1).cached_kv(layer)
+            assert slot == 1 and torch.equal(c.keys[layer][slot, :, start : start + count], kc), (length, layer)

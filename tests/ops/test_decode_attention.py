@@ -77,6 +77,24 @@ def test_cache_views_are_read_in_place(C):
     torch.testing.assert_close(got, reference.decode_attention(q, keys, values, ck, cv, Cn), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_spans_of_the_cache_buffers_equal_their_views(C, dtype):
+    """The cached keys given as the cache's buffers and each canvas's (slot, start, count) (the stacked decoder's
+    form) give the bits of the same positions given as views; the reference takes both forms too."""
+    nh, nkv, hd, Cn = 4, 2, 24, 4
+    buf_k, buf_v = torch.randn(3, nkv, 50, hd).to(dtype), torch.randn(3, nkv, 50, hd).to(dtype)
+    spans = [(0, 3, 16), (2, 0, 50), (1, 40, 0), (0, 49, 1)]
+    views_k = [buf_k[s, :, a : a + n] for s, a, n in spans]
+    views_v = [buf_v[s, :, a : a + n] for s, a, n in spans]
+    q, _, _, ck, cv = _inputs(nh, nkv, hd, Cn, (0, 0, 0, 0), dtype)
+    got = ops.decode_attention(q, buf_k, buf_v, ck, cv, Cn, spans)
+    assert torch.equal(got, ops.decode_attention(q, views_k, views_v, ck, cv, Cn))
+    want = reference.decode_attention(q, views_k, views_v, ck, cv, Cn)
+    assert torch.equal(reference.decode_attention(q, buf_k, buf_v, ck, cv, Cn, spans), want)
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.decode_attention(q, buf_k, buf_v, ck, cv, Cn, [(0, 3, 16), (3, 0, 1), (1, 0, 0), (0, 0, 0)])
+
+
 def test_thread_count_does_not_matter(C):
     args = _inputs(8, 2, 64, 16, (64, 200, 130, 31), torch.float32)  # large enough to run in parallel
     before = torch.get_num_threads()

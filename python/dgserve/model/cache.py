@@ -143,6 +143,13 @@ class SlotCache:
             if n1 < T:
                 K[:, base : base + T - n1], V[:, base : base + T - n1] = k[:, n1:], v[:, n1:]
 
+    def cached_span(self, slot: int, layer: int) -> tuple[int, int, int]:
+        """(slot, index, count): what the next pass of ``slot`` sees on ``layer`` (``SlotView.cached_kv``) as positions
+        index .. index + count − 1 of the layer's buffers (``keys[layer][slot]``), for ``ops.decode_attention``."""
+        n = self.lengths[slot]
+        start = self.visible_start(layer, n)
+        return slot, start % self.ring if self.sliding[layer] else start, n - start
+
     def read(self, slot: int, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [nkv, end − start, hd] of positions start .. end−1 in chronological order (no copy)."""
         if self.sliding[layer]:

@@ -95,14 +95,21 @@ def decode_stacked(
         if s is not None:  # in place: the values of the one-canvas pass's ``x + signal``
             x[b * C : (b + 1) * C] += s.to(model.device)
     x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
+    cache = rows[0].cache
+    one_cache = all(r.cache is cache for r in rows)
+    slots = [r.slot for r in rows]
     for i, (lw, (cos, sin)) in enumerate(zip(model.layers, _stacked_rope(model, rows, C), strict=True)):
         hd = cfg.head_dim(i)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
         k, v = project_kv(h, lw, hd, eps, cos, sin)
         q = project_q(h, lw, hd, eps, cos, sin)
         # one attention call: each canvas over what its slot shows, then its own K/V (read where they are)
-        cached = [r.cached_kv(i) for r in rows]
-        attn = ops.decode_attention(q, [kc for kc, _ in cached], [vc for _, vc in cached], k, v, C)
+        if one_cache:  # the cache's buffers and each canvas's (slot, start, count): no view per canvas
+            spans = [cache.cached_span(s, i) for s in slots]
+            attn = ops.decode_attention(q, cache.keys[i], cache.values[i], k, v, C, spans)
+        else:
+            cached = [r.cached_kv(i) for r in rows]
+            attn = ops.decode_attention(q, [kc for kc, _ in cached], [vc for _, vc in cached], k, v, C)
         x = feed_forward(attention_output(x, attn, lw, eps), lw, cfg, lw.layer_scalar)
     return x.view(B, C, -1)
 

@@ -21,14 +21,17 @@ from . import native, reference
 
 def decode_attention_native_ok(
     q: torch.Tensor,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor] | torch.Tensor,
+    values: Sequence[torch.Tensor] | torch.Tensor,
     canvas_keys: torch.Tensor,
     canvas_values: torch.Tensor,
 ) -> bool:
     """Whether ``decode_attention`` may run ``_C.decode_attention``: CPU fp32/bf16 q [nh, T, hd] and keys/values of
     its dtype with a unit last stride, no autograd, extension built and not switched off."""
-    tensors = (canvas_keys, canvas_values, *keys, *values)
+    cached: list[torch.Tensor] = (
+        [keys, values] if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) else [*keys, *values]
+    )
+    tensors = (canvas_keys, canvas_values, *cached)
     return (
         native.has_native("decode_attention")
         and q.device.type == "cpu"
@@ -44,30 +47,39 @@ def decode_attention_native_ok(
 
 def decode_attention(
     q: torch.Tensor,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor] | torch.Tensor,
+    values: Sequence[torch.Tensor] | torch.Tensor,
     canvas_keys: torch.Tensor,
     canvas_values: torch.Tensor,
     canvas_length: int,
+    slots: Sequence[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
-    """The attention of B = len(keys) canvases; see ``reference.decode_attention``.
+    """The attention of B canvases; see ``reference.decode_attention``.
 
     Parameters
     ----------
     q : [nh, B·C, hd] md (canvas b's queries are rows b·C .. b·C + C − 1; a transposed view is read in place)
-    keys, values : B tensors [nkv, P_b, hd] md: what canvas b's cache slot shows it (views, P_b ≥ 0)
+    keys, values : B tensors [nkv, P_b, hd] md: what canvas b's cache slot shows it (views, P_b ≥ 0); or, with
+        ``slots``, the cache's buffers [slots, nkv, cap, hd] (contiguous)
     canvas_keys, canvas_values : [nkv, B·C, hd] md: the canvases' own keys and values (canvas b's are rows b·C ..),
         which canvas b attends to after its cached ones; read where they are, never written to the cache
     canvas_length : C
+    slots : per canvas (slot, start, count): its cached keys are positions start .. start + count − 1 of that slot
+        of the buffers (B = len(slots); no view is made per canvas). None: B = len(keys)
 
     Returns
     -------
     new tensor [B·C, nh·hd] md. CPU: batch-invariant, within fp32 rounding of the reference.
     """
-    if len(keys) != len(values) or q.shape[1] != len(keys) * canvas_length:
-        raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {len(keys)} canvases of {canvas_length}")
+    B = len(keys) if slots is None else len(slots)
+    if (slots is None and len(keys) != len(values)) or q.shape[1] != B * canvas_length:
+        raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {B} canvases of {canvas_length}")
     if decode_attention_native_ok(q, keys, values, canvas_keys, canvas_values):
         out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
-        native._C.decode_attention(q, list(keys), list(values), canvas_keys, canvas_values, canvas_length, out)
+        if slots is None:
+            native._C.decode_attention(q, list(keys), list(values), canvas_keys, canvas_values, canvas_length, out)
+        else:
+            spans = [(int(s), int(a), int(n)) for s, a, n in slots]
+            native._C.decode_attention(q, keys, values, spans, canvas_keys, canvas_values, canvas_length, out)
         return out
-    return reference.decode_attention(q, keys, values, canvas_keys, canvas_values, canvas_length)
+    return reference.decode_attention(q, keys, values, canvas_keys, canvas_values, canvas_length, slots)

@@ -52,11 +52,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(
     q: torch.Tensor,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor] | torch.Tensor,
+    values: Sequence[torch.Tensor] | torch.Tensor,
     canvas_keys: torch.Tensor,
     canvas_values: torch.Tensor,
     canvas_length: int,
+    slots: Sequence[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """The decoder's attention of B canvases, each over its own keys: q [nh, B·C, hd] md; keys[b], values[b]
     [nkv, P_b, hd] md, canvas b's cached positions; canvas_keys, canvas_values [nkv, B·C, hd] md, the canvases' own
@@ -65,7 +66,13 @@ def decode_attention(
 
     Per canvas, eager attention over cat(cached, canvas) with scale 1.0 and no mask: scores rnd(q·kᵀ), softmax in
     fp32, rounded to md, then rnd(p·v) (docs/kernels.md, "decode_attention: the decoder's attention"). The native op
-    computes the same with one fixed sequence per element and the contract's exp: within fp32 rounding of this."""
+    computes the same with one fixed sequence per element and the contract's exp: within fp32 rounding of this.
+    slots: keys and values are the cache's buffers [slots, nkv, cap, hd] and canvas b's cached ones are positions
+    start .. start + count − 1 of slot ``slots[b] = (slot, start, count)``."""
+    if slots is not None:
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+        keys = [keys[s, :, a : a + n] for s, a, n in slots]
+        values = [values[s, :, a : a + n] for s, a, n in slots]
     nh, _, hd = q.shape
     C = canvas_length
     outs = []
