@@ -156,10 +156,11 @@ def _efficiency(engine: Engine, n: int, args, peak: float) -> None:
         counted[1] += time.perf_counter() - t0
         return y
 
-    def attention(q, keys, values, C, _f=ops.decode_attention):
-        counted[0] += sum(4.0 * q.shape[0] * C * k.shape[1] * q.shape[2] for k in keys)  # scores and p·v
+    def attention(q, keys, values, canvas_keys, canvas_values, C, slots=None, _f=ops.decode_attention):
+        cached = [k.shape[1] for k in keys] if slots is None else [n for _, _, n in slots]
+        counted[0] += sum(4.0 * q.shape[0] * C * (P + C) * q.shape[2] for P in cached)  # scores and p·v
         t0 = time.perf_counter()
-        y = _f(q, keys, values, C)
+        y = _f(q, keys, values, canvas_keys, canvas_values, C, slots)
         counted[2] += time.perf_counter() - t0
         return y
 
