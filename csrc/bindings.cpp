@@ -27,6 +27,7 @@
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
 #include "ops/softcap.h"
+#include "ops/softmax_rows.h"
 
 #if defined(DG_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -330,6 +331,29 @@ void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& o
   {
     py::gil_scoped_release no_gil;
     status = dg::rope_cpu(p);
+  }
+  raise_if_error(status, op);
+}
+
+// ---- softmax_rows (contract: ops/softmax_rows.h) --------------------------------------------------------------
+
+void softmax_rows(const Tensor& x, const Tensor& out) {
+  const char* op = "softmax_rows";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.size(1) >= 1 && x.stride(1) == 1, op,
+                    ": `x` needs at least one column and a contiguous "
+                    "last dim, got shape ",
+                    shape_str(x));
+  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": `x` must be a CPU tensor (the op has no CUDA path)");
+  check_arg(out, op, "out", {at::kFloat}, 2, /*contiguous=*/false);
+  check_shape(out, op, "out", x.sizes());
+  TORCH_CHECK_VALUE(out.stride(1) == 1 && out.device().is_cpu(), op, ": `out` needs a contiguous last dim (CPU)");
+  dg::SoftmaxRowsParams p{dg_dtype(x),   x.data_ptr(), x.stride(0), out.data_ptr<float>(),
+                          out.stride(0), x.size(0),    x.size(1)};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::softmax_rows_cpu(p);
   }
   raise_if_error(status, op);
 }
@@ -820,6 +844,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out [T, heads, hd] = rotate-half RoPE of x with cos, sin [T, hd], rounded to the dtype after each product "
         "and the sum (CPU)",
         py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"));
+  m.def("softmax_rows", &softmax_rows,
+        "out [rows, V] fp32 = softmax of each row of x (fp32|bf16), one fixed sequence per row (CPU)", py::arg("x"),
+        py::arg("out"));
   m.def("softcap", &softcap, "x = tanh(x / cap) * cap in place over fp32 x, one fixed tanh formula (CPU)", py::arg("x"),
         py::arg("cap"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul,

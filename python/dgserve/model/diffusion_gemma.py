@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from dgserve import ops
 from dgserve.config import ModelConfig
 from dgserve.model.checkpoint import load_weights
+from dgserve.ops.softmax_rows import softmax_rows_native_ok
 
 from .batched import decode_slots
 from .cache import SlotCache, SlotView
@@ -206,8 +207,9 @@ class DiffusionGemma:
         """Decoder pass over canvas_ids [B, C] → softcapped fp32 logits [B, C, V].
 
         self_cond_logits [B, C, V]: the previous step's processed logits rounded to md (what transformers
-        feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute); self_cond_signal [B, C, H] md:
-        the self-conditioning signal already made from them (``self_conditioning_rows``: what the engine keeps
+        feeds); self_cond_probs [B, C, V]: their fp32 softmax (skips the recompute; ``ops.softmax_rows`` gives the
+        logits path's bits, torch's softmax its values within 1e-6); self_cond_signal [B, C, H] md: the
+        self-conditioning signal already made from them (``self_conditioning_rows``: what the engine keeps
         between steps, docs/memory.md). Give at most one. Each may also be a sequence of B per-row tensors
         ([C, V], or [C, H] for the signal) or None (rows at a block's first step).
         tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
@@ -389,10 +391,11 @@ class DiffusionGemma:
         return ops.gated_mlp(n, self.sc_gate, self.sc_up, self.sc_down)
 
     def _softmax_canvases(self, logits: torch.Tensor, C: int) -> torch.Tensor:
-        """fp32 softmax over the last dim of logits [n·C, V]; on the CPU one canvas (C rows) per call, so each canvas
-        gets the bits of its own call whatever n (torch's loops place their vector tails by the tensor's size)."""
-        if self.device.type != "cpu" or logits.shape[0] <= C:
-            return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        """fp32 softmax over the last dim of logits [n·C, V] (``ops.softmax_rows``: on the CPU one fixed sequence per
+        row, so a canvas gets the bits of its own call in any tile). Where that native op is off on the CPU, torch's
+        softmax runs one canvas (C rows) per call instead (its loops place their vector tails by the tensor's size)."""
+        if self.device.type != "cpu" or logits.shape[0] <= C or softmax_rows_native_ok(logits):
+            return ops.softmax_rows(logits)
         # torch.softmax(x, dtype=fp32) is _softmax of x in fp32; its out= form writes each canvas in place (no copy)
         wide = logits if logits.dtype == torch.float32 else logits.float()
         out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)

@@ -16,6 +16,8 @@ op's module docstring and docs/exactness.md; the kernels: docs/kernels.md.
   reference; elsewhere the reference).
 - ``rope``: the rotate-half rotary embedding in one pass (CPU), bit-identical to the reference.
 - ``softcap``: the final logit soft-cap in place with one fixed tanh formula (CPU), within 4 fp32 ulp of torch's.
+- ``softmax_rows``: the self-conditioning softmax with one fixed sequence per row (CPU), within a few fp32 ulp of
+  torch's.
 - ``canvas_noise``: bit-identical everywhere (integer only).
 - ``gumbel_noise``: the contract's float32 log ``dg_logf``: exactly the noise the native ``diffusion_step`` adds,
   within 1 ulp of max(|g|, 1) of the reference's ``torch.log`` noise.
@@ -68,6 +70,7 @@ from .reference import DiffusionStepOut, MoeAlignOut, entropy_bound_accept, step
 from .rms_norm import rms_norm
 from .rope import rope
 from .softcap import softcap
+from .softmax_rows import softmax_rows
 
 __all__ = [
     "NATIVE_OPS",
@@ -99,6 +102,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "softcap",
+    "softmax_rows",
     "step_temperature",
     "switch_off_native",
     "switch_on_native",

@@ -82,6 +82,7 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "decode_attention": ("cpu",),
     "softcap": ("cpu",),
     "rope": ("cpu",),
+    "softmax_rows": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
     "diffusion_step": ("cpu", "cuda"),

@@ -257,6 +257,17 @@ def check_softcap(device) -> str | None:
     return None if err <= 5e-7 else f"softcap is {err:.2e} relative from the reference (tolerance 5e-7)"
 
 
+def check_softmax_rows(device) -> str | None:
+    g = _gen(26)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 300, generator=g) * 8).to(dtype)
+        got, want = ops.softmax_rows(x.to(device)).cpu(), reference.softmax_rows(x)
+        err = ((got - want).abs() / want.clamp_min(1e-30)).max().item()
+        if err > 2e-6:
+            return f"softmax_rows ({dtype}) is {err:.2e} relative from the reference (tolerance 2e-6)"
+    return None
+
+
 def check_moe_experts(device) -> str | None:
     args = _experts_args(device)
     err = _rel_l2(ops.moe_experts(*args), reference.moe_experts(*args))
@@ -325,6 +336,7 @@ CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "decode_attention": check_decode_attention,
     "softcap": check_softcap,
     "rope": check_rope,
+    "softmax_rows": check_softmax_rows,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,
     "diffusion_step": check_diffusion_step,

@@ -98,6 +98,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim of x [..., V] md → [..., V] fp32 (torch's; docs/kernels.md, "softmax_rows: the
+    self-conditioning softmax")."""
+    return torch.softmax(x, dim=-1, dtype=torch.float32)
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``x ← tanh(x / cap)·cap`` in place (transformers' final logit soft-capping) → x: an IEEE division, torch's
     tanh, a product (docs/kernels.md, "softcap: the logit soft-cap"). In place: no [T, V] temporaries."""
