@@ -13,13 +13,24 @@ constexpr int kLanes = 16;
 
 template <class T>
 __attribute__((always_inline)) inline void one_row(const T* x, float* y, int64_t V) {
-  float m = to_float(x[0]);
-  for (int64_t v = 1; v < V; ++v) {
-    const float a = to_float(x[v]);
-    m = (a > m || a != a) ? a : m;  // NaN propagates
-  }
-  float part[kLanes] = {};
+  // the max over 16 lanes, then across them (exact: a max rounds nothing; NaN propagates)
   const int64_t whole = V / kLanes * kLanes;
+  float lane_max[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = to_float(x[0]);
+  for (int64_t v0 = 0; v0 < whole; v0 += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const float a = to_float(x[v0 + l]);
+      lane_max[l] = (a > lane_max[l] || a != a) ? a : lane_max[l];
+    }
+  }
+  for (int64_t v = whole; v < V; ++v) {
+    const float a = to_float(x[v]);
+    lane_max[0] = (a > lane_max[0] || a != a) ? a : lane_max[0];
+  }
+  float m = lane_max[0];
+  for (int l = 1; l < kLanes; ++l) m = (lane_max[l] > m || lane_max[l] != lane_max[l]) ? lane_max[l] : m;
+  float part[kLanes] = {};
   for (int64_t v0 = 0; v0 < whole; v0 += kLanes) {
 #pragma omp simd
     for (int l = 0; l < kLanes; ++l) {
@@ -35,6 +46,7 @@ __attribute__((always_inline)) inline void one_row(const T* x, float* y, int64_t
   }
   float z = 0.0f;
   for (int l = 0; l < kLanes; ++l) z = z + part[l];
+#pragma omp simd
   for (int64_t v = 0; v < V; ++v) y[v] = y[v] / z;
 }
 
