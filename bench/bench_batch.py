@@ -1,7 +1,7 @@
 """CPU decoder throughput by concurrency: the stacked pass (model/stacked.py) vs the per-canvas path, side by side.
 
     python bench/bench_batch.py [--concurrency 1,4,16,32] [--rounds 3] [--blocks 2] [--steps 8] [--prompt-len 16]
-                                [--threads N] [--profile 16] [--efficiency 1,16,32]
+                                [--threads N] [--profile 16] [--efficiency 1,16,32] [--all]
 
 The shipped model (python/dgserve/models/small, fp32) in one Engine; per concurrency n, n requests with seeds 1..n,
 fixed work (``--steps`` denoising steps per block, adaptive stopping off, EOS ignored) through ``generate_batch``.
@@ -20,6 +20,10 @@ elsewhere, and the aten ops with the most self time.
 ``decode_attention`` call, counted as it runs) over its wall time, against this machine's GEMM peak as ``ops.linear``
 reaches it, measured in the same run; and the step's shares in ``linear``, in attention and elsewhere, timed around
 those calls (no profiler: its per-op cost would inflate the many small ops outside them).
+
+``--all``: then the prefill figure (``bench_prefill``: dgserve's first block for a 2,000-token prompt over
+transformers' prefill, median of 3 alternated rounds) and the memory figures (``bench_memory``: the CPU step's peak at
+8 streams over 1 at the real vocabulary, and the 26B shape's state per stream and step peak in bf16).
 """
 
 from __future__ import annotations
@@ -199,6 +203,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--efficiency", default="", help="stream counts whose step GFLOP/s to report, e.g. 1,16,32")
+    ap.add_argument(
+        "--all", action="store_true", help="also the prefill and memory figures (bench_prefill, bench_memory)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +247,25 @@ def main() -> None:
         peak = _peak_gflops()
         for n in [int(c) for c in args.efficiency.split(",") if c]:
             _efficiency(engine, n, args, peak)
+    if args.all:
+        _prefill_and_memory(args)
+
+
+def _prefill_and_memory(args) -> None:
+    """The rest of the batch-scaling figures in the same run (docs/memory.md): the first block of a 2,000-token prompt
+    against transformers' prefill (bench_prefill), the CPU step's peak at the real vocabulary at 1 and 8 streams, and
+    the 26B shape's state per stream and step peak at 1, 8, 32 and 64 streams in bf16 (bench_memory, exact accounting
+    on the meta device)."""
+    import bench_memory
+    import bench_prefill
+
+    bench_prefill.main(["--rounds", "3"] + (["--threads", str(args.threads)] if args.threads else []))
+    vocab = ["--vocab", "262144", "--canvas-length", "16", "--rows", "per-row", "--tile", "1"]
+    one, eight = (bench_memory.main(vocab + ["--canvases", str(n)]) for n in (1, 8))
+    print(
+        json.dumps({"cpu_step_peak_8_over_1_real_vocab": round(eight["step_peak_bytes"] / one["step_peak_bytes"], 3)})
+    )
+    bench_memory.main(["--rows", "per-row"])
 
 
 def _sched(n: int):
