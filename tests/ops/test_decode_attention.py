@@ -60,6 +60,34 @@ def test_a_canvas_is_the_same_alone_and_beside_any_others(C, dtype):
         assert torch.equal(part, full[rows]), (b0, b1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_canvases_take_the_reference_and_keep_their_bits_in_any_batch(C, dtype):
+    """A canvas that sees more than NATIVE_MAX_KEYS keys is computed by the reference (torch's GEMMs are faster
+    there), bit for bit, and the others by the kernel: each canvas by its own key count, so its bits are the same
+    alone and beside long or short neighbours."""
+    from dgserve.ops.decode_attention import NATIVE_MAX_KEYS
+
+    nh, nkv, hd, Cn = 4, 2, 24, 4
+    cached = (NATIVE_MAX_KEYS + 7, 10, NATIVE_MAX_KEYS - Cn, 3 * NATIVE_MAX_KEYS)
+    q, keys, values, ck, cv = _inputs(nh, nkv, hd, Cn, cached, dtype, seed=5)
+    full = ops.decode_attention(q, keys, values, ck, cv, Cn)
+    for b in range(len(cached)):
+        rows = slice(b * Cn, (b + 1) * Cn)
+        alone = ops.decode_attention(q[:, rows], keys[b : b + 1], values[b : b + 1], ck[:, rows], cv[:, rows], Cn)
+        assert torch.equal(alone, full[rows]), b
+        ref = reference.decode_attention(q[:, rows], keys[b : b + 1], values[b : b + 1], ck[:, rows], cv[:, rows], Cn)
+        if cached[b] + Cn > NATIVE_MAX_KEYS:
+            assert torch.equal(alone, ref), b
+    buf_k = torch.zeros(2, nkv, 4 * NATIVE_MAX_KEYS, hd, dtype=dtype)
+    buf_v = torch.zeros_like(buf_k)
+    spans = [(0, 0, cached[0]), (1, 5, cached[1])]
+    buf_k[0, :, : cached[0]], buf_v[0, :, : cached[0]] = keys[0], values[0]
+    buf_k[1, :, 5 : 5 + cached[1]], buf_v[1, :, 5 : 5 + cached[1]] = keys[1], values[1]
+    rows = slice(0, 2 * Cn)
+    got = ops.decode_attention(q[:, rows], buf_k, buf_v, ck[:, rows], cv[:, rows], Cn, spans)
+    assert torch.equal(got, full[rows])
+
+
 def test_cache_views_are_read_in_place(C):
     """Cached keys and values as the cache hands them over: slices of a [slots, nkv, cap, hd] buffer (a slot's head
     stride is cap·hd, not P·hd)."""

@@ -2,10 +2,11 @@
 values (its cache slot's visible positions, then its canvas), scale 1.0, no mask (docs/kernels.md,
 "decode_attention: the decoder's attention"); native core in ``csrc/ops/decode_attention.h``.
 
-- CPU, fp32/bf16: ``_C.decode_attention``, one call for every canvas and head: per canvas and head the two
-  batch-invariant GEMMs of ``linear`` around a softmax of one fixed sequence per row (the contract's exp,
-  ``exp_nonpositive``), so a canvas's result is bit-identical alone and beside any others (docs/exactness.md,
-  "Batch invariance"). Within fp32 rounding of the reference, not bit-identical to it (torch's exp and GEMM order).
+- CPU, fp32/bf16: ``_C.decode_attention``, one call for every canvas and head, each element one fixed sequence (the
+  contract's exp, ``exp_nonpositive``), so a canvas's result is bit-identical alone and beside any others
+  (docs/exactness.md, "Batch invariance"). Within fp32 rounding of the reference, not bit-identical to it. A canvas
+  that sees more than ``NATIVE_MAX_KEYS`` keys takes the reference instead, canvas by canvas (faster there); the
+  choice is the canvas's own, so its bits still never depend on its batch.
 - Elsewhere (CUDA, other dtypes, autograd, no extension): the reference, canvas by canvas (accelerators batch
   their rows in ``model/batched.py`` instead).
 """
@@ -72,14 +73,40 @@ def decode_attention(
     new tensor [B·C, nh·hd] md. CPU: batch-invariant, within fp32 rounding of the reference.
     """
     B = len(keys) if slots is None else len(slots)
-    if (slots is None and len(keys) != len(values)) or q.shape[1] != B * canvas_length:
-        raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {B} canvases of {canvas_length}")
-    if decode_attention_native_ok(q, keys, values, canvas_keys, canvas_values):
-        out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
+    C = canvas_length
+    if (slots is None and len(keys) != len(values)) or q.shape[1] != B * C:
+        raise ValueError(f"decode_attention: q has {q.shape[1]} rows, not {B} canvases of {C}")
+    if not decode_attention_native_ok(q, keys, values, canvas_keys, canvas_values):
+        return reference.decode_attention(q, keys, values, canvas_keys, canvas_values, C, slots)
+    cached = [int(k.shape[1]) for k in keys] if slots is None else [int(n) for _, _, n in slots]
+    if all(P + C <= NATIVE_MAX_KEYS for P in cached):  # the common case: every canvas in one native call
+        return _native(q, keys, values, canvas_keys, canvas_values, C, slots)
+    # some canvas sees more keys than the native kernel serves well: canvas by canvas, each by its own key count
+    out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
+    for b, P in enumerate(cached):
+        rows = slice(b * C, (b + 1) * C)
         if slots is None:
-            native._C.decode_attention(q, list(keys), list(values), canvas_keys, canvas_values, canvas_length, out)
+            kb, vb = [keys[b]], [values[b]]
         else:
-            spans = [(int(s), int(a), int(n)) for s, a, n in slots]
-            native._C.decode_attention(q, keys, values, spans, canvas_keys, canvas_values, canvas_length, out)
-        return out
-    return reference.decode_attention(q, keys, values, canvas_keys, canvas_values, canvas_length, slots)
+            s, a, n = slots[b]
+            kb, vb = [keys[s, :, a : a + n]], [values[s, :, a : a + n]]  # type: ignore[call-overload]
+        one = (q[:, rows], kb, vb, canvas_keys[:, rows], canvas_values[:, rows], C)
+        out[rows] = _native(*one, None) if P + C <= NATIVE_MAX_KEYS else reference.decode_attention(*one)
+    return out
+
+
+# A canvas that sees more keys than this (cached and its own) takes the reference, eager attention with torch's GEMMs,
+# which beat the native kernel's fixed-order loops there (crossover measured between 256 and 512 keys on one Zen 4
+# core; 4-5x at 18K keys). The choice depends on the canvas's own key count only, so a canvas's bits never depend
+# on the canvases beside it (docs/kernels.md, "decode_attention: the decoder's attention").
+NATIVE_MAX_KEYS = 384
+
+
+def _native(q, keys, values, canvas_keys, canvas_values, C: int, slots) -> torch.Tensor:
+    out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
+    if slots is None:
+        native._C.decode_attention(q, list(keys), list(values), canvas_keys, canvas_values, C, out)
+    else:
+        spans = [(int(s), int(a), int(n)) for s, a, n in slots]
+        native._C.decode_attention(q, keys, values, spans, canvas_keys, canvas_values, C, out)
+    return out
