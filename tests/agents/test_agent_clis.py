@@ -30,6 +30,9 @@ ATTEMPTS = 4
 TURN_TIMEOUT = 600  # a safety bound only: turns took 6-161 s here on a busy machine (a 19K-token CPU prefill)
 CLAUDE_OUTPUT_CAP = "256"  # CLAUDE_CODE_MAX_OUTPUT_TOKENS: Claude Code asks for more itself when a reply ends there
 CODEX_OUTPUT_CAP = "1024"  # the server's --default-max-tokens: Codex sends no limit, and fails a turn cut by one
+# the compaction test's cap and attempts: the small model either writes EOS within its first blocks or repeats itself
+# to the cap (seen: turns ending in 2 s, or cut after 70-100 s at 1,024), so shorter tries, more of them, in as long
+COMPACT_OUTPUT_CAP, COMPACT_ATTEMPTS = "256", 2 * ATTEMPTS
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
 
@@ -192,13 +195,13 @@ def test_codex_compacts_before_the_window_and_ends_the_turn_on_a_refusal(model, 
     past the window is refused (400, ``context_length_exceeded``) and Codex ends the turn, exit status 1, with
     "Codex ran out of room in the model's context window"."""
     exe = installed_cli(CODEX)
-    server = Server(model, "--max-model-len", "24000", "--default-max-tokens", CODEX_OUTPUT_CAP)
+    server = Server(model, "--max-model-len", "24000", "--default-max-tokens", COMPACT_OUTPUT_CAP)
     try:
         # a first turn cut at the output limit leaves Codex without the usage it counts by (a failed turn reports
         # none), so it would not compact: the turn is run again (a new session; resume takes the last) until it ends
-        first = codex_turn(exe, server, tmp_path, words(7800) + "Now say hi.")
+        first = codex_turn(exe, server, tmp_path, words(7800) + "Now say hi.", attempts=COMPACT_ATTEMPTS)
         assert first.rc == 0, (first.stdout[-2000:], first.stderr[-2000:])
-        second = codex_turn(exe, server, tmp_path, "Say hi.", "resume", "--last")
+        second = codex_turn(exe, server, tmp_path, "Say hi.", "resume", "--last", attempts=COMPACT_ATTEMPTS)
         assert second.rc == 0, (second.stdout[-2000:], second.stderr[-2000:])
         assert [e for e in codex_rollout(tmp_path) if e.get("type") == "compacted"]  # its summary, then the turn
         assert len([r for r in second.all_requests if r[0] == "POST"]) >= 2  # the summary's, the turn's
