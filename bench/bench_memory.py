@@ -163,7 +163,7 @@ def measure_steps(model: DiffusionGemma, streams: int, context: int, sampler: Sa
 
 def meta_model(cfg, dtype: torch.dtype, rows: str, tile: int | None) -> DiffusionGemma:
     """The model on `meta` (weights cost nothing), its decoder batched (accelerators: the model's tile) or per row
-    (the CPU engine: one canvas per tile), and its canvas tile when given."""
+    (the CPU engine's order; at the real vocabulary its tile is one canvas), and its canvas tile when given."""
     weights = {n: torch.zeros(s, dtype=dtype, device="meta") for n, s in expected_shapes(cfg).items()}
     model = DiffusionGemma(cfg, weights, dtype, "meta", batch_rows=rows == "batched")
     if tile is not None or rows == "per-row":

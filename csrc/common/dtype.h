@@ -38,4 +38,10 @@ DG_HD bf16 from_float<bf16>(float x) {
   return float_to_bf16(x);
 }
 
+// x rounded to T and widened back (exact): the model dtype's rounding of an fp32 value, kept in fp32.
+template <typename T>
+DG_HD float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
 }  // namespace dg

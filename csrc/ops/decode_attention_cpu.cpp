@@ -22,12 +22,6 @@ constexpr int kRows = 4;  // query rows interleaved per pass
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
-// x rounded to T and widened back (exact): the md rounding of an fp32 value.
-template <class T>
-__attribute__((always_inline)) inline float round_to(float x) {
-  return to_float(from_float<T>(x));
-}
-
 struct Scratch {
   std::vector<float> kt;  // [hd][S padded to 16]: the KV head's keys, transposed
   std::vector<float> v;  // [S][hd padded to 16]: its values, fp32

@@ -17,11 +17,6 @@ float dot(const T* a, const T* b, int64_t n) {
 }
 
 template <class T>
-float rnd(float v) {  // round to the model dtype and back
-  return to_float(from_float<T>(v));
-}
-
-template <class T>
 void experts_loop(const MoeExpertsParams& p) {
   const int64_t H = p.hidden, I = p.inter, K = p.top_k;
   const T* x = static_cast<const T*>(p.x);
@@ -38,11 +33,11 @@ void experts_loop(const MoeExpertsParams& p) {
       const T* xt = x + (pair / K) * H;
       T* a = act + pos * I;
       for (int64_t f = 0; f < I; ++f) {
-        const float g = rnd<T>(dot(xt, gu + f * H, H));
-        const float u = rnd<T>(dot(xt, gu + (I + f) * H, H));
-        a[f] = from_float<T>(rnd<T>(gelu_tanh(g)) * u);
+        const float g = round_to<T>(dot(xt, gu + f * H, H));
+        const float u = round_to<T>(dot(xt, gu + (I + f) * H, H));
+        a[f] = from_float<T>(round_to<T>(gelu_tanh(g)) * u);
       }
-      for (int64_t h = 0; h < H; ++h) p.y[pair * H + h] = rnd<T>(dot(a, dn + h * I, I)) * p.weights[pair];
+      for (int64_t h = 0; h < H; ++h) p.y[pair * H + h] = round_to<T>(dot(a, dn + h * I, I)) * p.weights[pair];
     }
   }
 }

@@ -9,11 +9,6 @@ namespace dg {
 namespace {
 
 template <class T>
-__attribute__((always_inline)) inline float rnd(float v) {
-  return to_float(from_float<T>(v));
-}
-
-template <class T>
 void rope_rows(const RopeParams& p) {
   const T* x = static_cast<const T*>(p.x);
   const T* cs = static_cast<const T*>(p.cos);
@@ -29,13 +24,13 @@ void rope_rows(const RopeParams& p) {
       T* orow = o + (t * H + h) * hd;
       run_vectorized([&]() DG_INLINE_LAMBDA {
         for (int64_t d = 0; d < half; ++d) {  // rot = -x[d + half]
-          const float a = rnd<T>(to_float(xr[d]) * to_float(c[d]));
-          const float b = rnd<T>(-to_float(xr[d + half]) * to_float(s[d]));
+          const float a = round_to<T>(to_float(xr[d]) * to_float(c[d]));
+          const float b = round_to<T>(-to_float(xr[d + half]) * to_float(s[d]));
           orow[d] = from_float<T>(a + b);
         }
         for (int64_t d = half; d < hd; ++d) {  // rot = x[d - half]
-          const float a = rnd<T>(to_float(xr[d]) * to_float(c[d]));
-          const float b = rnd<T>(to_float(xr[d - half]) * to_float(s[d]));
+          const float a = round_to<T>(to_float(xr[d]) * to_float(c[d]));
+          const float b = round_to<T>(to_float(xr[d - half]) * to_float(s[d]));
           orow[d] = from_float<T>(a + b);
         }
         return 0;

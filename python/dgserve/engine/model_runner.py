@@ -11,8 +11,8 @@ The runner owns every device tensor that lives longer than one pass:
   knobs are moved into the hole once, so a batch of the first B slots is a slice of every table, not a gather.
 
 ``run(reqs)`` is one denoising step for a list of requests: the decoder (on CPU the canvases stacked for the
-batch-invariant row-wise ops, attention per canvas: ``model/stacked.py``, bitwise batch invariant, docs/exactness.md;
-batched over the slots in place on accelerators, ``model/batched.py``), the LM
+batch-invariant row-wise ops and one ``decode_attention`` call per layer: ``model/stacked.py``, bitwise batch
+invariant, docs/exactness.md; batched over the slots in place on accelerators, ``model/batched.py``), the LM
 head a tile of canvases at a time, and the sampler. The batched path has static shapes per (B, length bucket) and
 no allocation proportional to the context; capturing it in CUDA graphs is the GPU issues' work.
 

@@ -214,8 +214,9 @@ class DiffusionGemma:
         ([C, V], or [C, H] for the signal) or None (rows at a block's first step).
         tiled=True: the decoder runs now and an iterator of (rows, logits [n, C, V]) tiles is returned
         (``logits_tiles``), so the whole [B, C, V] never exists (the engine's step).
-        The cache keeps its lengths: the canvas K/V go to scratch positions after each row's length, which the
-        next ``prefill`` overwrites (the cache grows in place first when they would not fit).
+        The cache keeps its lengths: the CPU passes read the canvas K/V where the projections leave them; the
+        accelerators' batched pass writes them to scratch positions after each row's length, which the next
+        ``prefill`` overwrites (the cache grows in place first when they would not fit).
         """
         hidden = self.denoise_hidden(cache, canvas_ids, self_cond_logits, self_cond_probs, self_cond_signal)
         if tiled:

@@ -84,8 +84,8 @@ def decode_stacked(
 ) -> torch.Tensor:
     """``decode_row_hidden`` of B canvases [B, C] at once → final hidden states [B, C, H], canvas b bit for bit its
     own one-canvas pass. model: the DiffusionGemma (untyped: it imports this module); rows[b]: canvas b's cache slot
-    (its canvas K/V go to scratch after its length; the caller has reserved room, ``SlotCache.reserve``);
-    signals[b]: its self-conditioning signal [C, H] md, or None."""
+    (read only: the canvas K/V are attended to where the projections leave them); signals[b]: its self-conditioning
+    signal [C, H] md, or None."""
     cfg, eps = model.config, model.config.rms_norm_eps
     B, C = canvases.shape
     if len(rows) != B or len(signals) != B:

@@ -85,13 +85,10 @@ def decode_attention(
     out = torch.empty(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype)
     for b, P in enumerate(cached):
         rows = slice(b * C, (b + 1) * C)
-        if slots is None:
-            kb, vb = [keys[b]], [values[b]]
-        else:
-            s, a, n = slots[b]
-            kb, vb = [keys[s, :, a : a + n]], [values[s, :, a : a + n]]  # type: ignore[call-overload]
-        one = (q[:, rows], kb, vb, canvas_keys[:, rows], canvas_values[:, rows], C)
-        out[rows] = _native(*one, None) if P + C <= NATIVE_MAX_KEYS else reference.decode_attention(*one)
+        # canvas b alone, its cached keys in the form they came in (views, or the buffers and its span)
+        kb, vb, span = ([keys[b]], [values[b]], None) if slots is None else (keys, values, [slots[b]])
+        one = (q[:, rows], kb, vb, canvas_keys[:, rows], canvas_values[:, rows], C, span)
+        out[rows] = _native(*one) if P + C <= NATIVE_MAX_KEYS else reference.decode_attention(*one)
     return out
 
 
