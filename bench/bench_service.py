@@ -9,7 +9,9 @@ For each client count: the same requests (fixed seeds, EOS ignored, no adaptive 
 front door (grpc.aio clients, or httpx streaming ``/v1/completions`` with ``stream: true``; one stream per client
 at a time) against a ``dgserve.service.server.Server`` on 127.0.0.1. Prints one JSON line per (front door, client
 count): time to first block (p50/p99), inter-block gap (p50/p99), aggregate tokens/s of the front door and of the
-direct path, and the overhead per block = (front-door wall − direct wall) / blocks. Warm-up first.
+direct path, and the overhead per block = (front-door wall − direct wall) / blocks. Warm-up first. The direct path
+runs first, on threads that end with it, and the server after: each live thread that ran torch work keeps an OpenMP
+pool, and two live pools slow both (docs/deployment.md, "CPU threads").
 Default model: dgserve.default_model_path().
 """
 
@@ -100,6 +102,13 @@ async def _run(front_door: str, address: str, per_client: list) -> tuple[float, 
     return time.perf_counter() - t0, sum(tokens), ttfb, gaps
 
 
+def _passing(fn):
+    """fn() on a thread that ends with it (its OpenMP pool too): ``on_passing_thread``, the server's own helper."""
+    from dgserve.engine.cpu_threads import on_passing_thread
+
+    return asyncio.run(on_passing_thread(fn, "bench-direct"))
+
+
 def _start_server(model: str, max_num_seqs: int):
     from dgserve.service.config import ServiceConfig
     from dgserve.service.server import Server
@@ -137,18 +146,24 @@ def main() -> None:
 
     model = args.model or default_model_path()
     counts = [int(x) for x in args.clients.split(",")]
-    server, loop = _start_server(model, max(counts))
-    engine = Engine.from_pretrained(model)
-    addresses = {"grpc": f"127.0.0.1:{server.port}", "http": f"http://127.0.0.1:{server.http_port}"}
-    doors = args.front_doors.split(",")
-    _direct(engine, _requests(2, args))  # warm-up every path
-    for door in doors:
-        asyncio.run(_run(door, addresses[door], [_requests(2, args)]))
+    # The direct path first, each piece on a thread that ends with it, then the server: a live thread that ran torch
+    # work keeps an OpenMP pool, and a second live pool slows every pool's steps (docs/deployment.md, "CPU threads")
+    engine = _passing(lambda: Engine.from_pretrained(model))
+    _passing(lambda: _direct(engine, _requests(2, args)))  # warm-up
+    plans, direct = {}, {}
     for n in counts:
         reqs = _requests(n * args.requests_per_client, args)
-        per_client = [reqs[i::n] for i in range(n)]
+        plans[n] = reqs, [reqs[i::n] for i in range(n)]
         # the direct path runs each client's requests in rounds of n concurrent ones, as the clients do
-        direct = sum(_direct(engine, [pc[r] for pc in per_client]) for r in range(args.requests_per_client))
+        rounds = [[pc[r] for pc in plans[n][1]] for r in range(args.requests_per_client)]
+        direct[n] = sum(_passing(lambda batch=batch: _direct(engine, batch)) for batch in rounds)
+    server, loop = _start_server(model, max(counts))
+    addresses = {"grpc": f"127.0.0.1:{server.port}", "http": f"http://127.0.0.1:{server.http_port}"}
+    doors = args.front_doors.split(",")
+    for door in doors:  # warm-up every door
+        asyncio.run(_run(door, addresses[door], [_requests(2, args)]))
+    for n in counts:
+        reqs, per_client = plans[n]
         for door in doors:
             wall, tokens, ttfb, gaps = asyncio.run(_run(door, addresses[door], per_client))
             blocks = len(ttfb) + len(gaps)
@@ -170,8 +185,8 @@ def main() -> None:
                         "gap_ms_p50": round(_pct(gaps, 0.5) * 1e3, 2),
                         "gap_ms_p99": round(_pct(gaps, 0.99) * 1e3, 2),
                         "tokens_per_s": round(tokens / wall, 1),
-                        "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct, 1),
-                        "overhead_ms_per_block": round((wall - direct) / blocks * 1e3, 3),
+                        "direct_tokens_per_s": round(len(reqs) * args.max_new_tokens / direct[n], 1),
+                        "overhead_ms_per_block": round((wall - direct[n]) / blocks * 1e3, 3),
                         "gap_ms_mean": round(statistics.fmean(gaps) * 1e3, 2) if gaps else None,
                     }
                 ),

@@ -25,6 +25,8 @@
 #include "ops/nvfp4_moe_experts.h"
 #include "ops/nvfp4_repack.h"
 #include "ops/rms_norm.h"
+#include "ops/rms_norm_add.h"
+#include "ops/rms_norm_rope.h"
 #include "ops/rope.h"
 #include "ops/softcap.h"
 #include "ops/softmax_rows.h"
@@ -140,6 +142,88 @@ void rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps, 
   dg::RmsNormParams p{dg_dtype(x),   x.data_ptr(), x.stride(0), w,          out.data_ptr(),
                       out.stride(0), x.size(0),    x.size(1),   (float)eps, (int)sum_lanes};
   dispatch(op, x, dg::rms_norm_cpu, DG_CUDA(dg::rms_norm_cuda), p);
+}
+
+// ---- rms_norm_add / rms_norm_rope (contracts: ops/rms_norm_add.h, ops/rms_norm_rope.h) -----------------------
+
+// rope's and rms_norm_rope's cos, sin [T, hd] and out [T, heads, hd]: x's dtype, on the CPU (x is [T, heads, hd]).
+void check_rope_tables(const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& out) {
+  const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
+  check_arg(cos, op, "cos", {x.scalar_type()}, 2);
+  check_shape(cos, op, "cos", {T, hd});
+  check_arg(sin, op, "sin", {x.scalar_type()}, 2);
+  check_shape(sin, op, "sin", {T, hd});
+  check_arg(out, op, "out", {x.scalar_type()}, 3);
+  check_shape(out, op, "out", {T, H, hd});
+  TORCH_CHECK_VALUE(cos.device().is_cpu() && sin.device().is_cpu() && out.device().is_cpu(), op,
+                    ": every tensor must be on the CPU");
+}
+
+// weight: None or [dim] fp32 on the CPU → its pointer (nullptr for None).
+const float* norm_weight(const std::optional<Tensor>& weight, int64_t dim, const char* op) {
+  if (!weight.has_value()) return nullptr;
+  check_arg(*weight, op, "weight", {at::kFloat}, 1);
+  check_shape(*weight, op, "weight", {dim});
+  TORCH_CHECK_VALUE(weight->device().is_cpu(), op, ": `weight` must be a CPU tensor");
+  return weight->data_ptr<float>();
+}
+
+void rms_norm_add(const Tensor& residual, const Tensor& x, const std::optional<Tensor>& weight, double eps,
+                  std::optional<double> scale, const Tensor& out, int64_t sum_lanes) {
+  const char* op = "rms_norm_add";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 2, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": `x` must be a CPU tensor (the op has no CUDA path)");
+  TORCH_CHECK_VALUE(x.size(1) >= 1 && x.stride(1) == 1, op, ": `x` needs a contiguous last dim, got shape ",
+                    shape_str(x), " strides ", x.strides());
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{residual, "residual"}, {out, "out"}}) {
+    check_arg(t, op, name, {x.scalar_type()}, 2, /*contiguous=*/false);
+    check_shape(t, op, name, x.sizes());
+    TORCH_CHECK_VALUE(t.stride(1) == 1 && t.device().is_cpu(), op, ": `", name,
+                      "` needs a contiguous last dim on the CPU");
+  }
+  const float* w = norm_weight(weight, x.size(1), op);
+  dg::RmsNormAddParams p{dg_dtype(x),
+                         residual.data_ptr(),
+                         residual.stride(0),
+                         x.data_ptr(),
+                         x.stride(0),
+                         w,
+                         out.data_ptr(),
+                         out.stride(0),
+                         x.size(0),
+                         x.size(1),
+                         (float)eps,
+                         scale.has_value(),
+                         (float)scale.value_or(1.0),
+                         (int)sum_lanes};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::rms_norm_add_cpu(p);
+  }
+  raise_if_error(status, op);
+}
+
+void rms_norm_rope(const Tensor& x, const std::optional<Tensor>& weight, double eps, const Tensor& cos,
+                   const Tensor& sin, const Tensor& out, int64_t sum_lanes) {
+  const char* op = "rms_norm_rope";
+  check_arg(x, op, "x", {at::kFloat, at::kBFloat16}, 3, /*contiguous=*/false);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": `x` must be a CPU tensor (the op has no CUDA path)");
+  const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
+  TORCH_CHECK_VALUE(hd >= 2 && hd % 2 == 0 && hd <= dg::kRmsNormRopeMaxHeadDim, op,
+                    ": the head dim must be even and in [2, ", dg::kRmsNormRopeMaxHeadDim, "], got ", hd);
+  TORCH_CHECK_VALUE(x.stride(2) == 1, op, ": `x` needs a contiguous last dim");
+  check_rope_tables(op, x, cos, sin, out);
+  const float* w = norm_weight(weight, hd, op);
+  dg::RmsNormRopeParams p{dg_dtype(x),    x.data_ptr(),   x.stride(0), x.stride(1), w,  cos.data_ptr(),
+                          sin.data_ptr(), out.data_ptr(), T,           H,           hd, (float)eps,
+                          (int)sum_lanes};
+  dg::Status status;
+  {
+    py::gil_scoped_release no_gil;
+    status = dg::rms_norm_rope_cpu(p);
+  }
+  raise_if_error(status, op);
 }
 
 // ---- linear / gelu_tanh_mul (contracts: ops/linear.h, ops/gelu_tanh_mul.h) ----------------------------------
@@ -296,14 +380,25 @@ void decode_attention_slots(const Tensor& q, const Tensor& key_cache, const Tens
                     op, ": the key and value caches must be CPU [slots, ", nkv, ", cap, ", q.size(2), "], got ",
                     shape_str(key_cache), " and ", shape_str(value_cache));
   std::vector<int64_t> spans((size_t)(B * dg::kDecodeAttentionSpanFields));
+  // each span is what put_span records of key_cache.select(0, slot).narrow(1, start, count), computed from the
+  // strides: no tensor view per canvas (a step asks for B of them per layer)
+  const int64_t es = key_cache.element_size();
+  const char* kbase = static_cast<const char*>(key_cache.data_ptr());
+  const char* vbase = static_cast<const char*>(value_cache.data_ptr());
   for (int64_t b = 0; b < B; ++b) {
     const int64_t slot = slots[b][0], start = slots[b][1], count = slots[b][2];
     TORCH_CHECK_VALUE(
         slot >= 0 && slot < key_cache.size(0) && start >= 0 && count >= 0 && start + count <= key_cache.size(2), op,
         ": canvas ", b, "'s span (slot ", slot, ", start ", start, ", count ", count, ") lies outside the cache ",
         shape_str(key_cache));
-    put_span(spans.data() + b * dg::kDecodeAttentionSpanFields, key_cache.select(0, slot).narrow(1, start, count),
-             value_cache.select(0, slot).narrow(1, start, count));
+    int64_t* sp = spans.data() + b * dg::kDecodeAttentionSpanFields;
+    sp[0] = (int64_t)(intptr_t)(kbase + (slot * key_cache.stride(0) + start * key_cache.stride(2)) * es);
+    sp[1] = (int64_t)(intptr_t)(vbase + (slot * value_cache.stride(0) + start * value_cache.stride(2)) * es);
+    sp[2] = count;
+    sp[3] = key_cache.stride(1);
+    sp[4] = key_cache.stride(2);
+    sp[5] = value_cache.stride(1);
+    sp[6] = value_cache.stride(2);
   }
   run_decode_attention(op, q, B, spans, canvas_keys, canvas_values, canvas_length, out);
 }
@@ -317,14 +412,7 @@ void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& o
   const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
   TORCH_CHECK_VALUE(hd % 2 == 0, op, ": the head dim must be even, got ", hd);
   TORCH_CHECK_VALUE(hd <= 1 || x.stride(2) == 1, op, ": `x` needs a contiguous last dim");
-  check_arg(cos, op, "cos", {x.scalar_type()}, 2);
-  check_shape(cos, op, "cos", {T, hd});
-  check_arg(sin, op, "sin", {x.scalar_type()}, 2);
-  check_shape(sin, op, "sin", {T, hd});
-  check_arg(out, op, "out", {x.scalar_type()}, 3);
-  check_shape(out, op, "out", {T, H, hd});
-  TORCH_CHECK_VALUE(cos.device().is_cpu() && sin.device().is_cpu() && out.device().is_cpu(), op,
-                    ": every tensor must be on the CPU");
+  check_rope_tables(op, x, cos, sin, out);
   dg::RopeParams p{dg_dtype(x),    x.data_ptr(),   x.stride(0), x.stride(1), cos.data_ptr(),
                    sin.data_ptr(), out.data_ptr(), T,           H,           hd};
   dg::Status status;
@@ -752,14 +840,19 @@ void dg_logf(const Tensor& x, const Tensor& out) {
   (void)dg::dg_logf_hook(x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
 }
 
-void gumbel(const Tensor& r, const Tensor& out) {
-  const char* op = "gumbel";
+// the gumbel and gumbel_bound test hooks: out [n] fp32 = hook(r [n] int64)
+void noise_of_words(const char* op, const Tensor& r, const Tensor& out,
+                    dg::Status (*hook)(const int64_t*, float*, int64_t)) {
   check_arg(r, op, "r", {at::kLong}, 1);
   check_arg(out, op, "out", {at::kFloat}, 1);
   check_shape(out, op, "out", r.sizes());
   TORCH_CHECK_VALUE(r.device().is_cpu() && out.device().is_cpu(), op, ": test hook takes CPU tensors");
-  raise_if_error(dg::gumbel_hook(r.data_ptr<int64_t>(), out.data_ptr<float>(), r.numel()), op);
+  raise_if_error(hook(r.data_ptr<int64_t>(), out.data_ptr<float>(), r.numel()), op);
 }
+
+void gumbel(const Tensor& r, const Tensor& out) { noise_of_words("gumbel", r, out, dg::gumbel_hook); }
+
+void gumbel_bound(const Tensor& r, const Tensor& out) { noise_of_words("gumbel_bound", r, out, dg::gumbel_bound_hook); }
 
 // The ops whose CUDA launcher this build links, as build_info()["cuda_ops"]: one entry per op whose dispatch above
 // names DG_CUDA(dg::<op>_cuda) (tests/ops/test_op_surface.py checks the two agree). Taking each launcher's address
@@ -840,6 +933,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(slot, start, count)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("canvas_keys"),
         py::arg("canvas_values"), py::arg("canvas_length"), py::arg("out"));
+  m.def("rms_norm_add", &rms_norm_add,
+        "out [rows, dim] = rnd(residual + rms_norm(x; weight)), then rnd(out * scale) with a scale: one pass, "
+        "bit-identical to the reference (CPU)",
+        py::arg("residual"), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("scale"), py::arg("out"),
+        py::arg("sum_lanes"));
+  m.def("rms_norm_rope", &rms_norm_rope,
+        "out [T, heads, hd] = rope(rms_norm(x[t, h]; weight), cos, sin): one pass, bit-identical to the reference "
+        "(CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("out"),
+        py::arg("sum_lanes"));
   m.def("rope", &rope,
         "out [T, heads, hd] = rotate-half RoPE of x with cos, sin [T, hd], rounded to the dtype after each product "
         "and the sum (CPU)",
@@ -875,6 +978,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"));
   m.def("gumbel", &gumbel, "test hook: Gumbel value of Philox words r [n] (int64) into out [n] fp32", py::arg("r"),
         py::arg("out"));
+  m.def("gumbel_bound", &gumbel_bound,
+        "test hook: the log-free upper bound of the Gumbel value of Philox words r [n] (int64) into out [n] fp32",
+        py::arg("r"), py::arg("out"));
   m.def("nvfp4_repack", &nvfp4_repack,
         "ModelOpt NVFP4 weight [E, N, Kp/2] u8 + scale [E, N, Kp/16] u8 (E4M3 bytes) -> kernel layout words "
         "[E, N/16, KC, 128] i32 + scales [E, N/16, KC, 64] u8 (interleave_half = N/2 for gate/up, else 0)",

@@ -122,14 +122,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgserve serve: error: {e}", file=sys.stderr)
         return 2
     if dry_run:
-        print(json.dumps({**config.to_dict(), "runtime": _runtime(config)}, indent=2, sort_keys=True))
+        from dgserve.engine.cpu_threads import choose_cpu_threads
+
+        runtime = _runtime(config)
+        runtime["cpu_threads"] = choose_cpu_threads(config.cpu_threads, os.environ.get("OMP_NUM_THREADS")).describe()
+        print(json.dumps({**config.to_dict(), "runtime": runtime}, indent=2, sort_keys=True))
         return 0
+    from dgserve.engine.cpu_threads import apply_cpu_threads
+
     from .logs import setup_logging
     from .server import Server, StartupError
 
     setup_logging(config.log_level, config.json_logs)
+    # before any thread runs torch: the process's CPUs, not the host's (docs/deployment.md, "CPU threads"); the
+    # server logs the choice once it listens (a start-up failure stays one line)
+    threads = apply_cpu_threads(config.cpu_threads, os.environ.get("OMP_NUM_THREADS"))
     try:
-        asyncio.run(Server(config).run())
+        asyncio.run(Server(config, cpu_threads=threads).run())
     except StartupError as e:
         if config.log_level.upper() == "DEBUG":
             traceback.print_exception(e.__cause__ or e)

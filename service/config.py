@@ -40,6 +40,7 @@ class ServiceConfig:
     hf_overrides: dict | None = None  # deep-merged into config.json before it is parsed (--hf-overrides)
     allow_long_max_model_len: bool = False  # max_model_len may exceed max_position_embeddings (with a warning)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # running requests (the engine's default too)
+    cpu_threads: int = 0  # torch's CPU threads; 0 = the CPUs the process may use (docs/deployment.md, "CPU threads")
     max_queue_len: int = 256  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # prompt tokens per encoder chunk and per engine iteration
     kv_cache_memory: CacheConfig = field(
@@ -103,6 +104,7 @@ class ServiceConfig:
         for name, lo, hi in (
             ("port", 0, 65535),
             ("max_num_seqs", 1, 1 << 20),
+            ("cpu_threads", 0, 4096),
             ("max_queue_len", 0, 1 << 24),
             ("prefill_chunk", 1, 1 << 24),
             ("max_request_steps", 1, 1 << 31),

@@ -69,6 +69,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--log-level", "NIM_LOG_LEVEL", "log_level", str, "DEBUG | INFO | WARNING | ERROR | CRITICAL (default {default})"),
     ("--max-num-seqs", "DGSERVE_MAX_NUM_SEQS", "max_num_seqs", int, "requests running at once (default {default})"),
     (
+        "--cpu-threads",
+        "DGSERVE_CPU_THREADS",
+        "cpu_threads",
+        int,
+        (
+            "CPU threads for torch and the native ops; 0: the CPUs this process may use, its affinity and its "
+            "container's CPU quota (OMP_NUM_THREADS, when set, instead) (default {default})"
+        ),
+    ),
+    (
         "--max-queue-len",
         "DGSERVE_MAX_QUEUE_LEN",
         "max_queue_len",

@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health
 
 from dgserve.engine.async_engine import AsyncEngine, fault_summary
+from dgserve.engine.cpu_threads import ThreadChoice, on_passing_thread
 from dgserve.engine.engine import Engine
 from dgserve.engine.scheduler import SchedulerConfig
 from dgserve.media.images import ImageCaps
@@ -108,10 +109,19 @@ def load_engine(cfg: ServiceConfig) -> Engine:
 
 
 class Server:
-    """One dgserve gRPC server. ``engine_factory`` (default: ``load_engine(config)``) runs on a worker thread."""
+    """One dgserve gRPC server. ``engine_factory`` (default: ``load_engine(config)``) runs on a thread of its own that
+    ends with it (``on_passing_thread``)."""
 
-    def __init__(self, config: ServiceConfig, engine_factory: Callable[[], Engine] | None = None):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine_factory: Callable[[], Engine] | None = None,
+        cpu_threads: ThreadChoice | None = None,
+    ):
+        """``cpu_threads``: the thread count ``dgserve serve`` set for the process (``apply_cpu_threads``), logged
+        once the server is listening; None: the embedding program keeps torch's as it is."""
         self.config = config
+        self.cpu_threads = cpu_threads
         self.engine_factory = engine_factory or (lambda: load_engine(config))
         self.metrics = Metrics()
         self.state = ServingState()
@@ -154,6 +164,8 @@ class Server:
         await self.health.set(LIVENESS_NAME, SERVING)
         await door.set_ready(self.health, NOT_SERVING)
         connections.log_plan(plan)
+        if self.cpu_threads is not None:
+            log.info("%s", self.cpu_threads.describe())
         log.info(
             "listening: gRPC %s:%s%s, HTTP %s",
             cfg.host,
@@ -222,12 +234,14 @@ class Server:
 
     async def _load(self) -> None:
         try:
-            engine = await asyncio.to_thread(self.engine_factory)
+            # on threads that end with the work: an OpenMP pool left in a live thread slows every engine step
+            # (engine/cpu_threads.py)
+            engine = await on_passing_thread(self.engine_factory, "dgserve-load")
             aengine = AsyncEngine(
                 engine, stall_timeout_s=self.config.stall_timeout, observer=self.metrics, on_fault=self._on_fault
             )
             if self.config.warm_up:
-                await asyncio.to_thread(aengine.warm_up)
+                await on_passing_thread(aengine.warm_up, "dgserve-warm-up")
             aengine.start()
             names = self.config.served_model_name or (_model_name(engine, self.config),)
             self.state.names = tuple(names)

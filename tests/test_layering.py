@@ -167,7 +167,10 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
                 "dgserve.engine.block",
                 "dgserve.engine.cache_config",
                 "dgserve.engine.prefix_cache",
+                "dgserve.engine.cgroups",  # where this process's cgroup of one controller lives (v1 or v2)
                 "dgserve.engine.memory_room",
+                "dgserve.engine.cpu_threads",  # torch's CPU threads: the process's CPUs (docs/deployment.md)
+                "dgserve.engine.host_malloc",  # glibc's malloc thresholds for a CPU engine (docs/memory.md)
                 "dgserve.engine.fair_share",  # callers' shares of the running slots (docs/architecture.md)
             ),
             ("dgserve.engine.request",),  # the one per-request record

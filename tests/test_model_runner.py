@@ -133,6 +133,25 @@ def test_kv_cache_usage_is_the_held_fraction(tiny_checkpoint):
     assert max(seen) > seen[0] and all(0 <= u <= 1 for u in seen) and seen[-1] == 0.0
 
 
+def test_requests_aborted_after_the_last_release_still_free_their_slots(tiny_checkpoint):
+    """A request aborted while a step runs, after that step freed the finished slots (another thread's cancel), leaves
+    the scheduler empty but its slot held: the engine still has work (``has_unfinished``) until a step frees it,
+    so an idle server's KV gauge returns to 0 and holds no request."""
+    eng = Engine.from_pretrained(
+        tiny_checkpoint("base"), scheduler_config=SchedulerConfig(max_num_seqs=2), prefix_caching=False
+    )
+    sp = SamplingParams(max_new_tokens=48, max_denoising_steps=2, seed=1, ignore_eos=True)
+    ids = [eng.add_request(p, sp) for p in ([5, 6, 7], [8, 9])]
+    eng.step()
+    assert len(eng.runner.occupants) == 2 and eng.kv_cache_usage() > 0
+    for rid in ids:  # as if cancelled from the event loop just after the step's last slot release
+        assert eng.abort(rid) is not None
+    assert eng.num_running == eng.num_waiting == 0
+    assert eng.has_unfinished()  # the two slots still to free
+    eng.step()
+    assert eng.runner.occupants == [] and eng.kv_cache_usage() == 0.0 and not eng.has_unfinished()
+
+
 def test_kv_cache_usage_counts_the_prefix_cache_blocks(tiny_checkpoint):
     """With prefix caching the budget has two parts: what a finished request leaves in the prefix cache still
     counts (its blocks, over the slots' bytes plus the prefix cache's capacity)."""

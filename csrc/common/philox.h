@@ -186,4 +186,16 @@ DG_HD float gumbel_from_bits(uint32_t r) {
 // which lets diffusion_step skip the draw of entries that cannot win the Gumbel race.
 constexpr float kGumbelMax = 16.635532f;
 
+// An upper bound of gumbel_from_bits(r) without a log, per entry (diffusion_step skips an entry's two logs when
+// f32(y + bound) < the running best). With u = uniform_from_bits(r) and v = 1 - u (exact: u is a multiple of 2^-24
+// in (0, 1)): -log(u) >= v (log u <= u - 1), so -log(-log u) <= -log(v) <= -e ln 2 for 2^e <= v (e = the
+// exponent of v, in [-24, -1]); 2^-16 more covers dg_logf's rounding of g (within 5.2e-7 of the exact value, see
+// above) and this float product's. tests/ops check it against gumbel_from_bits for every u. Loose by < ln 2 + 2^-16
+// where it matters (u near 1), so only entries within that of the running best need their logs.
+DG_HD float gumbel_upper_bound(uint32_t r) {
+  const float v = 1.0f - uniform_from_bits(r);
+  const int32_t e = (int32_t)((float_to_bits(v) >> 23) & 0xffu) - 127;  // v is a normal float: its exponent
+  return (float)(-e) * 0x1.62e430p-1f + 0x1p-16f;  // 0x1.62e430p-1 = ln 2 rounded up
+}
+
 }  // namespace dg

@@ -53,6 +53,18 @@ DG_HD void multi_row_sum4(const Load& load, int64_t size, Acc out[4]) {
   const int64_t level_power = ceil_log2(size) / kLevels > 4 ? ceil_log2(size) / kLevels : 4;
   const int64_t level_step = (int64_t)1 << level_power;
   const int64_t level_mask = level_step - 1;
+  if (size < level_step) {  // no cascade step: levels 1..3 stay +0, and (a + 0) + 0 + 0 == a + 0 bit for bit
+    Acc a[4], zero;
+    set_zero(zero);
+    for (int k = 0; k < 4; ++k) set_zero(a[k]);
+    for (int64_t i = 0; i < size; ++i)
+      for (int k = 0; k < 4; ++k) add_to(a[k], load(i, k));
+    for (int k = 0; k < 4; ++k) {
+      add_to(a[k], zero);
+      out[k] = a[k];
+    }
+    return;
+  }
   Acc acc[kLevels][4];
   for (int j = 0; j < kLevels; ++j)
     for (int k = 0; k < 4; ++k) set_zero(acc[j][k]);

@@ -20,12 +20,12 @@
 namespace dg {
 namespace {
 
-constexpr int64_t kChunk = 64;  // vocabulary entries per inner block: 16 Philox calls (gumbel_x64)
-constexpr int kLanes = 8;       // independent double accumulators of the entropy sums
+constexpr int64_t kChunk = 64;  // vocabulary entries per inner block (its skip tests); Philox words are drawn for two
+constexpr int kLanes = 8;  // independent double accumulators of the entropy sums
 
 struct PositionArgs {
-  const void* logits;   // row start
-  float* processed;     // row start
+  const void* logits;  // row start
+  float* processed;  // row start
   const int32_t* mask;  // the position's bitmask words, or nullptr (unconstrained or fully masked)
   float temperature;
   uint32_t k0, k1, block, ctr3, pos;  // Philox key and counter words (ctr3 = 2k + 1)
@@ -61,6 +61,15 @@ DG_HD bool chunk_may_win(const float* a, int64_t n, float best) {
 DG_HD bool chunk_may_beat(const float* y, int64_t n, float best) {
   int hit = 0;
   for (int64_t i = 0; i < n; ++i) hit |= (int)!((y[i] + kGumbelMax) < best);
+  return hit != 0;
+}
+
+// Whether some element of y[0..n) could beat `best` with its own draw: not f32(y + gumbel_upper_bound(r)) < best
+// (NaN: true). When false, the chunk's logs are skipped (its Philox words r are drawn): g <= the bound and rounding
+// is monotone. Branch-free, so it vectorises.
+DG_HD bool chunk_may_beat_drawn(const float* y, const uint32_t* r, int64_t n, float best) {
+  int hit = 0;
+  for (int64_t i = 0; i < n; ++i) hit |= (int)!((y[i] + gumbel_upper_bound(r[i])) < best);
   return hit != 0;
 }
 
@@ -112,7 +121,9 @@ DG_HD PositionResult position_impl(const PositionArgs& a) {
   const int64_t V = a.vocab;
   float best_y = processed_value(x, 0, a.temperature, a.mask), best_z = 0.0f;
   int64_t arg_y = 0, arg_z = -1;
-  float yc[kChunk], zc[kChunk], g[kChunk];
+  float yc[kChunk], zc[kChunk];
+  uint32_t pair_r[2 * kChunk];  // the Philox words of chunks 2p and 2p + 1 (philox_x32), drawn when either needs them
+  int64_t drawn_pair = -1;
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t n = V - v0 < kChunk ? V - v0 : kChunk;
     if (a.mask == nullptr) {  // the unconstrained loop stays branch-free
@@ -125,9 +136,17 @@ DG_HD PositionResult position_impl(const PositionArgs& a) {
     if (chunk_may_win(yc, n, best_y)) {
       for (int64_t i = 0; i < n; ++i) argmax_update(yc[i], v0 + i, best_y, arg_y);
     }
-    if (arg_z >= 0 && !chunk_may_beat(yc, n, best_z)) continue;  // the exact Gumbel skip: no draw needed
-    gumbel_x64((uint32_t)(v0 / kChunk), a.pos, a.block, a.ctr3, a.k0, a.k1, g);
-    for (int64_t i = 0; i < n; ++i) zc[i] = yc[i] + g[i];
+    // The exact Gumbel skips: no draw where no noise value could lift an entry to the running best, and no logs
+    // where no entry's own bound could (once a best exists).
+    if (arg_z >= 0 && !chunk_may_beat(yc, n, best_z)) continue;
+    const int64_t chunk = v0 / kChunk;
+    if (chunk / 2 != drawn_pair) {  // one draw of 128 entries' words (the odd half unused if that chunk is skipped)
+      drawn_pair = chunk / 2;
+      philox_x32((uint32_t)drawn_pair * 32u, a.pos, a.block, a.ctr3, a.k0, a.k1, pair_r);
+    }
+    const uint32_t* r = pair_r + (chunk % 2) * kChunk;
+    if (arg_z >= 0 && !chunk_may_beat_drawn(yc, r, n, best_z)) continue;
+    for (int64_t i = 0; i < n; ++i) zc[i] = yc[i] + gumbel_from_bits(r[i]);
     if (arg_z < 0) {
       best_z = zc[0];
       arg_z = 0;

@@ -17,10 +17,10 @@ Status gumbel_noise_cpu(const NoiseParams& p, float* out) {
     const uint32_t blk = (uint32_t)p.blocks[b], ctr3 = (uint32_t)(2 * p.steps[b] + 1), pos = (uint32_t)(bc % C);
     float* row = out + bc * V;
     run_vectorized([&]() DG_INLINE_LAMBDA {
-      float g[64];
-      for (int64_t v0 = 0; v0 < V; v0 += 64) {
-        gumbel_x64((uint32_t)(v0 / 64), pos, blk, ctr3, k0, k1, g);
-        const int64_t n = V - v0 < 64 ? V - v0 : 64;
+      float g[128];
+      for (int64_t v0 = 0; v0 < V; v0 += 128) {
+        gumbel_x128((uint32_t)(v0 / 128), pos, blk, ctr3, k0, k1, g);
+        const int64_t n = V - v0 < 128 ? V - v0 : 128;
         for (int64_t i = 0; i < n; ++i) row[v0 + i] = g[i];
       }
       return 0;

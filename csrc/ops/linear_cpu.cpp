@@ -13,7 +13,7 @@
 // fma intrinsic and no fmaf call. That is exactly reference.linear's `acc = acc + x[:, k:k+1] * w[:, k]`.
 #include <string.h>
 
-#include <vector>
+#include <memory>
 
 #include "../common/check.h"
 #include "cpu_vec.h"
@@ -96,21 +96,25 @@ __attribute__((always_inline)) inline void columns(const Ctx& c, int64_t p0, int
   }
 }
 
-// One work item: np (<= RB) panels from p0 x columns [n0, n1). A short last group runs panel by panel with
-// RB*NB columns per tile (the same register budget); either way each element's k loop is the same.
+// One work item: np (<= RB) panels from p0 x columns [n0, n1). A short last group (a one-canvas call's only panel)
+// runs panel by panel with NB columns per tile: one panel's vector against twice the columns would need a broadcast
+// load per multiply-add pair, and loads, not the arithmetic, would set the pace. Either way each element's k loop
+// is the same.
 template <class T, int RB, int NB>
 __attribute__((always_inline)) inline void item(const Ctx& c, int64_t p0, int64_t np, int64_t n0, int64_t n1) {
   if (np == RB) {
     columns<T, RB, NB>(c, p0, n0, n1);
   } else {
-    for (int64_t p = p0; p < p0 + np; ++p) columns<T, 1, RB * NB>(c, p, n0, n1);
+    for (int64_t p = p0; p < p0 + np; ++p) columns<T, 1, NB>(c, p, n0, n1);
   }
 }
 
-// Panels of RB rows-of-16 per work item and NB columns per tile, by code path: AVX-512 1 x 12 (12 zmm
-// accumulators), AVX2 1 x 6 (each 16-lane vector is two ymm: 12 registers), baseline 1 x 3 (12 xmm). Only speed
-// depends on the choice (2 x 6 on AVX-512 measured slower than 1 x 12 at the model's shapes).
-int panels_per_item(int) { return 1; }
+// Panels of RB rows-of-16 per work item and NB columns per tile, by code path: AVX-512 2 x 12 (24 of the 32 zmm
+// registers accumulate: per k, two panel vectors and 12 broadcasts feed 24 products and 24 sums, so the multiply
+// and add pipes rather than the loads set the pace: ~200 against ~175 GFLOP/s for 1 x 12 on a Zen 5 at the model's
+// 512-row shapes; 2 x 6 measured slower than 1 x 12), AVX2 1 x 6 (each 16-lane vector is two ymm: 12 of 16
+// registers), baseline 1 x 3 (12 xmm). Only speed depends on the choice.
+int panels_per_item(int level) { return level == 2 ? 2 : 1; }
 
 template <class T>
 void run_items(const Ctx& c, int64_t panels, int64_t N) {
@@ -118,15 +122,18 @@ void run_items(const Ctx& c, int64_t panels, int64_t N) {
   const int64_t rb = panels_per_item(level);
   const int64_t groups = (panels + rb - 1) / rb, chunks = (N + kColChunk - 1) / kColChunk;
   const int64_t work = panels * kLanes * N * c.K;
-  // below ~2M multiply-adds (a 16-row canvas at the small model's shapes) a fork/join costs more than it saves
-#pragma omp parallel for schedule(static) if (work >= (1 << 21) && groups * chunks > 1)
+  // below ~2M multiply-adds (a 16-row canvas at the small model's shapes) a fork/join costs more than it saves.
+  // Items are handed out one at a time: on a shared VM a thread whose core another guest holds takes fewer, where a
+  // static split would leave the others waiting for its half (32 canvases on 2 threads with the second core busy:
+  // 540 -> 840 tok/s; the same on quiet cores).
+#pragma omp parallel for schedule(dynamic, 1) if (work >= (1 << 21) && groups * chunks > 1)
   for (int64_t it = 0; it < groups * chunks; ++it) {
-    const int64_t g = it / chunks, n0 = (it % chunks) * kColChunk;
+    const int64_t g = it % groups, n0 = (it / groups) * kColChunk;
     const int64_t n1 = n0 + kColChunk < N ? n0 + kColChunk : N;
     const int64_t p0 = g * rb, np = panels - p0 < rb ? panels - p0 : rb;
     run_vectorized([&]() DG_INLINE_LAMBDA {
       if (level == 2) {
-        item<T, 1, 12>(c, p0, np, n0, n1);
+        item<T, 2, 12>(c, p0, np, n0, n1);
       } else if (level == 1) {
         item<T, 1, 6>(c, p0, np, n0, n1);
       } else {
@@ -137,34 +144,132 @@ void run_items(const Ctx& c, int64_t panels, int64_t N) {
   }
 }
 
+// A 16 x 16 block transposed: dst[k * ldd + l] = src[l * ldx + k] for l < rows (0 for the rest), k < 16: 16 row
+// loads, a register transpose, 16 stores (data movement only).
+// Stage m: rows i and i + 2^m (bit m of i clear) trade the elements whose column has bit m set in row i / clear in
+// row i + 2^m; after stages 0..3 row i holds column i.
+__attribute__((always_inline)) inline void transpose16(const float* src, int64_t ldx, int64_t rows, float* dst,
+                                                       int64_t ldd) {
+  v16 r[kLanes];
+  for (int l = 0; l < kLanes; ++l) r[l] = l < rows ? *(const v16u*)(src + l * ldx) : (v16){};  // rows past T: 0
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & 1) continue;
+    const v16 a = r[i], b = r[i | 1];
+    r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    r[i | 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & 2) continue;
+    const v16 a = r[i], b = r[i | 2];
+    r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    r[i | 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & 4) continue;
+    const v16 a = r[i], b = r[i | 4];
+    r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    r[i | 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & 8) continue;
+    const v16 a = r[i], b = r[i | 8];
+    r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    r[i | 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int k = 0; k < kLanes; ++k) *(v16u*)(dst + k * ldd) = r[k];
+}
+
 // x [T, K] (row stride ldx) → xp [panels][K][16] fp32, rows past T zero (exact: bf16 widens exactly).
 template <class T>
 void pack_rows(const T* x, int64_t ldx, int64_t T_, int64_t K, int64_t panels, float* xp) {
 #pragma omp parallel for schedule(static) if (panels * K >= 65536)
   for (int64_t p = 0; p < panels; ++p) {
     float* dst = xp + p * K * kLanes;
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t t = p * kLanes + l;
-      for (int64_t k = 0; k < K; ++k) dst[k * kLanes + l] = t < T_ ? to_float(x[t * ldx + k]) : 0.0f;
+    const int64_t rows = T_ - p * kLanes < kLanes ? T_ - p * kLanes : kLanes;
+    const T* src = x + p * kLanes * ldx;
+    int64_t k0 = 0;
+    if constexpr (sizeof(T) == sizeof(float)) {  // fp32: 16 x 16 blocks transposed in registers
+      run_vectorized([&]() DG_INLINE_LAMBDA {
+        for (; k0 + kLanes <= K; k0 += kLanes) transpose16(src + k0, ldx, rows, dst + k0 * kLanes, kLanes);
+        return 0;
+      });
+    }
+    // the rest element by element, k outer: 16 sequential read streams, one sequential write stream
+    for (int64_t k = k0; k < K; ++k) {
+      for (int64_t l = 0; l < rows; ++l) dst[k * kLanes + l] = to_float(src[l * ldx + k]);
+      for (int64_t l = rows; l < kLanes; ++l) dst[k * kLanes + l] = 0.0f;
     }
   }
 }
+
+// Scratch of the calling thread, reused from call to call up to kKeepFloats per buffer (8 MiB): a fresh buffer of
+// that size is a new mapping that page-faults and zero-fills on every call. Larger requests live for the call only.
+constexpr size_t kKeepFloats = (size_t(8) << 20) / sizeof(float);
+
+float* thread_scratch(int which, size_t n, std::unique_ptr<float[]>& call_only) {
+  thread_local std::unique_ptr<float[]> kept[2];
+  thread_local size_t capacity[2] = {0, 0};
+  if (n > kKeepFloats) {
+    call_only.reset(new float[n]);
+    return call_only.get();
+  }
+  if (capacity[which] < n) {
+    kept[which].reset(new float[n]);
+    capacity[which] = n;
+  }
+  return kept[which].get();
+}
+
+// An n-contiguous fp32 weight (element (n, k) at w[n + k * sk], the transpose of a [K, N] such as the embedding in
+// x · E) → wd [N, K] k-contiguous: 16 x 16 blocks transposed in registers, the edges element by element (data
+// movement only). A tile reads such a weight as one new cache line per k (12 floats of a row sk floats long); laid
+// out [N, K] its 12 columns are 12 sequential streams.
+void relayout_n_contiguous(const float* w, int64_t sk, int64_t N, int64_t K, float* wd) {
+  const int64_t nb = N / kLanes, kb = K / kLanes;
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t n0 = b * kLanes;
+    run_vectorized([&]() DG_INLINE_LAMBDA {
+      for (int64_t k0 = 0; k0 < kb * kLanes; k0 += kLanes)
+        transpose16(w + k0 * sk + n0, sk, kLanes, wd + n0 * K + k0, K);
+      return 0;
+    });
+    for (int64_t k = kb * kLanes; k < K; ++k) {
+      for (int64_t n = n0; n < n0 + kLanes; ++n) wd[n * K + k] = w[k * sk + n];
+    }
+  }
+  for (int64_t n = nb * kLanes; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) wd[n * K + k] = w[k * sk + n];
+  }
+}
+
+// Panels from which an n-contiguous fp32 weight is laid out [N, K] first: the relayout costs about as much as one
+// panel's pass over the weight, and a one-canvas call (one panel) keeps reading it in place. Only a weight that fits
+// the kept scratch buffer (8 MiB) is laid out: a larger one (the real vocabulary's embedding) is read in place
+// rather than copied on every call.
+constexpr int64_t kRelayoutPanels = 4;
 
 template <class T>
 void linear_typed(const LinearParams& p) {
   const int64_t T_ = p.rows, N = p.out_features, K = p.in_features;
   const int64_t panels = (T_ + kLanes - 1) / kLanes;
-  std::vector<float> xp((size_t)(panels * K * kLanes));
-  pack_rows<T>(static_cast<const T*>(p.x), p.x_row_stride, T_, K, panels, xp.data());
-  std::vector<float> wide;  // bf16 weights widened once per call (exact), in their own layout
+  std::unique_ptr<float[]> xp_call, wide_call;
+  float* xp = thread_scratch(0, (size_t)(panels * K * kLanes), xp_call);
+  pack_rows<T>(static_cast<const T*>(p.x), p.x_row_stride, T_, K, panels, xp);
   const float* w = nullptr;
   int64_t sn = p.w_n_stride, sk = p.w_k_stride;
   if constexpr (sizeof(T) == sizeof(float)) {
     w = reinterpret_cast<const float*>(p.w);
-  } else {
-    wide.resize((size_t)(N * K));
+    if (sn == 1 && sk != 1 && panels >= kRelayoutPanels && (size_t)(N * K) <= kKeepFloats) {
+      float* wd = thread_scratch(1, (size_t)(N * K), wide_call);
+      relayout_n_contiguous(w, sk, N, K, wd);
+      w = wd;
+      sn = K;
+      sk = 1;
+    }
+  } else {  // bf16 weights widened once per call (exact), in their own layout
     const T* wb = static_cast<const T*>(p.w);
-    float* wd = wide.data();
+    float* wd = thread_scratch(1, (size_t)(N * K), wide_call);
     // widened with the same orientation: k-contiguous ([N, K]) unless the weight is n-contiguous ([K, N])
     const bool k_major = sn == 1 && sk != 1;
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
@@ -178,7 +283,7 @@ void linear_typed(const LinearParams& p) {
     sn = k_major ? 1 : K;
     sk = k_major ? N : 1;
   }
-  const Ctx c{xp.data(), K * kLanes, w, sn, sk, K, p.y, p.y_row_stride, T_};
+  const Ctx c{xp, K * kLanes, w, sn, sk, K, p.y, p.y_row_stride, T_};
   run_items<T>(c, panels, N);
 }
 

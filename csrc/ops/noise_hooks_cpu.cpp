@@ -21,13 +21,23 @@ Status dg_logf_hook(const float* x, float* out, int64_t n) {
   return Status::Ok();
 }
 
-Status gumbel_hook(const int64_t* r, float* out, int64_t n) {
+// out[i] = f(r[i]) for uint32 words r (the gumbel and gumbel_bound hooks)
+template <class F>
+Status from_words(const char* op, const int64_t* r, float* out, int64_t n, const F& f) {
   for (int64_t i = 0; i < n; ++i) {
-    DG_CHECK_ARG(r[i] >= 0 && r[i] <= 0xFFFFFFFFll, "gumbel: r[%lld] = %lld is not a uint32", (long long)i,
+    DG_CHECK_ARG(r[i] >= 0 && r[i] <= 0xFFFFFFFFll, "%s: r[%lld] = %lld is not a uint32", op, (long long)i,
                  (long long)r[i]);
-    out[i] = gumbel_from_bits((uint32_t)r[i]);
+    out[i] = f((uint32_t)r[i]);
   }
   return Status::Ok();
+}
+
+Status gumbel_hook(const int64_t* r, float* out, int64_t n) {
+  return from_words("gumbel", r, out, n, [](uint32_t w) { return gumbel_from_bits(w); });
+}
+
+Status gumbel_bound_hook(const int64_t* r, float* out, int64_t n) {
+  return from_words("gumbel_bound", r, out, n, [](uint32_t w) { return gumbel_upper_bound(w); });
 }
 
 int set_cpu_level(int level) {

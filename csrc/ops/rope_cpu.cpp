@@ -1,9 +1,11 @@
-// rope on the CPU: rows in parallel, each head one loop per half the compiler vectorises (cpu_vec.h picks the build).
+// rope on the CPU: rows in parallel, each row's heads in one build (cpu_vec.h picks it), each head one loop per half
+// the compiler vectorises.
 // Products and sums are IEEE operations rounded to the dtype after each (no fused multiply-add: build.py's
 // -ffp-contract=off), so every lane and the scalar tail compute the reference's bits (rope.h).
 #include "../common/check.h"
 #include "cpu_vec.h"
 #include "rope.h"
+#include "rope_row.h"
 
 namespace dg {
 namespace {
@@ -14,28 +16,18 @@ void rope_rows(const RopeParams& p) {
   const T* cs = static_cast<const T*>(p.cos);
   const T* sn = static_cast<const T*>(p.sin);
   T* o = static_cast<T*>(p.out);
-  const int64_t hd = p.head_dim, half = hd / 2, H = p.heads;
+  const int64_t hd = p.head_dim, H = p.heads;
 #pragma omp parallel for schedule(static) if (p.rows * H * hd >= 65536)
   for (int64_t t = 0; t < p.rows; ++t) {
     const T* c = cs + t * hd;
     const T* s = sn + t * hd;
-    for (int64_t h = 0; h < H; ++h) {
-      const T* xr = x + t * p.x_row_stride + h * p.x_head_stride;
-      T* orow = o + (t * H + h) * hd;
-      run_vectorized([&]() DG_INLINE_LAMBDA {
-        for (int64_t d = 0; d < half; ++d) {  // rot = -x[d + half]
-          const float a = round_to<T>(to_float(xr[d]) * to_float(c[d]));
-          const float b = round_to<T>(-to_float(xr[d + half]) * to_float(s[d]));
-          orow[d] = from_float<T>(a + b);
-        }
-        for (int64_t d = half; d < hd; ++d) {  // rot = x[d - half]
-          const float a = round_to<T>(to_float(xr[d]) * to_float(c[d]));
-          const float b = round_to<T>(to_float(xr[d - half]) * to_float(s[d]));
-          orow[d] = from_float<T>(a + b);
-        }
-        return 0;
-      });
-    }
+    run_vectorized([&]() DG_INLINE_LAMBDA {
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xr = x + t * p.x_row_stride + h * p.x_head_stride;
+        rope_head(xr, c, s, hd, o + (t * H + h) * hd);
+      }
+      return 0;
+    });
   }
 }
 

@@ -32,7 +32,8 @@ CLAUDE_OUTPUT_CAP = "256"  # CLAUDE_CODE_MAX_OUTPUT_TOKENS: Claude Code asks for
 CODEX_OUTPUT_CAP = "1024"  # the server's --default-max-tokens: Codex sends no limit, and fails a turn cut by one
 # the compaction test's cap and attempts: the small model either writes EOS within its first blocks or repeats itself
 # to the cap (seen: turns ending in 2 s, or cut after 70-100 s at 1,024), so shorter tries, more of them, in as long
-COMPACT_OUTPUT_CAP, COMPACT_ATTEMPTS = "256", 2 * ATTEMPTS
+# (a try cut at 256 took 17-28 s; one run saw 8 cuts in a row, so up to 16)
+COMPACT_OUTPUT_CAP, COMPACT_ATTEMPTS = "256", 4 * ATTEMPTS
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
 

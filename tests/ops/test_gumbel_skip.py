@@ -1,6 +1,7 @@
-"""The exact Gumbel skip of diffusion_step: an entry's draw is skipped when
-f32(y + kGumbelMax) < the running best z. It is exact only if kGumbelMax bounds every Gumbel value the contract
-can produce, and the sampled tokens must equal argmax(processed + the native noise) bit for bit."""
+"""The exact Gumbel skips of diffusion_step: a chunk's draw is skipped when f32(y + kGumbelMax) < the running best z
+for each of its entries, and its logs when f32(y + gumbel_upper_bound(r)) < the best for each entry's own Philox
+word r. They are exact only if kGumbelMax and the per-word bound bound every Gumbel value the contract can produce,
+and the sampled tokens must equal argmax(processed + the native noise) bit for bit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,35 @@ def test_gumbel_max_bounds_every_u(C):
     bound = np.float32(C.build_info()["gumbel_max"])
     assert g.max().item() <= bound  # the skip never drops a possible winner
     assert g.max().item() == bound  # and the bound is tight (the value at u = 1 - 2^-24)
+
+
+def test_the_per_word_bound_bounds_every_u(C):
+    # g and its bound depend on the Philox word r only through j = r >> 9: all 2^23 values.
+    r = torch.arange(2**23, dtype=torch.int64) << 9
+    g, bound = torch.empty(2**23), torch.empty(2**23)
+    C.gumbel(r, g)
+    C.gumbel_bound(r, bound)
+    assert (bound >= g).all()  # the log skip never drops a possible winner
+    # In the tail that wins races (u > 7/8, v = 1 - u < 1/8) loose by less than ln 2 (the exponent of v) plus
+    # log(1 + v) (-log u against v): the logs of an entry are needed only that close to the running best.
+    tail = (bound - g).double()[-(2**20) :]
+    assert tail.max().item() < 0.6932 + 0.1178 + 2**-14
+    assert tail.mean().item() < 0.5
+    with pytest.raises(ValueError, match="not a uint32"):
+        C.gumbel_bound(torch.tensor([-1]), torch.empty(1))
+
+
+def test_flat_logits_sample_exactly(C):
+    # near-flat logits (the small model's): the race is won by the noise, most chunks skip their logs; V odd, so the
+    # last chunk is partial and the last pair of chunks has one chunk
+    gen = torch.Generator().manual_seed(11)
+    B, C_len, V = 3, 5, 5000
+    logits = torch.randn(B, C_len, V, generator=gen)
+    seeds = torch.randint(0, 2**62, (B,), generator=gen)
+    blocks, steps = torch.randint(0, 9, (B,), generator=gen), torch.randint(1, 48, (B,), generator=gen)
+    out = ops.diffusion_step(logits, torch.ones(B), seeds, blocks, steps, torch.full((B,), 1e30))
+    noise = ops.gumbel_noise(seeds, blocks, steps, C_len, V)
+    assert torch.equal(out.canvas, torch.argmax(out.processed + noise, dim=-1))
 
 
 def _race_case(B, C_len, V, seed):

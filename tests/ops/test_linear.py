@@ -84,17 +84,27 @@ def test_leading_dims_strided_rows_and_empty_shapes(C):
     wide = torch.randn(12, 31)
     wide[:, 3:23] = x  # a row-strided view
     assert torch.equal(ops.linear(wide[:, 3:23], w), reference.linear(x, w))
+    x2, w2 = _xw(40, 9, 37, torch.float32)  # full panels of 16 rows: packed by the 16 x 16 register transpose
+    wide2 = torch.randn(40, 50)
+    wide2[:, 5:42] = x2
+    assert torch.equal(ops.linear(wide2[:, 5:42], w2), reference.linear(x2, w2))
     assert torch.equal(ops.linear(x.view(3, 4, 20), w), reference.linear(x, w).view(3, 4, 9))
     assert ops.linear(torch.empty(0, 20), w).shape == (0, 9)
     assert torch.equal(ops.linear(torch.randn(4, 0), torch.randn(6, 0)), torch.zeros(4, 6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 5, 3), (17, 49, 65), (33, 192, 2048)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 5, 3), (17, 49, 65), (33, 192, 2048), (67, 37, 75), (80, 48, 32), (67, 2049, 1025)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_strided_weights_are_read_in_place(C, shape, dtype):
     """A weight of any strides gives the reference's bits: the transpose of a contiguous [K, N] (x·E for an
     embedding E, the self-conditioning GEMM), a column-strided view, and both at once; a row keeps its bits in any
-    batch."""
+    batch. From 4 panels of 16 rows (67 and 80 rows) the CPU lays an n-contiguous weight out [N, K] first (its
+    16 x 16 blocks and its edges) when it fits 8 MiB (2049 x 1025 does not), else it reads it in place: both give the
+    reference's bits."""
     T, N, K = shape
     x, w = _xw(T, N, K, dtype)
     want = reference.linear(x, w)

@@ -31,6 +31,17 @@ def test_bit_identical_to_reference(C, shape, with_weights, dtype):
     assert torch.equal(got, want)
 
 
+def test_cpu_code_paths_agree(C, cpu_levels):
+    """Each token runs in the CPU's widest build (cpu_vec.h), hidden dims in chunks of 256: every build gives the
+    reference's bits, across a chunk boundary too."""
+    y, w = _inputs(9, 3, 600, torch.Generator().manual_seed(5))
+    want = reference.moe_combine(y, w, torch.float32)
+    for level in cpu_levels:
+        C._set_cpu_level(level)
+        assert torch.equal(ops.moe_combine(y, w, torch.float32), want), level
+        assert torch.equal(ops.moe_combine(y, None, torch.bfloat16), reference.moe_combine(y, None, torch.bfloat16))
+
+
 def test_matches_unfused_weighting(C):
     # Weighting inside the combine (CPU path) equals weighting first and combining with weights=None
     # (the CUDA GEMM2 epilogue's split): the same fp32 product either way.

@@ -17,7 +17,7 @@ from dgserve.ops import reference
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OPS_DIR = ROOT / "python" / "dgserve" / "ops"
 # _C entries that are not ops of their own: test hooks of the noise and NVFP4 cores, and the build's facts
-HOOKS = {"philox4x32_10", "dg_logf", "gumbel", "nvfp4_decode", "build_info", "_set_cpu_level"}
+HOOKS = {"philox4x32_10", "dg_logf", "gumbel", "gumbel_bound", "nvfp4_decode", "build_info", "_set_cpu_level"}
 # dispatchers without a NATIVE_OPS entry of their own (the test hook nvfp4_decode lives with nvfp4_repack, as in csrc)
 EXTRA = {"nvfp4_decode": "nvfp4_repack"}
 

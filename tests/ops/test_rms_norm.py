@@ -89,3 +89,14 @@ def test_validation_messages_name_the_argument(C):
         C.rms_norm(x, None, 1e-6, torch.empty(2, 9), 8)
     with pytest.raises(ValueError, match="sum_lanes"):
         C.rms_norm(x, None, 1e-6, torch.empty_like(x), 4)
+
+
+@pytest.mark.parametrize("D", [48, 192, 4097])  # 4097: long enough for torch's cascade of partial sums
+def test_cpu_code_paths_agree(C, cpu_levels, D):
+    """Every row runs in the CPU's widest build (cpu_vec.h); each build gives the reference's bits."""
+    gen = torch.Generator().manual_seed(D)
+    x, w = torch.randn(37, D, generator=gen) * 3, 1 + 0.3 * torch.randn(D, generator=gen)
+    for level in cpu_levels:
+        C._set_cpu_level(level)
+        for weight in (None, w):
+            assert torch.equal(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)), level

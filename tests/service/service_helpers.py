@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -236,3 +238,38 @@ def make_certs(d: pathlib.Path, clients: tuple[str, ...]) -> pathlib.Path:
             *san,
         )
     return d
+
+
+@contextlib.contextmanager
+def child_cgroup(
+    controller: str, set_limits: Callable[[pathlib.Path, int], None]
+) -> Iterator[tuple[pathlib.Path, int]]:
+    """(directory, version) of a new child of this process's ``controller`` cgroup (``dgserve.engine.cgroups``), with
+    ``set_limits(directory, version)`` written into it; the test is skipped, with the reason, when no such hierarchy
+    holds this process or the child or its limits cannot be made. Removed afterwards (once its processes are gone)."""
+    import pytest
+
+    from dgserve.engine.cgroups import controller_dirs
+
+    dirs = controller_dirs(pathlib.Path("/"), controller)
+    if not dirs:
+        pytest.skip(f"no {controller} cgroup hierarchy holds this process")
+    parent, version = dirs[0]
+    d = parent / f"dgserve-{controller}-test-{os.getpid()}"
+    try:
+        d.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a {controller} cgroup under {parent}: {e}")
+    try:
+        try:
+            set_limits(d, version)
+        except OSError as e:
+            pytest.skip(f"cannot set {controller} limits on {d}: {e}")
+        yield d, version
+    finally:
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -59,6 +59,16 @@ def test_flags_override_environment_which_overrides_defaults():
     assert (defaults.port, defaults.http_port, defaults.model, defaults.json_logs) == (50051, 8000, None, False)
 
 
+def test_cpu_threads_flag_env_and_bounds():
+    """--cpu-threads / DGSERVE_CPU_THREADS (docs/deployment.md, "CPU threads"): 0 (the process's CPUs) by default,
+    the flag over the variable, a negative count refused naming both."""
+    assert build_config([], {})[0].cpu_threads == 0
+    assert build_config([], {"DGSERVE_CPU_THREADS": "3"})[0].cpu_threads == 3
+    assert build_config(["--cpu-threads", "2"], {"DGSERVE_CPU_THREADS": "3"})[0].cpu_threads == 2
+    with pytest.raises(ValueError, match=r"cpu_threads.*--cpu-threads / env DGSERVE_CPU_THREADS"):
+        build_config(["--cpu-threads", "-1"], {})
+
+
 # defaults decided at runtime, said in words in the help ("(default: the model's)"); their field default is None / ()
 RUNTIME_DEFAULTS = {
     "model": "the shipped small model",
@@ -181,6 +191,7 @@ def test_dry_run_prints_resolved_config():
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert (cfg["model"], cfg["port"], cfg["max_queue_len"], cfg["http_port"]) == ("/models/x", 1234, 5, 8000)
+    assert cfg["runtime"]["cpu_threads"].startswith("CPU threads: "), cfg["runtime"]  # what serve would set
 
 
 def test_sigterm_drain(model_dir):

@@ -10,8 +10,6 @@ skipped with the reason otherwise. The figures are printed (run with -s to see t
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 import storm
-from service_helpers import scrape_metrics
+from service_helpers import child_cgroup, scrape_metrics
 
-from dgserve.engine.memory_room import own_cgroup
 from dgserve.model.default_model import SHIPPED
 from dgserve.v1 import text_generation_pb2 as pb
 from dgserve.v1 import text_generation_pb2_grpc as pb_grpc
@@ -37,31 +34,13 @@ TEXT_IDS = [t for t in range(5, 2000) if t not in (190, 191, 192)]
 CLIENTS = 4
 
 
-@contextlib.contextmanager
 def limited_cgroup(limit: int):
-    """A new child of this process's memory cgroup with ``limit`` bytes; removed afterwards (its processes gone)."""
-    own = own_cgroup()
-    if own is None:
-        pytest.skip("no memory cgroup hierarchy holds this process")
-    parent, version = own
-    d = parent / f"dgserve-test-{os.getpid()}"
-    try:
-        d.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup under {parent}: {e}")
-    try:
-        try:
-            (d / ("memory.max" if version == 2 else "memory.limit_in_bytes")).write_text(str(limit))
-        except OSError as e:
-            pytest.skip(f"cannot set a memory limit on {d}: {e}")
-        yield d, version
-    finally:
-        for _ in range(50):
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+    """A new child of this process's memory cgroup with ``limit`` bytes (``child_cgroup``)."""
+
+    def set_limit(d: Path, version: int) -> None:
+        (d / ("memory.max" if version == 2 else "memory.limit_in_bytes")).write_text(str(limit))
+
+    return child_cgroup("memory", set_limit)
 
 
 def oom_kills(d: Path, version: int) -> int:

@@ -43,6 +43,8 @@ import torch
 from dgserve.engine import request_checks as checks
 from dgserve.engine.admission import Admission
 from dgserve.engine.cache_config import CacheConfig
+from dgserve.engine.cpu_threads import follow_torch_threads
+from dgserve.engine.host_malloc import apply_host_malloc
 from dgserve.engine.image_batch import chunk_images, default_image_token_cost, encode_planned
 from dgserve.engine.isolation import alone, cached_prefix, grammar_failure, shared, together
 from dgserve.engine.loading import eos_ids, load_checkpoint, runtime_info
@@ -108,6 +110,8 @@ class Engine:
 
         self.model = model
         self.native_ops_mode = native_ops
+        if model.device.type == "cpu":  # a CPU step's large tensors stay in the heap between steps (host_malloc)
+            apply_host_malloc()
         # the self-check of the native ops (dgserve.ops.native_check): on CUDA, or whenever asked for (strict/off);
         # strict raises NativeOpsError here, before the engine serves anything
         self.native_report = (
@@ -291,7 +295,10 @@ class Engine:
             return self.scheduler.requests()
 
     def has_unfinished(self) -> bool:
-        return len(self.scheduler) > 0
+        """Whether a step has work: requests queued or running, or slots still held by requests that finished or
+        were aborted after the last step's slot release (an abort from another thread while a step runs), which the
+        next step frees (``ModelRunner.release_finished``)."""
+        return len(self.scheduler) > 0 or self.runner.holds_finished()
 
     @property
     def prefix_caching(self) -> bool:
@@ -314,6 +321,7 @@ class Engine:
         through ``_alone`` (its failure ends that request); the shared work through ``shared`` (its failure raises
         ``SharedWorkError``: an engine fault)."""
         out = StepOutput()
+        follow_torch_threads()  # the native ops on this thread use torch's thread count (engine/cpu_threads.py)
         with self._lock:
             plan = shared("scheduling", self.scheduler.admit)
             hits = self._match_prefixes(plan.admitted)

@@ -12,10 +12,8 @@ goes over its memory limit, however much the host has free. So the room is the s
   before anything is killed, so they are not counted (the working set, as the kubelet counts it). Where the usage
   cannot be read, the process's own resident set (``VmRSS``) stands for it.
 
-The cgroup is found from /proc/self/cgroup and /proc/self/mountinfo: the v1 hierarchy with the memory controller
-if there is one, else the v2 hierarchy. A path that does not exist under the mount (a container that sees its own
-cgroup as the mount's root) falls back to the root of the mount. Every file is optional: what cannot be read
-bounds nothing.
+The cgroup is found as ``engine/cgroups.py`` finds a controller's (the v1 hierarchy with the memory controller if
+there is one, else the v2 hierarchy). Every file is optional: what cannot be read bounds nothing.
 
 ``read_memory(root)`` reads the files under ``root`` (``/``, or a fake tree in tests) and returns a
 ``MemoryReading``: pure reads, no side effects.
@@ -26,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from dgserve.engine.cgroups import controller_dirs
+from dgserve.engine.cgroups import read_text as _read
 
 UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as PAGE_COUNTER_MAX pages, just under 2^63 bytes
 
@@ -82,20 +83,14 @@ def read_memory(root: str | Path = "/") -> MemoryReading:
     """The memory reading of this process (module docstring), from the files under ``root``. OSError when even
     /proc/meminfo has no MemAvailable (the caller then needs a budget in bytes)."""
     root = Path(root)
-    return _reading(root, _cgroup_dirs(root))
-
-
-def own_cgroup(root: str | Path = "/") -> tuple[Path, int] | None:
-    """(directory, version) of this process's memory cgroup (v1 with a memory hierarchy, else v2), or None."""
-    dirs = _cgroup_dirs(Path(root))
-    return dirs[0] if dirs else None
+    return _reading(root, controller_dirs(root, "memory"))
 
 
 def room_reader(root: str | Path = "/") -> Callable[[], int | None]:
     """A cheap repeated ``read_memory(root).available``: the cgroup directories are found once, each call reads
     only the limit, usage and meminfo files (a few file reads); None when they cannot be read."""
     root = Path(root)
-    dirs = _cgroup_dirs(root)
+    dirs = controller_dirs(root, "memory")
 
     def read() -> int | None:
         try:
@@ -127,13 +122,6 @@ def _reading(root: Path, dirs: list[tuple[Path, int]]) -> MemoryReading:
 
 
 # ---------------------------------------------------------------------- files
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 def _kib_field(text: str | None, key: str) -> int | None:
@@ -190,56 +178,3 @@ def _limit_and_usage(d: Path, version: int) -> tuple[int | None, int | None]:
     if usage is None or usage < 0:
         return limit, None
     return limit, max(0, usage - _stat_field(d, inactive))
-
-
-def _mounts(root: Path) -> dict[int, tuple[Path, str]]:
-    """{1: (v1 memory mount point, mount root), 2: (v2 mount point, mount root)} from mountinfo (first of each)."""
-    out: dict[int, tuple[Path, str]] = {}
-    for line in (_read(root / "proc/self/mountinfo") or "").splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        mount_root, point = fields[3], fields[4]
-        if tail[0] == "cgroup2":
-            out.setdefault(2, (Path(point), mount_root))
-        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
-            out.setdefault(1, (Path(point), mount_root))
-    return out
-
-
-def _self_paths(root: Path) -> dict[int, str]:
-    """{1: the v1 memory cgroup path, 2: the v2 path} of this process, from /proc/self/cgroup."""
-    out: dict[int, str] = {}
-    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            out[2] = parts[2]
-        elif "memory" in parts[1].split(","):
-            out[1] = parts[2]
-    return out
-
-
-def _cgroup_dirs(root: Path) -> list[tuple[Path, int]]:
-    """The process's memory cgroup directory and every one above it up to the mount's root, with the version: v1
-    when a v1 memory hierarchy holds the process, else v2, else none. Without mountinfo, the usual mount points."""
-    mounts, paths = _mounts(root), _self_paths(root)
-    if not mounts:
-        mounts = {1: (Path("/sys/fs/cgroup/memory"), "/"), 2: (Path("/sys/fs/cgroup"), "/")}
-    for version in (1, 2):
-        if version not in mounts or version not in paths:
-            continue
-        point, mount_root = mounts[version]
-        top = root / point.relative_to("/")
-        if not top.is_dir():
-            continue
-        path = paths[version]
-        if mount_root != "/" and (path == mount_root or path.startswith(mount_root + "/")):
-            path = path[len(mount_root) :]
-        d = top / path.strip("/") if path.strip("/") else top
-        if not d.is_dir() or top not in (d, *d.parents):
-            d = top
-        return [(x, version) for x in (d, *d.parents) if x == top or top in x.parents]
-    return []

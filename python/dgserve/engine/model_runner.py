@@ -229,6 +229,10 @@ class ModelRunner:
         self.occupants.pop()
         req.slot = None
 
+    def holds_finished(self) -> bool:
+        """Whether a slot is held by a request that finished or was aborted (``release_finished`` frees it)."""
+        return any(r.finished for r in self.occupants)
+
     def release_finished(self) -> None:
         """Free the slots of requests that finished or were aborted since the last step."""
         for req in [r for r in self.occupants if r.finished]:

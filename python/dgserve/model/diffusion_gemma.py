@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from dgserve import ops
 from dgserve.config import ModelConfig
 from dgserve.model.checkpoint import load_weights
+from dgserve.ops.softcap import softcap_native_ok
 from dgserve.ops.softmax_rows import softmax_rows_native_ok
 
 from .batched import decode_slots
@@ -83,6 +84,9 @@ class DiffusionGemma:
         self.sc_up = weights["self_conditioning.up_proj.weight"]
         self.sc_down = weights["self_conditioning.down_proj.weight"]
         self.layers = [LayerWeights.from_state(weights, i) for i in range(config.num_hidden_layers)]
+        if self.device.type == "cpu":  # one GEMM for q/k/v and one for gate/up (the CPU's GEMM: the same bits)
+            for lw in self.layers:
+                lw.fuse_projections()
         # rnd(√H): the scale is rounded to md BEFORE the multiply (docs/generation.md)
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).to(self.device)
         # inv_freq built in fp32 on the CPU, then uploaded (docs/exactness.md)
@@ -405,13 +409,15 @@ class DiffusionGemma:
         return out
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32. On the CPU the softcap runs one
-        canvas (``canvas_length`` rows) at a time, so a canvas's logits are the bits of its own call in any tile even
-        where ``ops.softcap`` falls back to torch's tanh."""
+        """Final norm, tied lm_head (rounded to md), softcap in fp32 → [T, V] fp32. The native softcap is one
+        formula per element, so it runs once over the tile; where ``ops.softcap`` falls back to torch's tanh on the
+        CPU it runs one canvas (``canvas_length`` rows) at a time, so a canvas's logits are the bits of its own call
+        in any tile."""
         z = ops.linear(ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
         cap = self.config.final_logit_softcapping
         if cap:  # tanh(z / cap) * cap in place (ops.softcap: one fixed tanh formula on the CPU), no [T, V] temporaries
-            rows = self.config.canvas_length if self.device.type == "cpu" else z.shape[0]
-            for part in z.split(max(rows, 1)):
+            # the native op is elementwise (one call for the tile); torch's tanh, its fallback, runs a canvas per call
+            whole = self.device.type != "cpu" or softcap_native_ok(z)
+            for part in z.split(max(z.shape[0] if whole else self.config.canvas_length, 1)):
                 ops.softcap(part, cap)
         return z

@@ -45,6 +45,8 @@ class LayerWeights:
     encoder_layer_scalar: torch.Tensor  # [1] encoder pass (a separate, untied buffer: docs/generation.md)
     experts_packed: nvfp4.PackedExperts | None = None  # NVFP4 experts in the W4A16 layout (checkpoint.PACKED)
     experts_fp8: fp8_w8a8.Fp8Experts | None = None  # FP8 experts kept as E4M3 for W8A8 (checkpoint_fp8.FP8_EXPERTS)
+    qkv_proj: torch.Tensor | None = None  # [nq + nk (+ nv), H]: q_proj, k_proj (, v_proj) stacked (fuse_projections)
+    mlp_gate_up: torch.Tensor | None = None  # [2D, H]: mlp_gate, then mlp_up (fuse_projections)
 
     @classmethod
     def from_state(cls, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -77,6 +79,26 @@ class LayerWeights:
             experts_packed=w.get(p + "experts.packed"),  # type: ignore[arg-type]  # a PackedExperts (checkpoint.PACKED)
             experts_fp8=w.get(p + "experts.fp8"),  # type: ignore[arg-type]  # an Fp8Experts (W8A8)
         )
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v and the dense MLP's gate/up into one weight each (``qkv_proj``, ``mlp_gate_up``) and make the
+        separate weights row views of them (no second copy once the loaded tensors are dropped): one ``linear``
+        instead of three, and of two, with the same bits per output column (each column is its own fixed sequence
+        over k; docs/kernels.md, "linear: the batch-invariant GEMM"). For the CPU's GEMM only: on CUDA ``linear`` is
+        cuBLAS, whose result may depend on N."""
+        plain = lambda w: type(w) is torch.Tensor and w.dim() == 2  # noqa: E731  # not FP8 W8A8 weights (a subclass)
+        attn = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+        if all(plain(w) and w.dtype == attn[0].dtype and w.shape[1] == attn[0].shape[1] for w in attn):
+            nq, nk = self.q_proj.shape[0], self.k_proj.shape[0]
+            self.qkv_proj = torch.cat(attn)
+            self.q_proj, self.k_proj = self.qkv_proj[:nq], self.qkv_proj[nq : nq + nk]
+            if self.v_proj is not None:
+                self.v_proj = self.qkv_proj[nq + nk :]
+        gate, up = self.mlp_gate, self.mlp_up
+        if plain(gate) and plain(up) and gate.shape == up.shape and gate.dtype == up.dtype:
+            D = self.mlp_gate.shape[0]
+            self.mlp_gate_up = torch.cat([self.mlp_gate, self.mlp_up])
+            self.mlp_gate, self.mlp_up = self.mlp_gate_up[:D], self.mlp_gate_up[D:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,15 +151,36 @@ def project_kv(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin)
     T = h.shape[0]
     kr = ops.linear(h, lw.k_proj).view(T, -1, hd)
     vr = ops.linear(h, lw.v_proj).view(T, -1, hd) if lw.v_proj is not None else kr
-    k = apply_rope(ops.rms_norm(kr, lw.k_norm, eps), cos, sin)
-    v = ops.rms_norm(vr, None, eps)
-    return k.transpose(0, 1), v.transpose(0, 1)
+    return _keys_values(kr, vr, lw, eps, cos, sin)
 
 
 def project_q(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin) -> torch.Tensor:
     """Queries for h [T, H] → [nh, T, hd]: RoPE(q_norm(q_proj h))."""
-    q = ops.linear(h, lw.q_proj).view(h.shape[0], -1, hd)
-    return apply_rope(ops.rms_norm(q, lw.q_norm, eps), cos, sin).transpose(0, 1)
+    return _queries(ops.linear(h, lw.q_proj).view(h.shape[0], -1, hd), lw, eps, cos, sin)
+
+
+def _queries(qr: torch.Tensor, lw: LayerWeights, eps: float, cos, sin) -> torch.Tensor:
+    """The q projection qr [T, nh, hd] (any row and head strides) → queries [nh, T, hd]."""
+    return ops.rms_norm_rope(qr, lw.q_norm, eps, cos, sin).transpose(0, 1)
+
+
+def _keys_values(kr: torch.Tensor, vr: torch.Tensor, lw: LayerWeights, eps: float, cos, sin):
+    """The k and v projections kr, vr [T, nkv, hd] (vr is kr on full layers) → (k, v) [nkv, T, hd]."""
+    k = ops.rms_norm_rope(kr, lw.k_norm, eps, cos, sin)
+    v = ops.rms_norm(vr, None, eps)
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def project_qkv(h: torch.Tensor, lw: LayerWeights, hd: int, eps: float, cos, sin):
+    """``project_q`` and ``project_kv`` of h [T, H] → (q [nh, T, hd], k, v [nkv, T, hd]), their bits, with one
+    ``linear`` over ``lw.qkv_proj`` when the layer has it (the outputs' column blocks read in place)."""
+    if lw.qkv_proj is None:
+        return (project_q(h, lw, hd, eps, cos, sin), *project_kv(h, lw, hd, eps, cos, sin))
+    T, nq, nk = h.shape[0], lw.q_proj.shape[0], lw.k_proj.shape[0]
+    y = ops.linear(h, lw.qkv_proj)  # [T, nq + nk (+ nv)]
+    kr = y[:, nq : nq + nk].view(T, -1, hd)
+    vr = y[:, nq + nk :].view(T, -1, hd) if lw.v_proj is not None else kr
+    return (_queries(y[:, :nq].view(T, -1, hd), lw, eps, cos, sin), *_keys_values(kr, vr, lw, eps, cos, sin))
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -185,7 +228,7 @@ def attend_encoder(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
 
 def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
     """Residual update after attention: x + RMSNorm(attn·Woᵀ; post_attention_layernorm)."""
-    return x + ops.rms_norm(ops.linear(attn, lw.o_proj), lw.post_attention_layernorm, eps)
+    return ops.rms_norm_add(x, ops.linear(attn, lw.o_proj), lw.post_attention_layernorm, eps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,11 +236,21 @@ def attention_output(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps:
 # ------------------------------------------------------------------------------------------------
 
 
+def dense_mlp(d: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    """The dense MLP of d [T, H] md: ``ops.gated_mlp``, its bits, with gate and up in one ``linear`` over
+    ``lw.mlp_gate_up`` when the layer has it (the halves of its output read in place)."""
+    if lw.mlp_gate_up is None:
+        return ops.gated_mlp(d, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
+    D = lw.mlp_gate.shape[0]
+    gu = ops.linear(d, lw.mlp_gate_up)  # [T, 2D]
+    return ops.linear(ops.gelu_tanh_mul(gu[..., :D], gu[..., D:]), lw.mlp_down)
+
+
 def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar: torch.Tensor) -> torch.Tensor:
     """r [T, H] md (residual after attention) → rnd(x · layer_scalar) [T, H]."""
     eps = config.rms_norm_eps
     d = ops.rms_norm(r, lw.pre_feedforward_layernorm, eps)
-    h1 = ops.rms_norm(ops.gated_mlp(d, lw.mlp_gate, lw.mlp_up, lw.mlp_down), lw.post_feedforward_layernorm_1, eps)
+    h1 = ops.rms_norm(dense_mlp(d, lw), lw.post_feedforward_layernorm_1, eps)
     # the router reads the RAW residual; the experts read a separately normed copy
     weights, ids = ops.moe_route(r, lw.router_scale, lw.router_proj, lw.per_expert_scale, config.top_k_experts, eps)
     xe = ops.rms_norm(r, lw.pre_feedforward_layernorm_2, eps)
@@ -208,6 +261,5 @@ def feed_forward(r: torch.Tensor, lw: LayerWeights, config: ModelConfig, scalar:
     else:
         assert lw.experts_gate_up is not None and lw.experts_down is not None, "a layer without expert weights"
         moe = ops.moe_experts(xe, lw.experts_gate_up, lw.experts_down, weights, ids)
-    h2 = ops.rms_norm(moe, lw.post_feedforward_layernorm_2, eps)
-    x = r + ops.rms_norm(h1 + h2, lw.post_feedforward_layernorm, eps)
-    return x * scalar
+    h = ops.rms_norm_add(h1, moe, lw.post_feedforward_layernorm_2, eps)  # h1 + h2 (IEEE addition commutes)
+    return ops.rms_norm_add(r, h, lw.post_feedforward_layernorm, eps, scalar)  # rnd(r + norm(h)) · scalar

@@ -5,9 +5,9 @@ projections, the dense MLP, the MoE router and experts) runs once over all B·C 
 the CPU (each output element one fixed fp32 sequence, whatever the number of rows), so every canvas gets the bits of
 its own one-canvas pass (``DiffusionGemma.decode_row_hidden``). What is not row-wise stays per canvas, as the
 one-canvas pass does it: RoPE's cos/sin (torch vectorises them over the whole tensor, so they are made on each
-canvas's own [C, hd] positions). Attention is one ``ops.decode_attention`` call per layer: each canvas over what its
-own slot shows (``SlotView.cached_kv``), then its own canvas K/V, read from the stacked projections where they are
-(nothing is written to the cache).
+canvas's own [C, hd] positions, once per distinct start). Attention is one ``ops.decode_attention`` call per layer:
+each canvas over what its own slot shows (``SlotView.cached_kv``), then its own canvas K/V, read from the stacked
+projections where they are (nothing is written to the cache).
 
 The encoder is stacked the same way (``encode_stacked``): several rows' token chunks (prompt chunks, committed blocks;
 text only) in one pass, the row-wise ops over all their tokens, RoPE tables, the K/V hand-off, the causal masks and
@@ -29,7 +29,16 @@ import torch
 from dgserve import ops
 
 from .cache import SlotView
-from .layers import attend_encoder, attention_output, encoder_mask, feed_forward, project_kv, project_q, rope_cos_sin
+from .layers import (
+    attend_encoder,
+    attention_output,
+    encoder_mask,
+    feed_forward,
+    project_kv,
+    project_q,
+    project_qkv,
+    rope_cos_sin,
+)
 
 
 def stackable(model) -> bool:
@@ -43,25 +52,38 @@ def stackable(model) -> bool:
 
 def _stacked_rope(model, rows: Sequence[SlotView], C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (cos, sin) [B·C, hd]: each canvas's own [C, hd] table, the bits ``rope_cos_sin`` makes from its
-    positions in its one-canvas pass. The angles (an fp32 product per element) and the roundings to md are made for
-    all canvases at once; cos and sin, torch loops whose vector tails sit by the tensor's size, run one canvas at a
-    time on [C, hd] blocks, as ``rope_cos_sin`` runs them. Layers of one kind and head dim share their inv_freq, so
-    the tables are made once per (kind, head dim). (Not kept between steps: they would be state per stream.)"""
+    positions in its one-canvas pass. A table depends only on the canvas's first position, so canvases that start at
+    the same position share one (made once, then gathered). The angles (an fp32 product per element) and the
+    roundings to md are made for all distinct starts at once; cos and sin, torch loops whose vector tails sit by the
+    tensor's size, run one start at a time on [C, hd] blocks, as ``rope_cos_sin`` runs them. Layers of one kind and
+    head dim share their inv_freq, so the tables are made once per (kind, head dim). (Not kept between steps: they
+    would be state per stream.)"""
     cfg, dev = model.config, model.device
-    pos = (torch.tensor([r.length for r in rows], dtype=torch.int64)[:, None] + torch.arange(C)).reshape(-1).to(dev)
+    starts = [r.length for r in rows]
+    distinct = list(dict.fromkeys(starts))  # in order of first use: all distinct → the canvases' own order
+    pos = (torch.tensor(distinct, dtype=torch.int64)[:, None] + torch.arange(C)).reshape(-1).to(dev)
+    which = None  # the distinct start of each canvas, when some share one
+    if len(distinct) < len(rows):
+        at = {s: u for u, s in enumerate(distinct)}
+        which = torch.tensor([at[s] for s in starts], dtype=torch.int64, device=dev)
     made: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
     out = []
     for i in range(cfg.num_hidden_layers):
         key = (cfg.is_sliding(i), cfg.head_dim(i))
         if key not in made:
             freqs = pos[:, None].float() * model.inv_freq[i][None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [B·C, hd] fp32
+            emb = torch.cat([freqs, freqs], dim=-1)  # [U·C, hd] fp32
             cos, sin = torch.empty_like(emb), torch.empty_like(emb)
-            for b in range(len(rows)):
-                block = slice(b * C, (b + 1) * C)
+            for u in range(len(distinct)):
+                block = slice(u * C, (u + 1) * C)
                 torch.cos(emb[block], out=cos[block])
                 torch.sin(emb[block], out=sin[block])
-            made[key] = cos.to(model.dtype), sin.to(model.dtype)
+            cos, sin = cos.to(model.dtype), sin.to(model.dtype)
+            if which is not None:  # [U·C, hd] → each canvas's block, [B·C, hd]
+                hd = emb.shape[1]
+                cos = cos.view(-1, C, hd).index_select(0, which).view(-1, hd)
+                sin = sin.view(-1, C, hd).index_select(0, which).view(-1, hd)
+            made[key] = cos, sin
         out.append(made[key])
     return out
 
@@ -91,22 +113,27 @@ def decode_stacked(
     if len(rows) != B or len(signals) != B:
         raise ValueError(f"{B} canvases but {len(rows)} cache rows and {len(signals)} signals")
     x = model.embed_tokens(canvases.reshape(-1).to(model.device))
-    for b, s in enumerate(signals):
-        if s is not None:  # in place: the values of the one-canvas pass's ``x + signal``
-            x[b * C : (b + 1) * C] += s.to(model.device)
+    if all(s is not None for s in signals):  # in place (one add: elementwise, so the values of each ``x + signal``)
+        x += torch.cat([s.to(model.device) for s in signals])  # type: ignore[union-attr]
+    else:
+        for b, s in enumerate(signals):
+            if s is not None:  # in place: the values of the one-canvas pass's ``x + signal``
+                x[b * C : (b + 1) * C] += s.to(model.device)
     x = ops.rms_norm(x, None, eps)  # applied at every step, the first (sc = 0) included
     cache = rows[0].cache
     one_cache = all(r.cache is cache for r in rows)
     slots = [r.slot for r in rows]
+    spans: dict[bool, list[tuple[int, int, int]]] = {}  # what each slot shows depends only on the layer's kind
     for i, (lw, (cos, sin)) in enumerate(zip(model.layers, _stacked_rope(model, rows, C), strict=True)):
         hd = cfg.head_dim(i)
         h = ops.rms_norm(x, lw.input_layernorm, eps)
-        k, v = project_kv(h, lw, hd, eps, cos, sin)
-        q = project_q(h, lw, hd, eps, cos, sin)
+        q, k, v = project_qkv(h, lw, hd, eps, cos, sin)
         # one attention call: each canvas over what its slot shows, then its own K/V (read where they are)
         if one_cache:  # the cache's buffers and each canvas's (slot, start, count): no view per canvas
-            spans = [cache.cached_span(s, i) for s in slots]
-            attn = ops.decode_attention(q, cache.keys[i], cache.values[i], k, v, C, spans)
+            kind = cache.sliding[i]
+            if kind not in spans:
+                spans[kind] = [cache.cached_span(s, i) for s in slots]
+            attn = ops.decode_attention(q, cache.keys[i], cache.values[i], k, v, C, spans[kind])
         else:
             cached = [r.cached_kv(i) for r in rows]
             attn = ops.decode_attention(q, [kc for kc, _ in cached], [vc for _, vc in cached], k, v, C)

@@ -15,6 +15,8 @@ op's module docstring and docs/exactness.md; the kernels: docs/kernels.md.
   ``linear`` GEMMs around a fixed-order softmax per canvas and head, batch-invariant, within fp32 rounding of the
   reference; elsewhere the reference).
 - ``rope``: the rotate-half rotary embedding in one pass (CPU), bit-identical to the reference.
+- ``rms_norm_add`` (a residual plus a norm, times the layer scalar) and ``rms_norm_rope`` (q/k norm then RoPE): a
+  norm fused with its neighbours in one pass (CPU), bit-identical to the reference.
 - ``softcap``: the final logit soft-cap in place with one fixed tanh formula (CPU), within 4 fp32 ulp of torch's.
 - ``softmax_rows``: the self-conditioning softmax with one fixed sequence per row (CPU), within a few fp32 ulp of
   torch's.
@@ -68,6 +70,8 @@ from .nvfp4_moe_experts import nvfp4_moe_experts
 from .nvfp4_repack import nvfp4_decode, nvfp4_repack
 from .reference import DiffusionStepOut, MoeAlignOut, entropy_bound_accept, step_temperature
 from .rms_norm import rms_norm
+from .rms_norm_add import rms_norm_add
+from .rms_norm_rope import rms_norm_rope
 from .rope import rope
 from .softcap import softcap
 from .softmax_rows import softmax_rows
@@ -100,6 +104,8 @@ __all__ = [
     "nvfp4_repack",
     "reference",
     "rms_norm",
+    "rms_norm_add",
+    "rms_norm_rope",
     "rope",
     "softcap",
     "softmax_rows",

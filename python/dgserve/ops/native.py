@@ -82,6 +82,8 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "decode_attention": ("cpu",),
     "softcap": ("cpu",),
     "rope": ("cpu",),
+    "rms_norm_add": ("cpu",),
+    "rms_norm_rope": ("cpu",),
     "softmax_rows": ("cpu",),
     "canvas_noise": ("cpu", "cuda"),
     "gumbel_noise": ("cpu", "cuda"),
@@ -93,6 +95,14 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "nvfp4_repack": ("cpu", "cuda"),
     "nvfp4_moe_experts": ("cpu", "cuda"),
 }
+
+
+def fp32_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm's weight as the native cores take it: None, or fp32 and contiguous (itself when it already is: no
+    call per op, which a profiled step would count)."""
+    if weight is None or (weight.dtype == torch.float32 and weight.is_contiguous()):
+        return weight
+    return weight.to(torch.float32).contiguous()
 
 
 def active_native_ops(device: torch.device | str) -> list[str]:

@@ -250,6 +250,35 @@ def check_rope(device) -> str | None:
     return None
 
 
+def check_rms_norm_add(device) -> str | None:
+    g = _gen(27)
+    for dtype in (torch.float32, torch.bfloat16):
+        r, x = torch.randn(7, 33, generator=g).to(dtype), (torch.randn(7, 33, generator=g) * 3).to(dtype)
+        w, s = 1 + 0.3 * torch.randn(33, generator=g), torch.tensor([0.625]).to(dtype)
+        for weight, scale in ((w, None), (None, s)):
+            got = ops.rms_norm_add(r.to(device), x.to(device), _on(weight, device), 1e-6, _on(scale, device))
+            problem = _exact(f"rms_norm_add ({dtype})", got, reference.rms_norm_add(r, x, weight, 1e-6, scale))
+            if problem is not None:
+                return problem
+    return None
+
+
+def check_rms_norm_rope(device) -> str | None:
+    g = _gen(28)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = (torch.randn(9, 3, 10, generator=g) * 3).to(dtype), 1 + 0.3 * torch.randn(10, generator=g)
+        cos, sin = torch.randn(9, 10, generator=g).to(dtype), torch.randn(9, 10, generator=g).to(dtype)
+        got = ops.rms_norm_rope(x.to(device), w.to(device), 1e-6, cos.to(device), sin.to(device))
+        problem = _exact(f"rms_norm_rope ({dtype})", got, reference.rms_norm_rope(x, w, 1e-6, cos, sin))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
 def check_softcap(device) -> str | None:
     x = torch.cat([torch.randn(4000, generator=_gen(24)) * 40, torch.tensor([0.0, -0.0, 1e-30, 7.4, -7.6, 2e4])])
     got, want = ops.softcap(x.clone().to(device), 30.0).cpu(), reference.softcap(x.clone(), 30.0)
@@ -336,6 +365,8 @@ CHECKS: dict[str, Callable[[torch.device], str | None]] = {
     "decode_attention": check_decode_attention,
     "softcap": check_softcap,
     "rope": check_rope,
+    "rms_norm_add": check_rms_norm_add,
+    "rms_norm_rope": check_rms_norm_rope,
     "softmax_rows": check_softmax_rows,
     "canvas_noise": check_canvas_noise,
     "gumbel_noise": check_gumbel_noise,

@@ -98,6 +98,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def rms_norm_add(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``residual + rms_norm(x; weight)`` [..., D] md, each rounded to md, then ``· scale`` (a one-element md
+    tensor) when given: a residual update and the layer scalar (docs/generation.md, "Feed-forward (dense MLP and
+    MoE)"; docs/kernels.md, "rms_norm_add and rms_norm_rope: norms fused with their neighbours")."""
+    y = residual + rms_norm(x, weight, eps)
+    return y if scale is None else y * scale
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``rope(rms_norm(x; weight), cos, sin)``: x [T, heads, hd] md, each head normed over hd, then rotated
+    (docs/generation.md, "Attention": q_norm / k_norm before RoPE) → [T, heads, hd] md."""
+    return rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last dim of x [..., V] md → [..., V] fp32 (torch's; docs/kernels.md, "softmax_rows: the
     self-conditioning softmax")."""
