@@ -13,13 +13,18 @@ docs/messages-api.md ("Claude Code") and docs/responses-api.md ("Clients").
 
 The small model seldom writes EOS, so a turn may end at its output limit: Claude Code then asks it to go on, up to
 three times, and fails the run when the fourth ends so too; Codex fails the turn at once. Such a run is the model's
-text, not the protocol: it is run again, at most ATTEMPTS times in all, and every request of every attempt must
-still have been accepted."""
+text, not the protocol: it is run again (ATTEMPTS times in all, Codex CODEX_ATTEMPTS), each time from the CLI's saved state as it was before
+the first attempt (a failed turn is kept in the session a later turn resumes, so its cut-off text would otherwise
+be in every retry's prompt, and the small model goes on repeating it: seen in CI, a second Codex turn cut 8 times in
+a row, its prompt 1,030 tokens longer each time), and every request of every attempt must still have been
+accepted."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 from agent_clis import CLAUDE_CODE, CODEX, SERVED_NAME, Server, Turn, cli_env, installed_cli, long_window_model
@@ -29,11 +34,11 @@ pytestmark = pytest.mark.agents
 ATTEMPTS = 4
 TURN_TIMEOUT = 600  # a safety bound only: turns took 6-161 s here on a busy machine (a 19K-token CPU prefill)
 CLAUDE_OUTPUT_CAP = "256"  # CLAUDE_CODE_MAX_OUTPUT_TOKENS: Claude Code asks for more itself when a reply ends there
-CODEX_OUTPUT_CAP = "1024"  # the server's --default-max-tokens: Codex sends no limit, and fails a turn cut by one
-# the compaction test's cap and attempts: the small model either writes EOS within its first blocks or repeats itself
-# to the cap (seen: turns ending in 2 s, or cut after 70-100 s at 1,024), so shorter tries, more of them, in as long
-# (a try cut at 256 took 17-28 s; one run saw 8 cuts in a row, so up to 16)
-COMPACT_OUTPUT_CAP, COMPACT_ATTEMPTS = "256", 4 * ATTEMPTS
+# the server's --default-max-tokens (Codex sends no limit, and fails a turn cut by one) and Codex's tries a turn: the
+# small model writes EOS within its first block or repeats itself to the cap. Measured on Codex's own first request
+# (its 14K-token prompt, 24 samples): 14 ended, all within 63 tokens; 10 ran to 1,024. So a one-block cap loses no
+# turn that would end and cuts a failed try's cost by four (17-28 s here), and 16 tries leave ~1e-6 of a turn failing
+CODEX_OUTPUT_CAP, CODEX_ATTEMPTS = "256", 4 * ATTEMPTS
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
 
@@ -57,7 +62,8 @@ def claude_turn(exe: str, server: Server, home: pathlib.Path, prompt: str, *flag
     if window:
         settings["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(server.max_model_len)
     argv = [exe, "-p", prompt, *flags, "--output-format", "json", "--model", SERVED_NAME]
-    return run_turn(argv, cli_env(home, **settings), home, server, claude_model_limited, refusals=not window)
+    env = cli_env(home, **settings)
+    return run_turn(argv, env, home, home / ".claude", server, claude_model_limited, refusals=not window)
 
 
 def claude_result(turn: Turn) -> dict:
@@ -68,7 +74,7 @@ def claude_model_limited(turn: Turn) -> bool:
     return turn.rc != 0 and claude_result(turn).get("api_error") == "max_output_tokens"
 
 
-def codex_turn(exe, server: Server, home: pathlib.Path, prompt: str, *resume: str, window=True, attempts=ATTEMPTS):
+def codex_turn(exe, server: Server, home: pathlib.Path, prompt: str, *resume: str, window=True):
     """``codex exec`` with its defaults and a CODEX_HOME whose config.toml names our Responses API and (``window``)
     the server's window as ``model_context_window``."""
     codex_home = home / "codex-home"
@@ -80,7 +86,9 @@ def codex_turn(exe, server: Server, home: pathlib.Path, prompt: str, *resume: st
     (codex_home / "config.toml").write_text(config + 'env_key = "DGSERVE_API_KEY"\n')
     env = cli_env(home, CODEX_HOME=str(codex_home), DGSERVE_API_KEY="dummy")
     argv = [exe, "exec", "--skip-git-repo-check", "--json", *resume, prompt]
-    return run_turn(argv, env, home, server, codex_model_limited, refusals=not window, attempts=attempts)
+    return run_turn(
+        argv, env, home, codex_home, server, codex_model_limited, refusals=not window, attempts=CODEX_ATTEMPTS
+    )
 
 
 def codex_events(turn: Turn) -> list[dict]:
@@ -92,18 +100,27 @@ def codex_model_limited(turn: Turn) -> bool:
     return turn.rc != 0 and bool(failed) and "max_output_tokens" in failed[-1]["error"]["message"]
 
 
-def run_turn(argv, env, cwd, server: Server, model_limited, refusals=False, attempts=ATTEMPTS) -> Turn:
-    """The turn, run again (ATTEMPTS in all) while it fails only because the model's text hit its output limit;
-    every attempt's requests must have been accepted (``refusals``: or refused with a 400, the overflow)."""
+def run_turn(argv, env, cwd, state: pathlib.Path, server: Server, model_limited, refusals=False, attempts=ATTEMPTS):
+    """The turn, run again (``attempts`` in all) while it fails only because the model's text hit its output limit,
+    each time from ``state`` (the CLI's directory of settings and sessions) as it was before the first; every
+    attempt's requests must have been accepted (``refusals``: or refused with a 400, the overflow)."""
     seen: list[tuple[str, str, int]] = []
-    for attempt in range(1, attempts + 1):
-        turn = Turn(argv, env, cwd, server, TURN_TIMEOUT)
-        turn.all_requests = seen = [*seen, *turn.requests]
-        print(f"\n{pathlib.Path(argv[0]).name} {' '.join(argv[1:3])[:40]}: attempt {attempt}: {turn.describe()}")
-        failed = [r for r in turn.failed_requests() if not (refusals and r[2] == 400)]
-        assert not failed, (failed, turn.stdout[-2000:], turn.stderr[-2000:])
-        if not model_limited(turn):
-            return turn
+    with tempfile.TemporaryDirectory() as saved:
+        before = pathlib.Path(saved) / "state"
+        if state.exists():
+            shutil.copytree(state, before, symlinks=True)
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:  # the failed attempt's session goes: the retry starts where the first attempt did
+                shutil.rmtree(state, ignore_errors=True)
+                if before.exists():
+                    shutil.copytree(before, state, symlinks=True)
+            turn = Turn(argv, env, cwd, server, TURN_TIMEOUT)
+            turn.all_requests = seen = [*seen, *turn.requests]
+            print(f"\n{pathlib.Path(argv[0]).name} {' '.join(argv[1:3])[:40]}: attempt {attempt}: {turn.describe()}")
+            failed = [r for r in turn.failed_requests() if not (refusals and r[2] == 400)]
+            assert not failed, (failed, turn.stdout[-2000:], turn.stderr[-2000:])
+            if not model_limited(turn):
+                return turn
     return turn
 
 
@@ -146,8 +163,7 @@ def words(tokens: int) -> str:
 
 
 def latest(paths) -> pathlib.Path:
-    """The file written last: a run again of a first turn starts a session of its own, which --continue or
-    ``resume --last`` then goes on with."""
+    """The file written last: the session --continue or ``resume --last`` goes on with."""
     return max(paths, key=lambda p: p.stat().st_mtime_ns)
 
 
@@ -196,13 +212,13 @@ def test_codex_compacts_before_the_window_and_ends_the_turn_on_a_refusal(model, 
     past the window is refused (400, ``context_length_exceeded``) and Codex ends the turn, exit status 1, with
     "Codex ran out of room in the model's context window"."""
     exe = installed_cli(CODEX)
-    server = Server(model, "--max-model-len", "24000", "--default-max-tokens", COMPACT_OUTPUT_CAP)
+    server = Server(model, "--max-model-len", "24000", "--default-max-tokens", CODEX_OUTPUT_CAP)
     try:
         # a first turn cut at the output limit leaves Codex without the usage it counts by (a failed turn reports
-        # none), so it would not compact: the turn is run again (a new session; resume takes the last) until it ends
-        first = codex_turn(exe, server, tmp_path, words(7800) + "Now say hi.", attempts=COMPACT_ATTEMPTS)
+        # none), so it would not compact: the turn is run again (from no session) until it ends
+        first = codex_turn(exe, server, tmp_path, words(7800) + "Now say hi.")
         assert first.rc == 0, (first.stdout[-2000:], first.stderr[-2000:])
-        second = codex_turn(exe, server, tmp_path, "Say hi.", "resume", "--last", attempts=COMPACT_ATTEMPTS)
+        second = codex_turn(exe, server, tmp_path, "Say hi.", "resume", "--last")
         assert second.rc == 0, (second.stdout[-2000:], second.stderr[-2000:])
         assert [e for e in codex_rollout(tmp_path) if e.get("type") == "compacted"]  # its summary, then the turn
         assert len([r for r in second.all_requests if r[0] == "POST"]) >= 2  # the summary's, the turn's
