@@ -13,11 +13,11 @@ docs/messages-api.md ("Claude Code") and docs/responses-api.md ("Clients").
 
 The small model seldom writes EOS, so a turn may end at its output limit: Claude Code then asks it to go on, up to
 three times, and fails the run when the fourth ends so too; Codex fails the turn at once. Such a run is the model's
-text, not the protocol: it is run again (ATTEMPTS times in all, Codex CODEX_ATTEMPTS), each time from the CLI's saved state as it was before
-the first attempt (a failed turn is kept in the session a later turn resumes, so its cut-off text would otherwise
-be in every retry's prompt, and the small model goes on repeating it: seen in CI, a second Codex turn cut 8 times in
-a row, its prompt 1,030 tokens longer each time), and every request of every attempt must still have been
-accepted."""
+text, not the protocol: it is run again (ATTEMPTS times in all, Codex CODEX_ATTEMPTS), each time from the CLI's
+saved state as it was before the first attempt (a failed turn is kept in the session a later turn resumes, so its
+cut-off text would otherwise be in every retry's prompt, and the small model goes on repeating it: seen in CI, a
+second Codex turn cut 8 times in a row, its prompt 1,030 tokens longer each time), and every request of every
+attempt must still have been accepted."""
 
 from __future__ import annotations
 
