@@ -6,7 +6,7 @@ gRPC and over the OpenAI-compatible HTTP API (SSE), beside the engine alone.
 
 For each client count: the same requests (fixed seeds, EOS ignored, no adaptive stop so every block takes
 ``--steps`` steps) are run (1) through ``Engine.generate_batch`` directly and (2) as concurrent streams through each
-front door (grpc.aio clients, or httpx streaming ``/v1/completions`` with ``stream: true``; one stream per client
+front door (grpc.aio clients, or aiohttp streaming ``/v1/completions`` with ``stream: true``; one stream per client
 at a time) against a ``dgserve.service.server.Server`` on 127.0.0.1. Prints one JSON line per (front door, client
 count): time to first block (p50/p99), inter-block gap (p50/p99), aggregate tokens/s of the front door and of the
 direct path, and the overhead per block = (front-door wall − direct wall) / blocks. Warm-up first. The direct path
@@ -72,18 +72,22 @@ async def _grpc_client(target: str, reqs, ttfb: list, gaps: list) -> int:
 
 
 async def _http_client(url: str, reqs, ttfb: list, gaps: list) -> int:
-    import httpx
+    # aiohttp (its HTTP parser is C) rather than httpx: the clients share the server's process and its two cores,
+    # and 16 httpx streams used ~0.6 s of CPU a run against aiohttp's ~0.05 s (docs/memory.md), which read as the
+    # HTTP door's cost
+    import aiohttp
 
     tokens = 0
-    async with httpx.AsyncClient(timeout=600) as c:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as c:
         for prompt, knobs in reqs:
             body = {"prompt": prompt, "stream": True, **knobs, "max_tokens": knobs["max_new_tokens"]}
             del body["max_new_tokens"]
             t0 = last = time.perf_counter()
             first = True
-            async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
+            async with c.post(url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.content:  # one SSE line at a time
+                    if not line.startswith(b"data: {"):
                         continue
                     block = (json.loads(line[6:]).get("dgserve") or {}).get("block")
                     if block is not None:
