@@ -37,7 +37,8 @@ CLAUDE_OUTPUT_CAP = "256"  # CLAUDE_CODE_MAX_OUTPUT_TOKENS: Claude Code asks for
 # the server's --default-max-tokens (Codex sends no limit, and fails a turn cut by one) and Codex's tries a turn: the
 # small model writes EOS within its first block or repeats itself to the cap. Measured on Codex's own first request
 # (its 14K-token prompt, 24 samples): 14 ended, all within 63 tokens; 10 ran to 1,024. So a one-block cap loses no
-# turn that would end and cuts a failed try's cost by four (17-28 s here), and 16 tries leave ~1e-6 of a turn failing
+# turn that would end and cuts a failed try's cost by four (12-28 s here); 16 tries, as the rate moves with the
+# prompt (its environment context names the directory and the date): one first turn was cut 7 times in a row
 CODEX_OUTPUT_CAP, CODEX_ATTEMPTS = "256", 4 * ATTEMPTS
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
