@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_cgroups import self_cgroup, write
 
 from dgserve import Engine, SamplingParams
 from dgserve.engine.cpu_threads import (
@@ -31,15 +32,8 @@ V1_MOUNTS = "36 31 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup
 V2_MOUNTS = "41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
 
 
-def write(root: Path, rel: str, text: str) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def proc(root: Path, cgroup: str, mountinfo: str) -> None:
-    write(root, "proc/self/cgroup", cgroup)
-    write(root, "proc/self/mountinfo", "23 1 0:21 / / rw - overlay overlay rw\n" + mountinfo)
+    self_cgroup(root, cgroup, mountinfo)
 
 
 def v2_group(root: Path, path: str, cpu_max: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fake_cgroups import self_cgroup, write
 
 from dgserve.engine.memory_room import MemoryReading, read_memory
 
@@ -16,19 +17,10 @@ V1_MOUNTS = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,m
 V2_MOUNTS = "41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
 
 
-def write(root: Path, rel: str, text: str) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def proc(root: Path, cgroup: str | None, mountinfo: str | None, available=20 * GIB, rss=300 * MIB) -> None:
     write(root, "proc/meminfo", f"MemTotal: 33554432 kB\nMemFree: 1 kB\nMemAvailable: {available // 1024} kB\n")
     write(root, "proc/self/status", f"Name:\tpython\nVmPeak:\t9 kB\nVmRSS:\t{rss // 1024} kB\n")
-    if cgroup is not None:
-        write(root, "proc/self/cgroup", cgroup)
-    if mountinfo is not None:
-        write(root, "proc/self/mountinfo", "23 1 0:21 / / rw - overlay overlay rw\n" + mountinfo)
+    self_cgroup(root, cgroup, mountinfo)
 
 
 def v1_group(root: Path, path: str, limit: int, usage: int | None, inactive: int = 0) -> None:
