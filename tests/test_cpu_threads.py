@@ -32,10 +32,6 @@ V1_MOUNTS = "36 31 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup
 V2_MOUNTS = "41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
 
 
-def proc(root: Path, cgroup: str, mountinfo: str) -> None:
-    self_cgroup(root, cgroup, mountinfo)
-
-
 def v2_group(root: Path, path: str, cpu_max: str) -> None:
     write(root, f"sys/fs/cgroup{path}/cpu.max", cpu_max + "\n")
 
@@ -48,7 +44,7 @@ def v1_group(root: Path, path: str, quota: int, period: int = 100000) -> None:
 
 def test_v2_fractional_quota_rounds_down(tmp_path):
     """A 1.5-CPU quota on an 8-CPU affinity runs one thread (two would be throttled every period)."""
-    proc(tmp_path, "0::/pod/app\n", V2_MOUNTS)
+    self_cgroup(tmp_path, "0::/pod/app\n", V2_MOUNTS)
     v2_group(tmp_path, "", "max 100000")
     v2_group(tmp_path, "/pod", "max 100000")
     v2_group(tmp_path, "/pod/app", "150000 100000")
@@ -59,7 +55,7 @@ def test_v2_fractional_quota_rounds_down(tmp_path):
 
 def test_v2_quota_on_a_parent_bounds_and_affinity_bounds_it_too(tmp_path):
     """The tightest quota over the process's cgroup and every one above it; the affinity mask when smaller."""
-    proc(tmp_path, "0::/pod/app\n", V2_MOUNTS)
+    self_cgroup(tmp_path, "0::/pod/app\n", V2_MOUNTS)
     v2_group(tmp_path, "", "max 100000")
     v2_group(tmp_path, "/pod", "400000 100000")
     v2_group(tmp_path, "/pod/app", "max 100000")
@@ -70,7 +66,7 @@ def test_v2_quota_on_a_parent_bounds_and_affinity_bounds_it_too(tmp_path):
 
 def test_v1_cpu_cpuacct_hierarchy(tmp_path):
     """v1's cpu controller, mounted with cpuacct: -1 is no quota; quota / period CPUs otherwise."""
-    proc(tmp_path, "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n", V1_MOUNTS)
+    self_cgroup(tmp_path, "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n", V1_MOUNTS)
     v1_group(tmp_path, "", -1)
     v1_group(tmp_path, "/docker", -1)
     v1_group(tmp_path, "/docker/abc", -1)
@@ -82,14 +78,14 @@ def test_v1_cpu_cpuacct_hierarchy(tmp_path):
 
 def test_namespaced_container_view_reads_the_mount_root(tmp_path):
     """A container whose cgroup namespace shows its own cgroup as /: the quota is at the mount's root."""
-    proc(tmp_path, "0::/\n", V2_MOUNTS)
+    self_cgroup(tmp_path, "0::/\n", V2_MOUNTS)
     v2_group(tmp_path, "", "200000 100000")
     assert read_cpus(tmp_path, affinity=64).threads == 2
 
 
 @pytest.mark.parametrize("cpu_max", ["", "garbage", "100000", "0 100000", "-5 100000"])
 def test_unreadable_or_senseless_quota_bounds_nothing(tmp_path, cpu_max):
-    proc(tmp_path, "0::/\n", V2_MOUNTS)
+    self_cgroup(tmp_path, "0::/\n", V2_MOUNTS)
     v2_group(tmp_path, "", cpu_max)
     assert read_cpus(tmp_path, affinity=3) == CpuReading(3)
 

@@ -31,7 +31,7 @@ if sys.argv[1] == "engine":
     from dgserve import Engine
     Engine.from_pretrained(sys.argv[2], max_model_len=64)
 rounds = []
-for _ in range(3):  # three steps' worth: the same block allocated, touched and freed
+for _ in range(3):  # three steps' worth: a block of the same size allocated, touched and freed
     block = torch.empty(4 << 20, dtype=torch.uint8)  # a 4 MiB block, the size of a 32-canvas step's logits
     start, end = block.data_ptr(), block.data_ptr() + block.numel()
     a, b = heap()
